@@ -1,0 +1,61 @@
+"""Running an agent: the library function behind `evergraph run` (and `evergraph.run`)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+from evergraph.engine.contract import Registry, default_registry
+from evergraph.engine.engine import Engine
+from evergraph.engine.model import GraphModel
+from evergraph.engine.settings import Settings, default_state_dir
+from evergraph.errors import InputError
+from evergraph.frontends.yaml import YamlFrontend
+
+GRAPH_SUFFIXES = (".yaml", ".yml")
+
+
+def builtin_registry() -> Registry:
+    import evergraph.resources  # noqa: F401  (registers the built-in kinds)
+
+    return default_registry
+
+
+def open_frontend(path: str | Path, registry: Registry) -> YamlFrontend:
+    p = Path(path)
+    if p.suffix not in GRAPH_SUFFIXES:
+        raise InputError(
+            f"unsupported graph file type {p.suffix or '(none)'!r}: expected .yaml or .yml", str(p)
+        )
+    return YamlFrontend(p, registry)
+
+
+def prepare_state_dir(state_dir: Path | None) -> Path:
+    d = state_dir or default_state_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise InputError(f"cannot create the state directory: {e.strerror}", str(d)) from None
+    return d
+
+
+async def run_agent(
+    settings: Settings,
+    model: GraphModel,
+    frontend: YamlFrontend | None = None,
+    handle_signals: bool = True,
+) -> int:
+    """Converge `model`, follow the frontend's changes, stop on signals; the exit status."""
+    engine = Engine(settings)
+    loop = asyncio.get_running_loop()
+    if handle_signals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, engine.request_stop)
+    try:
+        updates = frontend.updates(engine.watcher) if frontend and settings.watch else None
+        return await engine.run(model, updates)
+    finally:
+        if handle_signals:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)

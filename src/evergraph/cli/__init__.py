@@ -1,0 +1,1 @@
+"""The `evergraph` command line: a thin adapter over the library."""

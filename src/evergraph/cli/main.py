@@ -1,0 +1,152 @@
+"""`evergraph` commands. Every user error is one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import NoReturn
+
+import click
+
+from evergraph import __version__
+from evergraph.errors import InputError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def _die(e: InputError) -> NoReturn:
+    click.echo(f"evergraph: {e}", err=True)
+    sys.exit(2)
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(__version__, "--version", prog_name="evergraph")
+def cli() -> None:
+    """evergraph keeps machines in their declared state, continuously.
+
+    Declare resources (files, commands, ...) and their dependencies as a graph
+    in YAML; evergraph converges the graph in parallel, then watches every
+    resource and repairs drift the moment it happens.
+
+    \b
+    Examples:
+      evergraph check site.yaml                      # validate, change nothing
+      evergraph run site.yaml                        # converge, then keep watching
+      evergraph run site.yaml --converged-timeout 1 --converged-exit   # one-shot
+    """
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where vertex state lives. [default: /var/lib/evergraph as root, "
+              "else ~/.local/state/evergraph]")
+@click.option("--hostname", default="", help="This host's name in the cluster. [default: the "
+              "system hostname]")
+@click.option("--noop", is_flag=True, help="Check only; report what would change, change nothing.")
+@click.option("--sema", type=click.IntRange(min=0), default=0, show_default=True,
+              help="At most N check_apply calls at once (0 = no bound).")
+@click.option("--no-watch", is_flag=True, help="Check each resource once; do not watch.")
+@click.option("--converged-timeout", type=click.FloatRange(min=0), default=None,
+              help="Seconds all vertices must stay clean and idle to count as converged "
+              "(fractions allowed). [default: never, or 0 with --converged-exit]")
+@click.option("--converged-exit", is_flag=True,
+              help="Exit once converged: status 0 if every vertex is clean, 1 if any failed.")
+@click.option("--converged-status-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Append `true`/`false` to this file on each converged transition.")
+@click.option("--max-runtime", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Stop after this many seconds.")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
+              show_default=True, help="Log lines as text or as one JSON object per line.")
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+def run(
+    file: Path,
+    state_dir: Path | None,
+    hostname: str,
+    noop: bool,
+    sema: int,
+    no_watch: bool,
+    converged_timeout: float | None,
+    converged_exit: bool,
+    converged_status_file: Path | None,
+    max_runtime: float | None,
+    log_format: str,
+    verbose: int,
+) -> None:
+    """Converge the graph in FILE, then keep it converged.
+
+    FILE is a YAML graph (.yaml/.yml). Saving FILE while the agent runs swaps
+    the graph live: unchanged resources keep running untouched.
+
+    \b
+    Exit status: 0 all clean, 1 a resource failed, 2 bad input.
+    \b
+    Examples:
+      evergraph run examples/hello.yaml
+      evergraph run site.yaml --noop --converged-exit       # what would change?
+      evergraph run site.yaml --converged-timeout 5 --converged-status-file /run/eg.status
+    """
+    from evergraph.agent import builtin_registry, open_frontend, prepare_state_dir, run_agent
+    from evergraph.cli.logs import setup_logging
+    from evergraph.engine.settings import Settings
+
+    setup_logging(log_format, verbose)
+    try:
+        frontend = open_frontend(file, builtin_registry())
+        model = frontend.load()
+        sd = prepare_state_dir(state_dir)
+    except InputError as e:
+        _die(e)
+    if converged_exit and converged_timeout is None:
+        converged_timeout = 0.0
+    settings = Settings(
+        state_dir=sd,
+        hostname=hostname,
+        noop=noop,
+        sema=sema,
+        watch=not no_watch,
+        converged_timeout=converged_timeout,
+        converged_exit=converged_exit,
+        converged_status_file=converged_status_file,
+        max_runtime=max_runtime,
+    )
+    sys.exit(asyncio.run(run_agent(settings, model, frontend)))
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+def check(file: Path) -> None:
+    """Load and validate FILE, print a summary; change nothing.
+
+    \b
+    Example:
+      evergraph check site.yaml && evergraph run site.yaml
+    """
+    from evergraph.agent import builtin_registry, open_frontend
+
+    try:
+        model = open_frontend(file, builtin_registry()).load()
+    except InputError as e:
+        _die(e)
+    kinds = Counter(r.kind for r in model.resources.values())
+    per_kind = ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items()))
+    click.echo(
+        f"{file}: graph {model.name or '(unnamed)'!r} is valid: "
+        f"{len(model.resources)} resources ({per_kind or 'none'}), {len(model.edges)} edges"
+    )
+
+
+@cli.command(context_settings=CONTEXT)
+def version() -> None:
+    """Print the version of evergraph."""
+    click.echo(f"evergraph {__version__}")
+
+
+def main() -> None:
+    cli(prog_name="evergraph")
+
+
+if __name__ == "__main__":
+    main()

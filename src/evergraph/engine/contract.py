@@ -1,0 +1,212 @@
+"""The resource contract: what a resource kind is, and all it may touch.
+
+A kind is a typed class (a `msgspec.Struct`) registered under a name by
+`@register("kind")`. Its fields are its parameters, each with a type, a safe
+default and one line of doc (`Annotated[T, doc("...")]`); meta parameters live
+in `res.meta`, never among the parameters. The engine calls, per vertex:
+
+    validate()                 pure, no I/O; raise InputError(field=...) on bad values
+    await init(handle)         handle: logger, hostname, state dir, event(), ready(), ...
+    await watch()              long-running; handle.ready() once, handle.event() per change
+    await check_apply(apply)   True if already correct; else fix (if apply) and return False
+    cmp(other)                 equality of parameters: decides survival across a graph swap
+    await cleanup()
+
+Resources import this module and nothing else of the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Protocol, TypeVar
+
+import msgspec
+
+from evergraph.errors import InputError
+
+
+def doc(text: str) -> msgspec.Meta:
+    """One line of documentation for a parameter: `x: Annotated[int, doc("...")] = 0`."""
+    return msgspec.Meta(description=text)
+
+
+class Meta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Meta parameters, common to every resource (`meta:` in YAML)."""
+
+    noop: Annotated[bool, doc("check only, never change; reported as would-change")] = False
+    retry: Annotated[int, doc("retries after a failure of watch or check_apply; -1 = forever")] = 0
+    retryreset: Annotated[bool, doc("a success resets the retry counter")] = False
+    delay: Annotated[int, doc("milliseconds to wait between retries")] = 0
+    timeout: Annotated[float | None, doc("deadline in seconds for one check_apply")] = None
+    poll: Annotated[
+        float, doc(">0: check every N s instead of watching; <0: check once, never watch")
+    ] = 0
+    limit: Annotated[float, doc("check_apply starts per second (token bucket); 0 = no limit")] = 0
+    burst: Annotated[int, doc("token bucket size for limit")] = 0
+    sema: Annotated[list[str], doc("counting semaphores `id` or `id:N`, graph-wide")] = []
+    rewatch: Annotated[bool, doc("on a graph swap, restart a vertex that failed permanently")] = (
+        False
+    )
+    reset: Annotated[bool, doc("reset retry state when params change across swaps")] = False
+    hidden: Annotated[bool, doc("kept in the graph but never watched or applied")] = False
+    export: Annotated[list[str], doc("hostnames (or `*`) this resource is exported to")] = []
+    reverse: Annotated[bool, doc("apply the inverse when the resource leaves the graph")] = False
+    autoedge: Annotated[bool, doc("take part in automatic edges")] = True
+    autogroup: Annotated[bool, doc("take part in automatic grouping")] = True
+    realize: Annotated[bool, doc("at least one successful apply before removal on a swap")] = (
+        False
+    )
+
+    def check(self, where: str) -> None:
+        if self.retry < -1:
+            raise InputError("must be -1 (forever) or >= 0", f"{where}.meta.retry")
+        if self.delay < 0:
+            raise InputError("must be >= 0 (milliseconds)", f"{where}.meta.delay")
+        if self.timeout is not None and self.timeout <= 0:
+            raise InputError("must be > 0 seconds", f"{where}.meta.timeout")
+        if self.limit < 0:
+            raise InputError("must be >= 0", f"{where}.meta.limit")
+        if self.limit > 0 and self.burst < 1:
+            raise InputError("a finite limit needs burst >= 1", f"{where}.meta.burst")
+        for s in self.sema:
+            sid, _, n = s.partition(":")
+            if not sid or (n and (not n.isdigit() or int(n) < 1)):
+                raise InputError(f"{s!r} is not `id` or `id:N` with N >= 1", f"{where}.meta.sema")
+
+
+DEFAULT_META = Meta()
+
+
+class Handle(Protocol):
+    """Everything a resource may use, handed to `init`. Implemented by the engine."""
+
+    @property
+    def logger(self) -> logging.Logger: ...
+
+    @property
+    def hostname(self) -> str: ...
+
+    @property
+    def state_dir(self) -> Path:
+        """This resource's private directory (created on first use)."""
+        ...
+
+    @property
+    def watcher(self) -> PathWatcher: ...
+
+    def ready(self) -> None:
+        """The watch is set up: changes from now on will be reported."""
+
+    def event(self) -> None:
+        """The real state may have changed: check again."""
+
+    def refresh(self) -> bool:
+        """True when a notify edge asked this resource to refresh on this run."""
+        ...
+
+
+class PathWatcher(Protocol):
+    """The engine's shared inotify service (one instance for every resource)."""
+
+    def subscribe(self, path: str, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` on any change of `path` (even before it exists); returns unsubscribe."""
+        ...
+
+
+R = TypeVar("R", bound="Resource")
+
+
+class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=True):
+    """Base of every resource kind. Subclasses declare parameters as fields."""
+
+    kind: ClassVar[str] = ""
+    name: Annotated[str, doc("the resource's name; `kind[name]` is its identity")]
+    meta: Annotated[Meta, doc("meta parameters (see `evergraph docs resources`)")] = DEFAULT_META
+
+    # -- life cycle -------------------------------------------------------
+    def validate(self) -> None:
+        """Pure checks of parameter values; raise `self.bad(field, why)`."""
+
+    async def init(self, handle: Handle) -> None:
+        self.handle = handle
+
+    async def watch(self) -> None:
+        """Long-running. Default: no watch (the engine treats it as always ready)."""
+        raise NotImplementedError
+
+    async def check_apply(self, apply: bool) -> bool:
+        raise NotImplementedError
+
+    def cmp(self, other: Resource) -> bool:
+        return type(self) is type(other) and self == other
+
+    async def cleanup(self) -> None:
+        """Release what init took."""
+
+    # -- helpers ----------------------------------------------------------
+    @property
+    def ident(self) -> str:
+        return f"{self.kind}[{self.name}]"
+
+    def bad(self, field: str, why: str) -> InputError:
+        return InputError(why, f"{self.ident}.{field}")
+
+    def watches(self) -> bool:
+        """Whether this instance has a watch to run (default: the kind defines one)."""
+        return type(self).watch is not Resource.watch
+
+    @classmethod
+    def params(cls) -> Iterator[msgspec.structs.FieldInfo]:
+        for f in msgspec.structs.fields(cls):
+            if f.name not in ("name", "meta"):
+                yield f
+
+
+class Registry:
+    """Kind name -> class. The engine and frontends take one explicitly."""
+
+    def __init__(self) -> None:
+        self._kinds: dict[str, type[Resource]] = {}
+
+    def add(self, kind: str, cls: type[Resource], *aliases: str) -> None:
+        for k in (kind, *aliases):
+            if k in self._kinds and self._kinds[k] is not cls:
+                raise ValueError(f"resource kind {k!r} registered twice")
+            self._kinds[k] = cls
+
+    def get(self, kind: str) -> type[Resource] | None:
+        return self._kinds.get(kind)
+
+    def kinds(self) -> list[str]:
+        return sorted(self._kinds)
+
+    def copy(self) -> Registry:
+        r = Registry()
+        r._kinds = dict(self._kinds)
+        return r
+
+
+#: The default registry; built-in kinds register here on import of
+#: `evergraph.resources`. Pass another Registry to keep tests isolated.
+default_registry = Registry()
+
+
+def register(kind: str, *aliases: str, registry: Registry | None = None) -> Callable[[type[R]], type[R]]:
+    """Class decorator: `@register("file")`."""
+
+    def deco(cls: type[R]) -> type[R]:
+        cls.kind = kind
+        (registry or default_registry).add(kind, cls, *aliases)
+        return cls
+
+    return deco
+
+
+def new_resource(cls: type[R], params: dict[str, Any]) -> R:
+    """Build and type-check a resource from plain data; errors are InputError naming the field."""
+    try:
+        return msgspec.convert(params, cls, strict=True)
+    except msgspec.ValidationError as e:
+        raise InputError(str(e)) from None

@@ -1,0 +1,65 @@
+"""Converged detection: the engine tells us when it turns idle or busy.
+
+"Converged" means every vertex idle (clean, or failed for good) for
+`timeout` seconds. Transitions are appended to a status file (`true`/`false`,
+one per line) so that scripts and tests can wait on a file, not on sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger("evergraph.converger")
+
+
+class Converger:
+    def __init__(
+        self,
+        timeout: float | None,
+        status_file: Path | None,
+        on_converged: Callable[[], None],
+    ) -> None:
+        self.timeout = timeout
+        self.status_file = status_file
+        self.on_converged = on_converged
+        self.converged = False
+        self._timer: asyncio.TimerHandle | None = None
+        if status_file is not None:
+            self._write(False)
+
+    def idle(self) -> None:
+        if self.timeout is None or self._timer is not None or self.converged:
+            return
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self.timeout, self._fire)
+
+    def busy(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.converged:
+            self.converged = False
+            self._write(False)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _fire(self) -> None:
+        self._timer = None
+        self.converged = True
+        self._write(True)
+        self.on_converged()
+
+    def _write(self, state: bool) -> None:
+        if self.status_file is None:
+            return
+        try:
+            with open(self.status_file, "a") as f:
+                f.write("true\n" if state else "false\n")
+        except OSError as e:
+            log.error("cannot write converged status file %s: %s", self.status_file, e)

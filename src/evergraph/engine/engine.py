@@ -1,0 +1,432 @@
+"""The engine: runs a graph of vertices in parallel, in dependency order, forever.
+
+Scheduling rule (SPEC §2.1). A vertex runs check_apply only when it is
+*pending* (startup, watch event, refresh, retry), its watch reported ready,
+and every parent is *clean* (its last check_apply succeeded and it has no run
+pending or in flight). A parent that finishes successfully pokes its
+children; a child with nothing pending ignores the poke — its cached clean
+state answers without a call to check_apply. A failed parent therefore holds
+every descendant back until it succeeds. Events during a run only set
+`pending`, so any number of them cause exactly one more run.
+
+Ownership: every task (watches, applies, retry timers, the inotify hub, the
+graph-update follower) lives in one TaskGroup; cancellation is the only stop
+signal. Resource code is never trusted: every call into it is wrapped, and
+an exception becomes a recorded failure of `kind[name]`, never an engine crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from evergraph.engine.contract import Resource
+from evergraph.engine.converger import Converger
+from evergraph.engine.model import GraphModel
+from evergraph.engine.settings import Settings
+from evergraph.engine.vertex import Vertex
+from evergraph.errors import InputError
+from evergraph.graph import diff_keys
+from evergraph.watch import InotifyHub
+
+log = logging.getLogger("evergraph.engine")
+
+#: hook for observers (HTTP, tests): called with (vertex, state) where state is
+#: "running", "clean", "changed", "failed", "retrying"
+Observer = Callable[[Vertex, str], None]
+
+
+class Engine:
+    def __init__(self, settings: Settings, observer: Observer | None = None) -> None:
+        self.settings = settings
+        self.hostname = settings.host()
+        self.observer = observer
+        self.vertices: dict[str, Vertex] = {}
+        self.watcher: InotifyHub = InotifyHub()
+        self._tg: asyncio.TaskGroup | None = None
+        self._running = 0
+        self._retrying = 0
+        self._unready = 0
+        self._stop = asyncio.Event()
+        self._hard_stop = asyncio.Event()
+        self._stopping = False
+        self._global_sema = asyncio.Semaphore(settings.sema) if settings.sema > 0 else None
+        self._semas: dict[str, asyncio.Semaphore] = {}
+        self._timers: set[asyncio.Task[None]] = set()
+        self._swap_lock = asyncio.Lock()
+        self.converger = Converger(
+            settings.converged_timeout, settings.converged_status_file, self._on_converged
+        )
+        self.started = time.monotonic()
+        self.graph_name = ""
+
+    # -- public -------------------------------------------------------------
+    async def run(
+        self, model: GraphModel, updates: AsyncIterator[GraphModel] | None = None
+    ) -> int:
+        """Run `model` (then each graph `updates` yields) until stopped; returns the exit status."""
+        try:
+            async with self.watcher, asyncio.TaskGroup() as tg:
+                self._tg = tg
+                aux: list[asyncio.Task[Any]] = [tg.create_task(self.watcher.run())]
+                await self.swap(model)
+                if updates is not None:
+                    aux.append(tg.create_task(self._follow(updates)))
+                if self.settings.max_runtime is not None:
+                    aux.append(tg.create_task(self._max_runtime(self.settings.max_runtime)))
+                self._check_idle()
+                await self._stop.wait()
+                await self._shutdown(aux)
+        finally:
+            self.converger.close()
+            self._tg = None
+        return self.exit_status()
+
+    def request_stop(self) -> None:
+        """First call: graceful (finish in-flight applies). Second: cancel them too."""
+        if self._stop.is_set():
+            log.warning("second stop request: cancelling in-flight applies")
+            self._hard_stop.set()
+        else:
+            log.info("stopping: finishing in-flight applies (again to cancel them)")
+            self._stop.set()
+
+    def exit_status(self) -> int:
+        return 0 if all(v.ok and not v.failed for v in self.vertices.values()) else 1
+
+    # -- graph swap -----------------------------------------------------------
+    async def swap(self, model: GraphModel) -> None:
+        """Replace the running graph by `model`, keeping unchanged vertices as they are."""
+        async with self._swap_lock:
+            await self._swap(model)
+
+    async def _swap(self, model: GraphModel) -> None:
+        old = self.vertices
+        removed, added, common = diff_keys(old, model.resources)
+        for ident in common:
+            if not old[ident].res.cmp(model.resources[ident]):
+                removed.append(ident)
+                added.append(ident)
+        for ident in removed:
+            await self._stop_vertex(old.pop(ident))
+        new_vs: list[Vertex] = []
+        for ident in added:
+            v = Vertex(self, model.resources[ident])
+            old[ident] = v
+            new_vs.append(v)
+        # Rewire edges from scratch: cheap, and no stale edge survives.
+        for v in old.values():
+            v.parents.clear()
+            v.children.clear()
+            v.notify_children.clear()
+        for e in model.edges:
+            a, b = old[e.from_id], old[e.to_id]
+            if b not in a.children:
+                a.children.append(b)
+                b.parents.append(a)
+            if e.notify:
+                a.notify_children.append(b)
+        self.graph_name = model.name
+        if old and (removed or added):
+            log.info(
+                "graph %s swapped: %d vertices, %d started, %d stopped",
+                model.name or "(unnamed)",
+                len(old),
+                len(new_vs),
+                len(removed),
+            )
+        for v in new_vs:
+            await self._start_vertex(v)
+        for v in new_vs:
+            self._poke(v)
+        self._check_idle()
+
+    async def _start_vertex(self, v: Vertex) -> None:
+        res = v.res
+        try:
+            await res.init(v)
+        except Exception as e:
+            self._fail_permanently(v, f"init failed: {e}")
+            return
+        if res.meta.hidden:
+            return
+        poll = res.meta.poll
+        if not self.settings.watch or poll < 0:
+            return
+        if poll > 0 or res.watches():
+            v.watch_ready = False
+            self._unready += 1
+            assert self._tg is not None
+            v.watch_task = self._tg.create_task(self._watch(v))
+
+    async def _stop_vertex(self, v: Vertex) -> None:
+        if v.watch_task is not None:
+            v.watch_task.cancel()
+            with contextlib.suppress(BaseException):
+                await v.watch_task
+        if v.apply_task is not None:
+            # The old graph's work in flight is allowed to finish.
+            with contextlib.suppress(BaseException):
+                await v.apply_task
+        if not v.watch_ready:
+            v.watch_ready = True
+            self._unready -= 1
+        await self._call_cleanup(v)
+
+    async def _call_cleanup(self, v: Vertex) -> None:
+        try:
+            await v.res.cleanup()
+        except Exception as e:
+            log.error("%s: cleanup failed: %s", v.ident, e)
+
+    async def _follow(self, updates: AsyncIterator[GraphModel]) -> None:
+        async for model in updates:
+            await self.swap(model)
+
+    # -- watches ----------------------------------------------------------------
+    async def _watch(self, v: Vertex) -> None:
+        poll = v.res.meta.poll
+        if poll > 0:
+            v.ready()
+            while True:
+                await asyncio.sleep(poll)
+                v.event()
+        retries = v.res.meta.retry
+        while True:
+            try:
+                await v.res.watch()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if retries == 0:
+                    self._fail_permanently(v, f"watch failed: {e}")
+                    if not v.watch_ready:
+                        v.watch_ready = True
+                        self._unready -= 1
+                    self._check_idle()
+                    return
+                if retries > 0:
+                    retries -= 1
+                log.warning("%s: watch failed (%s); restarting it", v.ident, e)
+                await asyncio.sleep(v.res.meta.delay / 1000)
+
+    def vertex_ready(self, v: Vertex) -> None:
+        if v.watch_ready:
+            return
+        v.watch_ready = True
+        self._unready -= 1
+        self._poke(v)
+        self._check_idle()
+
+    def vertex_event(self, v: Vertex) -> None:
+        if v.failed or v.res.meta.hidden or v.ident not in self.vertices:
+            return
+        if not v.pending:
+            v.pending = True
+            self.converger.busy()
+        self._poke(v)
+
+    # -- scheduling ---------------------------------------------------------------
+    def _poke(self, v: Vertex) -> None:
+        if not v.pending or v.running or v.failed or v.retry_wait or not v.watch_ready:
+            return
+        if self._stopping:
+            return
+        for p in v.parents:
+            if not p.clean:
+                return  # held back; p pokes us when it succeeds
+        v.running = True
+        v.pending = False
+        self._running += 1
+        self.converger.busy()
+        assert self._tg is not None
+        v.apply_task = self._tg.create_task(self._process(v))
+
+    async def _process(self, v: Vertex) -> None:
+        res = v.res
+        apply = not (self.settings.noop or res.meta.noop)
+        if self.observer:
+            self.observer(v, "running")
+        error: str | None = None
+        result = True
+        try:
+            result = await self._guarded_check_apply(v, res, apply)
+        except asyncio.CancelledError:
+            error = "cancelled"
+            raise
+        except TimeoutError:
+            error = f"check_apply timed out after {res.meta.timeout}s"
+        except InputError as e:
+            error = str(e)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}" if not str(e) else str(e)
+        finally:
+            v.running = False
+            v.apply_task = None
+            self._running -= 1
+            if error is not None:
+                self._record_failure(v, error)
+        if error is None:
+            self._record_success(v, result, apply)
+        self._check_idle()
+
+    async def _guarded_check_apply(self, v: Vertex, res: Resource, apply: bool) -> bool:
+        semas = [self._sema(s) for s in sorted(res.meta.sema)]
+        if self._global_sema is not None:
+            semas.insert(0, self._global_sema)
+        async with contextlib.AsyncExitStack() as stack:
+            for s in semas:
+                await stack.enter_async_context(s)
+            call: Awaitable[bool] = res.check_apply(apply)
+            if res.meta.timeout is not None:
+                async with asyncio.timeout(res.meta.timeout):
+                    return bool(await call)
+            return bool(await call)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _sema(self, spec: str) -> asyncio.Semaphore:
+        s = self._semas.get(spec)
+        if s is None:
+            sid, _, n = spec.partition(":")
+            key = f"{sid}:{n or 1}"
+            s = self._semas.get(key)
+            if s is None:
+                s = self._semas[key] = asyncio.Semaphore(int(n or 1))
+            self._semas[spec] = s
+        return s
+
+    def _record_success(self, v: Vertex, was_clean: bool, applied: bool) -> None:
+        v.ok = True
+        v.last_error = None
+        v.refresh_flag = False
+        if v.res.meta.retryreset:
+            v.retries_left = v.res.meta.retry
+        if was_clean:
+            v.clean_count += 1
+            if self.observer:
+                self.observer(v, "clean")
+        else:
+            v.changed_count += 1
+            if applied:
+                log.info("%s: applied", v.ident)
+                for c in v.notify_children:
+                    c.refresh_flag = True
+                    c.pending = True
+            else:
+                log.info("%s: would change (noop)", v.ident)
+            if self.observer:
+                self.observer(v, "changed")
+        for c in v.children:
+            self._poke(c)
+        if v.pending:
+            self._poke(v)
+
+    def _record_failure(self, v: Vertex, error: str) -> None:
+        v.ok = False
+        v.fail_count += 1
+        v.last_error = error
+        if v.retries_left == 0 or self._stopping:
+            self._fail_permanently(v, error)
+            return
+        if v.retries_left > 0:
+            v.retries_left -= 1
+        log.warning(
+            "%s: %s (retrying in %d ms, %s left)",
+            v.ident,
+            error,
+            v.res.meta.delay,
+            "forever" if v.retries_left < 0 else v.retries_left,
+        )
+        if self.observer:
+            self.observer(v, "retrying")
+        v.retry_wait = True
+        self._retrying += 1
+        assert self._tg is not None
+        t = self._tg.create_task(self._retry_later(v, v.res.meta.delay / 1000))
+        self._timers.add(t)
+        t.add_done_callback(self._timers.discard)
+
+    async def _retry_later(self, v: Vertex, delay: float) -> None:
+        try:
+            await asyncio.sleep(delay)
+        finally:
+            v.retry_wait = False
+            self._retrying -= 1
+        v.pending = True
+        self._poke(v)
+        self._check_idle()
+
+    def _fail_permanently(self, v: Vertex, error: str) -> None:
+        v.ok = False
+        v.failed = True
+        v.pending = False
+        v.last_error = error
+        log.error("%s: %s", v.ident, error)
+        if self.observer:
+            self.observer(v, "failed")
+
+    # -- convergence and stopping ------------------------------------------------------
+    def _check_idle(self) -> None:
+        if self._running or self._retrying or self._unready:
+            return
+        self.converger.idle()
+
+    def _on_converged(self) -> None:
+        failed = [v for v in self.vertices.values() if not v.ok]
+        changed = sum(1 for v in self.vertices.values() if v.changed_count)
+        took = time.monotonic() - self.started
+        if failed:
+            log.error(
+                "converged with %d of %d vertices not clean (%s) after %.2fs",
+                len(failed),
+                len(self.vertices),
+                ", ".join(v.ident for v in failed[:5]) + (", ..." if len(failed) > 5 else ""),
+                took,
+            )
+        else:
+            log.info(
+                "converged: %d vertices clean, %d changed, after %.2fs",
+                len(self.vertices),
+                changed,
+                took,
+            )
+        if self.settings.converged_exit:
+            self._stop.set()
+
+    async def _max_runtime(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        log.info("max runtime of %ss reached: stopping", seconds)
+        self._stop.set()
+
+    async def _shutdown(self, aux: list[asyncio.Task[Any]]) -> None:
+        self._stopping = True
+        self.converger.close()
+        for t in [*aux[1:], *self._timers]:
+            t.cancel()
+        for v in self.vertices.values():
+            if v.watch_task is not None:
+                v.watch_task.cancel()
+        applies = [v.apply_task for v in self.vertices.values() if v.apply_task is not None]
+        if applies:
+            hard = asyncio.ensure_future(self._hard_stop.wait())
+            try:
+                done, _ = await asyncio.wait(
+                    [*applies, hard], return_when=asyncio.FIRST_COMPLETED
+                )
+                while hard not in done and not all(t.done() for t in applies):
+                    done, _ = await asyncio.wait(
+                        [*applies, hard], return_when=asyncio.FIRST_COMPLETED
+                    )
+                if hard in done:
+                    for t in applies:
+                        t.cancel()
+            finally:
+                hard.cancel()
+        for v in self.vertices.values():
+            await self._call_cleanup(v)
+        aux[0].cancel()

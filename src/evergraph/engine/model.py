@@ -1,0 +1,77 @@
+"""What a frontend hands the engine: resources by identity, and edges between them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from evergraph.engine.contract import Resource
+from evergraph.errors import InputError
+from evergraph.graph import DAG, CycleError
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    """`a -> b`: a before b. `notify`: b is refreshed when a changed something."""
+
+    from_id: str
+    to_id: str
+    notify: bool = False
+    send: str | None = None
+    recv: str | None = None
+    name: str = ""
+
+
+@dataclass(slots=True)
+class GraphModel:
+    """A validated graph ready for the engine. Build with `add` and `connect`, then `check`."""
+
+    name: str = ""
+    resources: dict[str, Resource] = field(default_factory=dict)
+    edges: list[Edge] = field(default_factory=list)
+    #: where each resource was declared (e.g. `file.yaml:12:5`), for messages
+    origins: dict[str, str] = field(default_factory=dict)
+
+    def add(self, res: Resource, origin: str = "") -> None:
+        """Add a resource; an equal duplicate merges, a different one is an error."""
+        ident = res.ident
+        prev = self.resources.get(ident)
+        if prev is not None:
+            if prev.cmp(res):
+                return
+            first = self.origins.get(ident, "")
+            raise InputError(
+                f"{ident} is declared twice with different parameters"
+                + (f" (first at {first})" if first else ""),
+                origin,
+            )
+        self.resources[ident] = res
+        if origin:
+            self.origins[ident] = origin
+
+    def connect(self, edge: Edge, origin: str = "") -> None:
+        for end in (edge.from_id, edge.to_id):
+            if end not in self.resources:
+                raise InputError(f"edge names {end}, which is not a resource of this graph", origin)
+        if edge.from_id == edge.to_id:
+            raise InputError(f"edge from {edge.from_id} to itself", origin)
+        self.edges.append(edge)
+
+    def dag(self) -> DAG[str]:
+        g: DAG[str] = DAG()
+        for ident in self.resources:
+            g.add_vertex(ident)
+        for e in self.edges:
+            g.add_edge(e.from_id, e.to_id)
+        return g
+
+    def check(self) -> list[str]:
+        """Validate every resource and the shape; returns a topological order."""
+        for res in self.resources.values():
+            res.meta.check(res.ident)
+            res.validate()
+        try:
+            return self.dag().toposort()
+        except CycleError as e:
+            cyc = [str(v) for v in e.cycle]
+            where = self.origins.get(cyc[0], "")
+            raise InputError("the graph has a cycle: " + " -> ".join(cyc), where) from None

@@ -1,0 +1,34 @@
+"""The one settings object of an engine run, passed explicitly."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def default_state_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/evergraph")
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return Path(base) / "evergraph"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    state_dir: Path
+    hostname: str = ""
+    noop: bool = False
+    #: global bound on concurrent check_apply calls; 0 = none
+    sema: int = 0
+    #: False: check once, never watch (`--no-watch`)
+    watch: bool = True
+    #: seconds idle and clean before "converged"; None = never
+    converged_timeout: float | None = None
+    converged_exit: bool = False
+    converged_status_file: Path | None = None
+    max_runtime: float | None = None
+
+    def host(self) -> str:
+        return self.hostname or socket.gethostname()

@@ -1,0 +1,116 @@
+"""A vertex: one resource instance in the running graph, and its handle.
+
+The vertex is also the `Handle` a resource receives in `init`, so a graph of
+100k vertices carries one object per resource, not two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import quote
+
+from evergraph.engine.contract import PathWatcher, Resource
+
+if TYPE_CHECKING:
+    from evergraph.engine.engine import Engine
+
+_loggers: dict[str, logging.Logger] = {}
+
+
+class Vertex:
+    __slots__ = (
+        "apply_task",
+        "changed_count",
+        "children",
+        "clean_count",
+        "engine",
+        "fail_count",
+        "failed",
+        "ident",
+        "last_error",
+        "notify_children",
+        "ok",
+        "parents",
+        "pending",
+        "refresh_flag",
+        "res",
+        "retries_left",
+        "retry_wait",
+        "running",
+        "watch_ready",
+        "watch_task",
+    )
+
+    def __init__(self, engine: Engine, res: Resource) -> None:
+        self.engine = engine
+        self.res = res
+        self.ident = res.ident
+        self.parents: list[Vertex] = []
+        self.children: list[Vertex] = []
+        self.notify_children: list[Vertex] = []
+        hidden = res.meta.hidden
+        #: needs a check: at startup, after an event, a refresh or a retry
+        self.pending = not hidden
+        self.running = False
+        #: last check_apply succeeded (hidden vertices count as clean)
+        self.ok = hidden
+        #: failed for good: retries exhausted
+        self.failed = False
+        self.retry_wait = False
+        self.retries_left = res.meta.retry
+        self.watch_ready = True
+        self.refresh_flag = False
+        self.last_error: str | None = None
+        self.apply_task: asyncio.Task[None] | None = None
+        self.watch_task: asyncio.Task[None] | None = None
+        self.changed_count = 0
+        self.clean_count = 0
+        self.fail_count = 0
+
+    def __repr__(self) -> str:
+        return f"<Vertex {self.ident}>"
+
+    @property
+    def clean(self) -> bool:
+        """Parents must be clean for a child to run."""
+        return self.ok and not self.pending and not self.running
+
+    # -- Handle -----------------------------------------------------------
+    @property
+    def logger(self) -> logging.Logger:
+        kind = self.res.kind
+        lg = _loggers.get(kind)
+        if lg is None:
+            lg = _loggers[kind] = logging.getLogger(f"evergraph.resource.{kind}")
+        return lg
+
+    @property
+    def hostname(self) -> str:
+        return self.engine.hostname
+
+    @property
+    def state_dir(self) -> Path:
+        d = (
+            self.engine.settings.state_dir
+            / "vertices"
+            / self.res.kind
+            / quote(self.res.name, safe="")
+        )
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return d
+
+    @property
+    def watcher(self) -> PathWatcher:
+        return self.engine.watcher
+
+    def ready(self) -> None:
+        self.engine.vertex_ready(self)
+
+    def event(self) -> None:
+        self.engine.vertex_event(self)
+
+    def refresh(self) -> bool:
+        return self.refresh_flag

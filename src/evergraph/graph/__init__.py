@@ -1,0 +1,8 @@
+"""Pure directed-graph algorithms: topological order, cycle report, diff.
+
+Nothing here knows what a resource is; vertices are any hashable values.
+"""
+
+from evergraph.graph.dag import DAG, CycleError, diff_keys
+
+__all__ = ["DAG", "CycleError", "diff_keys"]

@@ -1,0 +1,101 @@
+"""exec: run a command — guarded, so it runs only when needed.
+
+Without a guard (`creates`, `ifcmd`, `refresh_only`) the command runs on
+every check: at start-up, and on every event of its `watchcmd`. With `shell`
+the command goes to that shell (`sh -c CMD`); without, it is split like a
+shell would (shlex) and executed directly.
+
+`env` is laid over the agent's own environment (as Ansible's `environment:`
+does): commands find PATH, HOME and locale as the agent has them, and `env`
+adds or overrides variables.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from typing import Annotated
+
+from evergraph.engine.contract import Handle, Resource, doc, register
+from evergraph.errors import ResourceError
+from evergraph.resources import _proc
+
+
+@register("exec")
+class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
+    """Runs `cmd`; exit status 0 is success. Guards decide whether it needs to run."""
+
+    cmd: Annotated[str, doc("the command line to run")] = ""
+    shell: Annotated[str, doc("run cmd through this shell (e.g. /bin/sh); empty = no shell")] = ""
+    cwd: Annotated[str, doc("working directory; empty = the agent's")] = ""
+    env: Annotated[dict[str, str], doc("variables laid over the agent's environment")] = {}
+    ifcmd: Annotated[str, doc("guard: run cmd only if this command exits 0")] = ""
+    creates: Annotated[str, doc("guard: run cmd only if this path does not exist")] = ""
+    refresh_only: Annotated[bool, doc("guard: run only when refreshed by a notify edge")] = False
+    watchcmd: Annotated[str, doc("long-running command; each line it prints is an event")] = ""
+
+    def validate(self) -> None:
+        if not self.cmd.strip():
+            raise self.bad("cmd", "is empty: say which command to run")
+        for field in ("cmd", "ifcmd", "watchcmd"):
+            value = getattr(self, field)
+            if value and not self.shell:
+                try:
+                    shlex.split(value)
+                except ValueError as e:
+                    raise self.bad(field, f"cannot be split into arguments: {e}") from None
+        if self.creates and not self.creates.startswith("/"):
+            raise self.bad("creates", f"{self.creates!r} is not an absolute path")
+        if self.cwd and not self.cwd.startswith("/"):
+            raise self.bad("cwd", f"{self.cwd!r} is not an absolute path")
+
+    async def init(self, handle: Handle) -> None:
+        await super().init(handle)
+        self.stdout = ""
+        self.stderr = ""
+        self.output = ""
+
+    def _argv(self, line: str) -> list[str]:
+        return [self.shell, "-c", line] if self.shell else shlex.split(line)
+
+    def watches(self) -> bool:
+        # Without watchcmd there is nothing to watch: checked at start-up and
+        # on refresh only.
+        return bool(self.watchcmd)
+
+    async def watch(self) -> None:
+        self.handle.ready()
+        try:
+            async for _line in _proc.lines(self._argv(self.watchcmd), self.cwd, self.env):
+                self.handle.event()
+        except FileNotFoundError as e:
+            raise ResourceError(f"watchcmd: {e.strerror}: {e.filename}") from None
+
+    async def check_apply(self, apply: bool) -> bool:
+        if self.refresh_only and not self.handle.refresh():
+            return True
+        if self.creates and os.path.lexists(self.creates):
+            return True
+        if self.ifcmd:
+            guard = await self._run(self.ifcmd, "ifcmd")
+            if guard.returncode != 0:
+                return True
+        if not apply:
+            return False
+        done = await self._run(self.cmd, "cmd")
+        self.stdout, self.stderr = done.stdout, done.stderr
+        self.output = done.stdout + done.stderr
+        if done.returncode != 0:
+            tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-3:]
+            detail = (": " + " | ".join(tail)) if tail else ""
+            raise ResourceError(f"cmd exited with status {done.returncode}{detail}")
+        self.handle.logger.info("%s: ran %s", self.ident, self.cmd)
+        return False
+
+    async def _run(self, line: str, what: str) -> _proc.Completed:
+        try:
+            return await _proc.run(self._argv(line), self.cwd, self.env)
+        except FileNotFoundError as e:
+            raise ResourceError(f"{what}: {e.strerror}: {e.filename}") from None
+        except PermissionError as e:
+            raise ResourceError(f"{what}: {e.strerror}: {e.filename}") from None
