@@ -74,4 +74,12 @@ class GraphModel:
         except CycleError as e:
             cyc = [str(v) for v in e.cycle]
             where = self.origins.get(cyc[0], "")
-            raise InputError("the graph has a cycle: " + " -> ".join(cyc), where) from None
+            raise GraphCycleError(cyc, where) from None
+
+
+class GraphCycleError(InputError):
+    """A cycle among the graph's edges; `cycle` lists the identities, first repeated last."""
+
+    def __init__(self, cycle: list[str], where: str = "") -> None:
+        super().__init__("the graph has a cycle: " + " -> ".join(cycle), where)
+        self.cycle = cycle

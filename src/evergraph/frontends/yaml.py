@@ -22,7 +22,7 @@ import msgspec
 import yaml_rs
 
 from evergraph.engine.contract import Registry, Resource
-from evergraph.engine.model import Edge, GraphModel
+from evergraph.engine.model import Edge, GraphCycleError, GraphModel
 from evergraph.errors import InputError
 
 log = logging.getLogger("evergraph.frontend.yaml")
@@ -183,6 +183,13 @@ def parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
             raise InputError(e.message, loc.at(("edges", i))) from None
     try:
         model.check()
+    except GraphCycleError as e:
+        # Point at the edge that closes the cycle.
+        closing = (e.cycle[-2], e.cycle[-1])
+        idx = next(
+            (i for i, ed in enumerate(model.edges) if (ed.from_id, ed.to_id) == closing), 0
+        )
+        raise InputError(e.message, loc.at(("edges", idx))) from None
     except InputError as e:
         raise InputError(e.message, _where_resource(e.where, model, loc) or filename) from None
     return model

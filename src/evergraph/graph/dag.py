@@ -97,6 +97,8 @@ class DAG(Generic[V]):
             v = next(p for p in self._parents[v] if p in candidates)
         loop = path[seen[v] :]
         loop.reverse()  # we walked parents; report in edge direction
+        first = min(range(len(loop)), key=lambda i: str(loop[i]))  # stable report
+        loop = loop[first:] + loop[:first]
         return [*loop, loop[0]]
 
     def ancestors(self, v: V) -> set[V]:

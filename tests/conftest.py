@@ -1,0 +1,103 @@
+"""Shared fixtures: run the real CLI as a subprocess, wait on files, clean up by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+EVERGRAPH = [sys.executable, "-m", "evergraph.cli.main"]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def wait_for(pred: Callable[[], object], timeout: float = 15.0, what: str = "condition") -> None:
+    """Poll a condition on the filesystem (or a process) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.005)
+
+
+def status_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().split()
+    except FileNotFoundError:
+        return []
+
+
+def run_cli(*args: str | Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*EVERGRAPH, *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
+
+
+class Agent:
+    """A background `evergraph run` whose convergence we can await."""
+
+    def __init__(self, graph: Path, state: Path, *extra: str) -> None:
+        self.status = state / "converged.status"
+        self.log = state / "agent.log"
+        state.mkdir(parents=True, exist_ok=True)
+        self._logf = open(self.log, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [
+                *EVERGRAPH,
+                "run",
+                str(graph),
+                "--state-dir",
+                str(state),
+                "--converged-timeout",
+                "0.05",
+                "--converged-status-file",
+                str(self.status),
+                *extra,
+            ],
+            stdout=self._logf,
+            stderr=subprocess.STDOUT,
+        )
+
+    def converged_count(self) -> int:
+        return status_lines(self.status).count("true")
+
+    def wait_converged(self, count: int = 1, timeout: float = 20) -> None:
+        """Wait for the `count`-th converged transition, with the agent converged now."""
+
+        def ok() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"agent exited early:\n{self.log.read_text()}")
+            lines = status_lines(self.status)
+            return lines.count("true") >= count and lines[-1] == "true"
+
+        wait_for(ok, timeout, f"converged #{count}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._logf.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def agents() -> Iterator[Callable[..., Agent]]:
+    started: list[Agent] = []
+
+    def start(graph: Path, state: Path, *extra: str) -> Agent:
+        a = Agent(graph, state, *extra)
+        started.append(a)
+        return a
+
+    yield start
+    for a in started:
+        a.stop()

@@ -1,0 +1,210 @@
+"""The engine's scheduling rules (SPEC §2.1, §2.4), in-process with probe resources."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+from evergraph.engine.contract import Meta
+from evergraph.engine.engine import Engine
+from evergraph.engine.settings import Settings
+
+from .probe import Journal, make
+
+
+def settings(tmp_path: Path, **kw: object) -> Settings:
+    base: dict[str, object] = {
+        "state_dir": tmp_path,
+        "converged_timeout": 0,
+        "converged_exit": True,
+        "hostname": "test",
+    }
+    base.update(kw)
+    return Settings(**base)  # type: ignore[arg-type]
+
+
+def test_children_never_start_before_parents_succeeded(tmp_path: Path) -> None:
+    rng = random.Random(3)
+    names = [f"v{i}" for i in range(60)]
+    edges = []
+    for i in range(1, 60):
+        for p in rng.sample(range(i), min(i, 2)):
+            edges.append((f"v{p}", f"v{i}"))
+    j = Journal()
+    model = make(j, names, edges)
+    rc = asyncio.run(Engine(settings(tmp_path)).run(model))
+    assert rc == 0
+    for n in names:
+        assert j.runs(n) == 1
+    for a, b in edges:
+        assert j.stamps(a, "end")[0] <= j.stamps(b, "start")[0], f"{b} started before {a} ended"
+        # strict order in the journal too (stamps may tie on a coarse clock)
+        ia = j.entries.index((a, "end", j.stamps(a, "end")[0]))
+        ib = j.entries.index((b, "start", j.stamps(b, "start")[0]))
+        assert ia < ib
+
+
+def test_independent_vertices_run_concurrently(tmp_path: Path) -> None:
+    j = Journal()
+    model = make(j, ["a", "b", "after"], [("a", "after"), ("b", "after")])
+
+    async def main() -> int:
+        for n in ("a", "b"):
+            j.gates[n] = asyncio.Event()
+            j.started[n] = asyncio.Event()
+        eng = Engine(settings(tmp_path))
+        task = asyncio.create_task(eng.run(model))
+        # Both are in flight at the same time: each started before either ended.
+        await asyncio.wait_for(j.started["a"].wait(), 5)
+        await asyncio.wait_for(j.started["b"].wait(), 5)
+        assert j.runs("after") == 0
+        j.gates["a"].set()
+        j.gates["b"].set()
+        return await asyncio.wait_for(task, 10)
+
+    assert asyncio.run(main()) == 0
+    a0, a1 = j.stamps("a", "start")[0], j.stamps("a", "end")[0]
+    b0, b1 = j.stamps("b", "start")[0], j.stamps("b", "end")[0]
+    assert a0 <= b1 and b0 <= a1  # the intervals overlap
+    assert j.stamps("after", "start")[0] >= max(a1, b1)
+
+
+def test_events_during_a_run_coalesce_into_exactly_one_more(tmp_path: Path) -> None:
+    j = Journal()
+    model = make(j, ["x", "child"], [("x", "child")])
+
+    async def main() -> int:
+        j.gates["x"] = asyncio.Event()
+        j.started["x"] = asyncio.Event()
+        eng = Engine(settings(tmp_path))
+        task = asyncio.create_task(eng.run(model))
+        await asyncio.wait_for(j.started["x"].wait(), 5)
+        for _ in range(50):
+            j.handles["x"].event()
+        j.gates["x"].set()
+        return await asyncio.wait_for(task, 10)
+
+    assert asyncio.run(main()) == 0
+    assert j.runs("x") == 2
+    # The child waits for x's last run and runs once: its cached clean state
+    # answers the second poke.
+    assert j.runs("child") == 1
+    assert j.stamps("child", "start")[0] >= j.stamps("x", "end")[-1]
+
+
+def test_failed_parent_holds_descendants_and_exit_is_1(tmp_path: Path) -> None:
+    j = Journal()
+    model = make(
+        j, ["bad", "mid", "leaf", "free"], [("bad", "mid"), ("mid", "leaf")],
+        bad={"fail_times": 99},
+    )
+    rc = asyncio.run(Engine(settings(tmp_path)).run(model))
+    assert rc == 1
+    assert j.runs("bad") == 1
+    assert j.runs("mid") == 0
+    assert j.runs("leaf") == 0
+    assert j.runs("free") == 1
+
+
+def test_retry_then_success_releases_children(tmp_path: Path) -> None:
+    j = Journal()
+    model = make(
+        j, ["flaky", "child"], [("flaky", "child")],
+        flaky={"fail_times": 2, "meta": Meta(retry=3, delay=50)},
+    )
+    rc = asyncio.run(Engine(settings(tmp_path)).run(model))
+    assert rc == 0
+    assert j.runs("flaky") == 3
+    starts = j.stamps("flaky", "start")
+    fails = j.stamps("flaky", "fail")
+    # each retry waited at least the delay after the failure
+    assert starts[1] - fails[0] >= 0.05
+    assert starts[2] - fails[1] >= 0.05
+    assert j.runs("child") == 1
+    assert j.stamps("child", "start")[0] >= j.stamps("flaky", "end")[0]
+
+
+def test_retries_exhausted_is_permanent(tmp_path: Path) -> None:
+    j = Journal()
+    model = make(j, ["flaky"], [], flaky={"fail_times": 5, "meta": Meta(retry=2)})
+    rc = asyncio.run(Engine(settings(tmp_path)).run(model))
+    assert rc == 1
+    assert j.runs("flaky") == 3
+
+
+def test_timeout_cancels_a_hanging_apply(tmp_path: Path) -> None:
+    j = Journal()
+    model = make(j, ["hang"], [], hang={"meta": Meta(timeout=0.1)})
+
+    async def main() -> tuple[int, str | None]:
+        j.gates["hang"] = asyncio.Event()  # never set
+        eng = Engine(settings(tmp_path))
+        rc = await asyncio.wait_for(eng.run(model), 10)
+        return rc, eng.vertices["probe[hang]"].last_error
+
+    rc, err = asyncio.run(main())
+    assert rc == 1
+    assert err is not None and "timed out" in err
+
+
+def test_converged_status_file_records_transitions(tmp_path: Path) -> None:
+    j = Journal()
+    status = tmp_path / "status"
+    model = make(j, ["a"], [])
+    rc = asyncio.run(Engine(settings(tmp_path, converged_status_file=status)).run(model))
+    assert rc == 0
+    assert status.read_text().split() == ["false", "true"]
+
+
+def test_global_sema_bounds_concurrency(tmp_path: Path) -> None:
+    j = Journal()
+    names = [f"p{i}" for i in range(8)]
+    model = make(j, names, [])
+    rc = asyncio.run(Engine(settings(tmp_path, sema=2)).run(model))
+    assert rc == 0
+    # replay the journal: never more than 2 inside check_apply at once
+    inside = peak = 0
+    for _, what, _ in j.entries:
+        inside += 1 if what == "start" else -1
+        peak = max(peak, inside)
+    assert peak == 2
+
+
+def test_stop_request_is_graceful(tmp_path: Path) -> None:
+    j = Journal()
+    model = make(j, ["slow", "never"], [("slow", "never")])
+
+    async def main() -> int:
+        j.gates["slow"] = asyncio.Event()
+        j.started["slow"] = asyncio.Event()
+        eng = Engine(settings(tmp_path, converged_exit=False, converged_timeout=None))
+        task = asyncio.create_task(eng.run(model))
+        await asyncio.wait_for(j.started["slow"].wait(), 5)
+        eng.request_stop()  # first: let the in-flight apply finish
+        await asyncio.sleep(0)
+        assert not task.done()
+        j.gates["slow"].set()
+        return await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())
+    assert j.stamps("slow", "end"), "the in-flight apply was allowed to finish"
+    assert j.runs("never") == 0, "nothing new starts once stopping"
+
+
+def test_second_stop_request_cancels_in_flight(tmp_path: Path) -> None:
+    j = Journal()
+    model = make(j, ["stuck"], [])
+
+    async def main() -> int:
+        j.gates["stuck"] = asyncio.Event()  # never set
+        j.started["stuck"] = asyncio.Event()
+        eng = Engine(settings(tmp_path, converged_exit=False, converged_timeout=None))
+        task = asyncio.create_task(eng.run(model))
+        await asyncio.wait_for(j.started["stuck"].wait(), 5)
+        eng.request_stop()
+        eng.request_stop()
+        return await asyncio.wait_for(task, 5)
+
+    assert asyncio.run(main()) == 1
+    assert not j.stamps("stuck", "end")
