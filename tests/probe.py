@@ -64,7 +64,9 @@ class Probe(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         return self.clean
 
 
-def make(journal: Journal, names: list[str], edges: list[tuple[str, str]], **params: dict) -> GraphModel:  # type: ignore[type-arg]
+def make(
+    journal: Journal, names: list[str], edges: list[tuple[str, str]], **params: dict
+) -> GraphModel:  # type: ignore[type-arg]
     model = GraphModel(name="probes")
     for n in names:
         kw = dict(params.get(n, {}))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -34,7 +35,7 @@ def test_cycle_report_names_members_in_order() -> None:
     cyc = e.value.cycle
     assert cyc[0] == cyc[-1]
     assert set(cyc) == {"a", "b", "c"}
-    for x, y in zip(cyc, cyc[1:], strict=False):
+    for x, y in itertools.pairwise(cyc):
         assert y in g.children(x)
 
 

@@ -66,7 +66,8 @@ def test_independent_vertices_run_concurrently(tmp_path: Path) -> None:
     assert asyncio.run(main()) == 0
     a0, a1 = j.stamps("a", "start")[0], j.stamps("a", "end")[0]
     b0, b1 = j.stamps("b", "start")[0], j.stamps("b", "end")[0]
-    assert a0 <= b1 and b0 <= a1  # the intervals overlap
+    assert a0 <= b1
+    assert b0 <= a1
     assert j.stamps("after", "start")[0] >= max(a1, b1)
 
 
@@ -96,7 +97,9 @@ def test_events_during_a_run_coalesce_into_exactly_one_more(tmp_path: Path) -> N
 def test_failed_parent_holds_descendants_and_exit_is_1(tmp_path: Path) -> None:
     j = Journal()
     model = make(
-        j, ["bad", "mid", "leaf", "free"], [("bad", "mid"), ("mid", "leaf")],
+        j,
+        ["bad", "mid", "leaf", "free"],
+        [("bad", "mid"), ("mid", "leaf")],
         bad={"fail_times": 99},
     )
     rc = asyncio.run(Engine(settings(tmp_path)).run(model))
@@ -110,7 +113,9 @@ def test_failed_parent_holds_descendants_and_exit_is_1(tmp_path: Path) -> None:
 def test_retry_then_success_releases_children(tmp_path: Path) -> None:
     j = Journal()
     model = make(
-        j, ["flaky", "child"], [("flaky", "child")],
+        j,
+        ["flaky", "child"],
+        [("flaky", "child")],
         flaky={"fail_times": 2, "meta": Meta(retry=3, delay=50)},
     )
     rc = asyncio.run(Engine(settings(tmp_path)).run(model))
@@ -145,7 +150,8 @@ def test_timeout_cancels_a_hanging_apply(tmp_path: Path) -> None:
 
     rc, err = asyncio.run(main())
     assert rc == 1
-    assert err is not None and "timed out" in err
+    assert err is not None
+    assert "timed out" in err
 
 
 def test_converged_status_file_records_transitions(tmp_path: Path) -> None:

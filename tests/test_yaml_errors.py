@@ -95,8 +95,10 @@ def test_bad_graph_is_rejected_with_its_place(tmp_path: Path, case: str, command
     f = tmp_path / "bad.yaml"
     f.write_text(text.replace("SENTINEL", str(sentinel)))
     state = tmp_path / "state"
-    r = run_cli(command, f, "--state-dir", state, "--converged-exit") if command == "run" else (
-        run_cli(command, f)
+    r = (
+        run_cli(command, f, "--state-dir", state, "--converged-exit")
+        if command == "run"
+        else (run_cli(command, f))
     )
     assert r.returncode == 2, r.stderr
     err = r.stderr.strip()

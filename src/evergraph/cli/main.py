@@ -40,26 +40,54 @@ def cli() -> None:
 
 @cli.command(context_settings=CONTEXT)
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Where vertex state lives. [default: /var/lib/evergraph as root, "
-              "else ~/.local/state/evergraph]")
-@click.option("--hostname", default="", help="This host's name in the cluster. [default: the "
-              "system hostname]")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where vertex state lives. [default: /var/lib/evergraph as root, "
+    "else ~/.local/state/evergraph]",
+)
+@click.option(
+    "--hostname", default="", help="This host's name in the cluster. [default: the system hostname]"
+)
 @click.option("--noop", is_flag=True, help="Check only; report what would change, change nothing.")
-@click.option("--sema", type=click.IntRange(min=0), default=0, show_default=True,
-              help="At most N check_apply calls at once (0 = no bound).")
+@click.option(
+    "--sema",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="At most N check_apply calls at once (0 = no bound).",
+)
 @click.option("--no-watch", is_flag=True, help="Check each resource once; do not watch.")
-@click.option("--converged-timeout", type=click.FloatRange(min=0), default=None,
-              help="Seconds all vertices must stay clean and idle to count as converged "
-              "(fractions allowed). [default: never, or 0 with --converged-exit]")
-@click.option("--converged-exit", is_flag=True,
-              help="Exit once converged: status 0 if every vertex is clean, 1 if any failed.")
-@click.option("--converged-status-file", type=click.Path(dir_okay=False, path_type=Path),
-              help="Append `true`/`false` to this file on each converged transition.")
-@click.option("--max-runtime", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Stop after this many seconds.")
-@click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
-              show_default=True, help="Log lines as text or as one JSON object per line.")
+@click.option(
+    "--converged-timeout",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Seconds all vertices must stay clean and idle to count as converged "
+    "(fractions allowed). [default: never, or 0 with --converged-exit]",
+)
+@click.option(
+    "--converged-exit",
+    is_flag=True,
+    help="Exit once converged: status 0 if every vertex is clean, 1 if any failed.",
+)
+@click.option(
+    "--converged-status-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Append `true`/`false` to this file on each converged transition.",
+)
+@click.option(
+    "--max-runtime",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Stop after this many seconds.",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="Log lines as text or as one JSON object per line.",
+)
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 def run(
     file: Path,

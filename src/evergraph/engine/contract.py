@@ -55,9 +55,7 @@ class Meta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     reverse: Annotated[bool, doc("apply the inverse when the resource leaves the graph")] = False
     autoedge: Annotated[bool, doc("take part in automatic edges")] = True
     autogroup: Annotated[bool, doc("take part in automatic grouping")] = True
-    realize: Annotated[bool, doc("at least one successful apply before removal on a swap")] = (
-        False
-    )
+    realize: Annotated[bool, doc("at least one successful apply before removal on a swap")] = False
 
     def check(self, where: str) -> None:
         if self.retry < -1:
@@ -193,7 +191,9 @@ class Registry:
 default_registry = Registry()
 
 
-def register(kind: str, *aliases: str, registry: Registry | None = None) -> Callable[[type[R]], type[R]]:
+def register(
+    kind: str, *aliases: str, registry: Registry | None = None
+) -> Callable[[type[R]], type[R]]:
     """Class decorator: `@register("file")`."""
 
     def deco(cls: type[R]) -> type[R]:

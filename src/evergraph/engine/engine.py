@@ -65,9 +65,7 @@ class Engine:
         self.graph_name = ""
 
     # -- public -------------------------------------------------------------
-    async def run(
-        self, model: GraphModel, updates: AsyncIterator[GraphModel] | None = None
-    ) -> int:
+    async def run(self, model: GraphModel, updates: AsyncIterator[GraphModel] | None = None) -> int:
         """Run `model` (then each graph `updates` yields) until stopped; returns the exit status."""
         try:
             async with self.watcher, asyncio.TaskGroup() as tg:
@@ -105,6 +103,8 @@ class Engine:
             await self._swap(model)
 
     async def _swap(self, model: GraphModel) -> None:
+        # A swap is activity: the converged status drops and rises again.
+        self.converger.busy()
         old = self.vertices
         removed, added, common = diff_keys(old, model.resources)
         for ident in common:
@@ -130,11 +130,14 @@ class Engine:
                 b.parents.append(a)
             if e.notify:
                 a.notify_children.append(b)
-        self.graph_name = model.name
-        if old and (removed or added):
+        first = not self.graph_name and not removed and len(new_vs) == len(old)
+        self.graph_name = model.name or "(unnamed)"
+        if first:
+            log.info("graph %s loaded: %d vertices", self.graph_name, len(old))
+        else:
             log.info(
                 "graph %s swapped: %d vertices, %d started, %d stopped",
-                model.name or "(unnamed)",
+                self.graph_name,
                 len(old),
                 len(new_vs),
                 len(removed),
@@ -415,9 +418,7 @@ class Engine:
         if applies:
             hard = asyncio.ensure_future(self._hard_stop.wait())
             try:
-                done, _ = await asyncio.wait(
-                    [*applies, hard], return_when=asyncio.FIRST_COMPLETED
-                )
+                done, _ = await asyncio.wait([*applies, hard], return_when=asyncio.FIRST_COMPLETED)
                 while hard not in done and not all(t.done() for t in applies):
                     done, _ = await asyncio.wait(
                         [*applies, hard], return_when=asyncio.FIRST_COMPLETED

@@ -145,10 +145,14 @@ def parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
     for k in doc:
         if k not in _TOP_KEYS:
             if k == "collect":
-                raise fail("`collect` needs the World, which this version does not have yet",
-                           (k,), key=True)
-            raise fail(f"unknown top-level key {k!r} (expected: {', '.join(_TOP_KEYS)})",
-                       (k,), key=True)
+                raise fail(
+                    "`collect` needs the World, which this version does not have yet",
+                    (k,),
+                    key=True,
+                )
+            raise fail(
+                f"unknown top-level key {k!r} (expected: {', '.join(_TOP_KEYS)})", (k,), key=True
+            )
     name = doc.get("graph", "")
     if not isinstance(name, str):
         raise fail("`graph` must be a string (the graph's name)", ("graph",))
@@ -160,8 +164,11 @@ def parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
     for kind, items in resources.items():
         cls = registry.get(str(kind))
         if cls is None:
-            raise fail(f"unknown resource kind {kind!r} {_plural(kinds, str(kind))}",
-                       ("resources", kind), key=True)
+            raise fail(
+                f"unknown resource kind {kind!r} {_plural(kinds, str(kind))}",
+                ("resources", kind),
+                key=True,
+            )
         if items is None:
             continue
         if not isinstance(items, list):
@@ -186,9 +193,7 @@ def parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
     except GraphCycleError as e:
         # Point at the edge that closes the cycle.
         closing = (e.cycle[-2], e.cycle[-1])
-        idx = next(
-            (i for i, ed in enumerate(model.edges) if (ed.from_id, ed.to_id) == closing), 0
-        )
+        idx = next((i for i, ed in enumerate(model.edges) if (ed.from_id, ed.to_id) == closing), 0)
         raise InputError(e.message, loc.at(("edges", idx))) from None
     except InputError as e:
         raise InputError(e.message, _where_resource(e.where, model, loc) or filename) from None
@@ -246,8 +251,9 @@ def _build(
             ) from None
         dotted = ".".join(str(p) for p in sub)
         reason = reason.replace("Expected", "expected").replace("`", "")
-        raise fail(f"{ident}.{dotted}: {reason}" if dotted else f"{ident}: {reason}",
-                   (*path, *sub)) from None
+        raise fail(
+            f"{ident}.{dotted}: {reason}" if dotted else f"{ident}: {reason}", (*path, *sub)
+        ) from None
 
 
 def _edge(item: object, path: tuple[PathPart, ...], fail: Callable[..., InputError]) -> Edge:
@@ -255,8 +261,9 @@ def _edge(item: object, path: tuple[PathPart, ...], fail: Callable[..., InputErr
         raise fail("each edge must be a mapping with `from:` and `to:`", path)
     for k in item:
         if k not in _EDGE_KEYS:
-            raise fail(f"unknown edge key {k!r} (expected: {', '.join(_EDGE_KEYS)})",
-                       (*path, k), key=True)
+            raise fail(
+                f"unknown edge key {k!r} (expected: {', '.join(_EDGE_KEYS)})", (*path, k), key=True
+            )
     ends: list[str] = []
     for side in ("from", "to"):
         end = item.get(side)
@@ -266,8 +273,11 @@ def _edge(item: object, path: tuple[PathPart, ...], fail: Callable[..., InputErr
             if k not in _END_KEYS:
                 if k in ("send", "recv"):
                     raise fail("send/recv edges are not supported yet", (*path, side, k), True)
-                raise fail(f"unknown key {k!r} in edge `{side}:` (expected: kind, name)",
-                           (*path, side, k), key=True)
+                raise fail(
+                    f"unknown key {k!r} in edge `{side}:` (expected: kind, name)",
+                    (*path, side, k),
+                    key=True,
+                )
         kind, name = end.get("kind"), end.get("name")
         if not isinstance(kind, str) or not isinstance(name, str):
             raise fail(f"edge `{side}:` needs `kind:` and `name:` strings", (*path, side))

@@ -122,9 +122,7 @@ class DAG(Generic[V]):
         return out
 
 
-def diff_keys(
-    old: Mapping[V, object], new: Mapping[V, object]
-) -> tuple[list[V], list[V], list[V]]:
+def diff_keys(old: Mapping[V, object], new: Mapping[V, object]) -> tuple[list[V], list[V], list[V]]:
     """Split keys into (removed, added, common) for a graph swap."""
     removed = [k for k in old if k not in new]
     added = [k for k in new if k not in old]

@@ -25,6 +25,7 @@ from typing import Annotated, Literal
 from evergraph.engine.contract import Handle, Resource, doc, register
 from evergraph.errors import ResourceError
 
+
 def _current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -66,9 +67,9 @@ def parse_mode(text: str) -> int:
 class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     """A file (or, with a trailing `/` on path, a directory): existence, content, mode."""
 
-    path: Annotated[str, doc("absolute path; default the name; a trailing `/` means a directory")] = (
-        ""
-    )
+    path: Annotated[
+        str, doc("absolute path; default the name; a trailing `/` means a directory")
+    ] = ""
     state: Annotated[
         Literal["exists", "absent"], doc("`exists` creates the file; `absent` removes it")
     ] = "exists"
@@ -141,9 +142,7 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     def _directory(self, st: os.stat_result | None, apply: bool) -> bool:
         if st is not None and not stat.S_ISDIR(st.st_mode):
             raise ResourceError(f"{self._path} exists and is not a directory")
-        mode_ok = self._mode is None or (
-            st is not None and stat.S_IMODE(st.st_mode) == self._mode
-        )
+        mode_ok = self._mode is None or (st is not None and stat.S_IMODE(st.st_mode) == self._mode)
         if st is not None and mode_ok:
             return True
         if not apply:
@@ -165,9 +164,7 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         content_ok = st is not None and (
             data is None or (st.st_size == len(data) and self._read() == data)
         )
-        mode_ok = self._mode is None or (
-            st is not None and stat.S_IMODE(st.st_mode) == self._mode
-        )
+        mode_ok = self._mode is None or (st is not None and stat.S_IMODE(st.st_mode) == self._mode)
         if content_ok and mode_ok:
             return True
         if not apply:

@@ -9,7 +9,8 @@ from evergraph.engine.contract import Handle, Resource, doc, register
 
 @register("print", "msg")
 class Print(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
-    """Logs `msg` once per change (and on refresh); never changes the machine."""
+    """Logs `msg` when it is new (and on refresh). It changes nothing on the machine, so
+    it is always clean: a second run of the same graph reports no change."""
 
     msg: Annotated[str, doc("the message to log")] = ""
     refresh_only: Annotated[bool, doc("log only when refreshed by a notify edge")] = False
@@ -22,10 +23,7 @@ class Print(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         refreshed = self.handle.refresh()
         if self.refresh_only and not refreshed:
             return True
-        if self._shown == self.msg and not refreshed:
-            return True
-        if not apply:
-            return False
-        self.handle.logger.info("%s: %s", self.ident, self.msg)
-        self._shown = self.msg
-        return False
+        if self._shown != self.msg or refreshed:
+            self.handle.logger.info("%s: %s", self.ident, self.msg)
+            self._shown = self.msg
+        return True

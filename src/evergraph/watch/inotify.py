@@ -17,7 +17,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from asyncinotify import Inotify, Mask
+from asyncinotify import Inotify, Mask, Watch
 
 log = logging.getLogger("evergraph.watch")
 
@@ -48,7 +48,7 @@ class _Sub:
 class _DirWatch:
     __slots__ = ("by_name", "watch")
 
-    def __init__(self, watch: object) -> None:
+    def __init__(self, watch: Watch) -> None:
         self.watch = watch
         self.by_name: dict[str, set[_Sub]] = {}
 
@@ -59,7 +59,7 @@ class InotifyHub:
     def __init__(self) -> None:
         self._ino: Inotify | None = None
         self._dirs: dict[str, _DirWatch] = {}
-        self._by_watch: dict[object, str] = {}
+        self._by_watch: dict[Watch, str] = {}
 
     async def __aenter__(self) -> InotifyHub:
         self._ino = Inotify()
@@ -94,11 +94,11 @@ class InotifyHub:
                         for s in list(subs):
                             s.callback()
                 continue
-            d = self._by_watch.get(ev.watch)
+            d = self._by_watch.get(ev.watch) if ev.watch is not None else None
             if d is None:
                 continue
-            dw = self._dirs.get(d)
-            if dw is None:
+            dwatch = self._dirs.get(d)
+            if dwatch is None:
                 continue
             if ev.mask & (Mask.DELETE_SELF | Mask.MOVE_SELF | Mask.IGNORED):
                 # The watched directory itself went away: everyone below it
@@ -106,10 +106,10 @@ class InotifyHub:
                 self._drop_dir(d)
                 continue
             name = str(ev.name) if ev.name is not None else ""
-            subs = dw.by_name.get(name)
-            if not subs:
+            targets = dwatch.by_name.get(name)
+            if not targets:
                 continue
-            for s in list(subs):
+            for s in list(targets):
                 if s.dir != s.path.rpartition("/")[0] or s.dir == "":
                     # Pending subscription (waiting on an ancestor): try to move down.
                     self._disarm(s)
