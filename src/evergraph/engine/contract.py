@@ -155,6 +155,16 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
         """Whether this instance has a watch to run (default: the kind defines one)."""
         return type(self).watch is not Resource.watch
 
+    def subscribe(self) -> Callable[[], None] | None:
+        """Optional passive watch, used instead of `watch` when it returns non-None.
+
+        A resource whose watch only registers callbacks with an engine service
+        (e.g. `handle.watcher`) that call `handle.event()` can do that here and
+        return the unsubscribe: no task per vertex is needed, and it is ready at
+        once. Called after `init`; the unsubscribe is called before `cleanup`.
+        """
+        return None
+
     @classmethod
     def params(cls) -> Iterator[msgspec.structs.FieldInfo]:
         for f in msgspec.structs.fields(cls):

@@ -123,12 +123,15 @@ class Engine:
             v.parents.clear()
             v.children.clear()
             v.notify_children.clear()
+        seen: set[tuple[str, str, bool]] = set()
         for e in model.edges:
             a, b = old[e.from_id], old[e.to_id]
-            if b not in a.children:
+            if (e.from_id, e.to_id, False) not in seen:
+                seen.add((e.from_id, e.to_id, False))
                 a.children.append(b)
                 b.parents.append(a)
-            if e.notify:
+            if e.notify and (e.from_id, e.to_id, True) not in seen:
+                seen.add((e.from_id, e.to_id, True))
                 a.notify_children.append(b)
         first = not self.graph_name and not removed and len(new_vs) == len(old)
         self.graph_name = model.name or "(unnamed)"
@@ -160,6 +163,14 @@ class Engine:
         poll = res.meta.poll
         if not self.settings.watch or poll < 0:
             return
+        if poll == 0:
+            try:
+                v.unsubscribe = res.subscribe()
+            except Exception as e:
+                self._fail_permanently(v, f"watch failed: {e}")
+                return
+            if v.unsubscribe is not None:
+                return
         if poll > 0 or res.watches():
             v.watch_ready = False
             self._unready += 1
@@ -167,6 +178,7 @@ class Engine:
             v.watch_task = self._tg.create_task(self._watch(v))
 
     async def _stop_vertex(self, v: Vertex) -> None:
+        self._unsubscribe(v)
         if v.watch_task is not None:
             v.watch_task.cancel()
             with contextlib.suppress(BaseException):
@@ -179,6 +191,14 @@ class Engine:
             v.watch_ready = True
             self._unready -= 1
         await self._call_cleanup(v)
+
+    def _unsubscribe(self, v: Vertex) -> None:
+        if v.unsubscribe is not None:
+            unsubscribe, v.unsubscribe = v.unsubscribe, None
+            try:
+                unsubscribe()
+            except Exception as e:
+                log.error("%s: unsubscribing its watch failed: %s", v.ident, e)
 
     async def _call_cleanup(self, v: Vertex) -> None:
         try:
@@ -279,7 +299,10 @@ class Engine:
         self._check_idle()
 
     async def _guarded_check_apply(self, v: Vertex, res: Resource, apply: bool) -> bool:
-        semas = [self._sema(s) for s in sorted(res.meta.sema)]
+        meta = res.meta
+        if not meta.sema and meta.timeout is None and self._global_sema is None:
+            return bool(await res.check_apply(apply))  # the common case, kept lean
+        semas = [self._sema(s) for s in sorted(meta.sema)]
         if self._global_sema is not None:
             semas.insert(0, self._global_sema)
         async with contextlib.AsyncExitStack() as stack:
@@ -412,6 +435,7 @@ class Engine:
         for t in [*aux[1:], *self._timers]:
             t.cancel()
         for v in self.vertices.values():
+            self._unsubscribe(v)
             if v.watch_task is not None:
                 v.watch_task.cancel()
         applies = [v.apply_task for v in self.vertices.values() if v.apply_task is not None]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import quote
@@ -40,6 +41,7 @@ class Vertex:
         "retries_left",
         "retry_wait",
         "running",
+        "unsubscribe",
         "watch_ready",
         "watch_task",
     )
@@ -66,6 +68,7 @@ class Vertex:
         self.last_error: str | None = None
         self.apply_task: asyncio.Task[None] | None = None
         self.watch_task: asyncio.Task[None] | None = None
+        self.unsubscribe: Callable[[], None] | None = None
         self.changed_count = 0
         self.clean_count = 0
         self.fail_count = 0

@@ -16,10 +16,11 @@ nearest existing ancestor.
 
 from __future__ import annotations
 
-import asyncio
 import errno
+import functools
 import os
 import stat
+from collections.abc import Callable
 from typing import Annotated, Literal
 
 from evergraph.engine.contract import Handle, Resource, doc, register
@@ -38,6 +39,7 @@ _SYMBOLIC_WHO = {"u": 0o4700, "g": 0o2070, "o": 0o0007, "a": 0o0777}
 _SYMBOLIC_PERM = {"r": 0o444, "w": 0o222, "x": 0o111, "s": 0o6000, "t": 0o1000}
 
 
+@functools.lru_cache(maxsize=256)
 def parse_mode(text: str) -> int:
     """`0644`, `644`, `u=rw,g=r,o=` -> int. Raises ValueError with a reason."""
     t = text.strip()
@@ -101,13 +103,10 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         self._mode = parse_mode(self.mode) if self.mode is not None else None
         self._data = self.content.encode() if self.content is not None else None
 
-    async def watch(self) -> None:
-        unsubscribe = self.handle.watcher.subscribe(self._path, self.handle.event)
-        try:
-            self.handle.ready()
-            await asyncio.Event().wait()  # events arrive through the callback
-        finally:
-            unsubscribe()
+    def subscribe(self) -> Callable[[], None]:
+        # A passive watch: the shared inotify hub calls handle.event directly,
+        # so 10k files need no 10k watch tasks.
+        return self.handle.watcher.subscribe(self._path, self.handle.event)
 
     async def check_apply(self, apply: bool) -> bool:
         try:

@@ -75,7 +75,10 @@ class InotifyHub:
     # -- public ---------------------------------------------------------
     def subscribe(self, path: str, callback: Callable[[], None]) -> Callable[[], None]:
         """Call `callback()` whenever `path` may have changed; returns an unsubscribe."""
-        sub = _Sub(os.path.abspath(path.rstrip("/") or "/"), callback)
+        path = path.rstrip("/") or "/"
+        if not path.startswith("/") or "/." in path or "//" in path:
+            path = os.path.abspath(path)
+        sub = _Sub(path, callback)
         self._arm(sub)
 
         def unsubscribe() -> None:
