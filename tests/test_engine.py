@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 from evergraph.engine.contract import Meta
@@ -11,6 +12,13 @@ from evergraph.engine.engine import Engine
 from evergraph.engine.settings import Settings
 
 from .probe import Journal, make
+
+
+async def until(cond: Callable[[], bool], timeout: float = 5) -> None:
+    """Yield to the engine until `cond` holds (a condition, not a sleep)."""
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.001)
 
 
 def settings(tmp_path: Path, **kw: object) -> Settings:
@@ -214,3 +222,28 @@ def test_second_stop_request_cancels_in_flight(tmp_path: Path) -> None:
 
     assert asyncio.run(main()) == 1
     assert not j.stamps("stuck", "end")
+
+
+def test_swap_keeps_unchanged_running_and_releases_held_children(tmp_path: Path) -> None:
+    """Removing a failed parent lets its child run; unchanged vertices do not re-run."""
+    j = Journal()
+    first = make(j, ["bad", "child", "steady"], [("bad", "child")], bad={"fail_times": 99})
+    second = make(j, ["child", "steady", "new"], [])
+    # identical parameters, so the engine must keep the running vertices
+    second.resources["probe[child]"] = first.resources["probe[child]"]
+    second.resources["probe[steady]"] = first.resources["probe[steady]"]
+
+    async def main() -> int:
+        eng = Engine(settings(tmp_path, converged_exit=False, converged_timeout=None))
+        task = asyncio.create_task(eng.run(first))
+        await until(lambda: j.runs("steady") >= 1 and j.runs("bad") >= 1)
+        assert j.runs("child") == 0  # held back by the failed parent
+        await eng.swap(second)
+        await until(lambda: j.runs("new") >= 1 and j.runs("child") >= 1)
+        eng.request_stop()
+        return await asyncio.wait_for(task, 5)
+
+    assert asyncio.run(main()) == 0
+    assert j.runs("steady") == 1
+    assert j.runs("child") == 1
+    assert j.runs("new") == 1

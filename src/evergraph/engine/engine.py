@@ -147,8 +147,11 @@ class Engine:
             )
         for v in new_vs:
             await self._start_vertex(v)
-        for v in new_vs:
-            self._poke(v)
+        # New vertices start; kept ones that were held back by a parent that
+        # is now gone may run too.
+        for v in old.values():
+            if v.pending:
+                self._poke(v)
         self._check_idle()
 
     async def _start_vertex(self, v: Vertex) -> None:
@@ -247,8 +250,8 @@ class Engine:
         self._check_idle()
 
     def vertex_event(self, v: Vertex) -> None:
-        if v.failed or v.res.meta.hidden or v.ident not in self.vertices:
-            return
+        if v.failed or v.res.meta.hidden or self.vertices.get(v.ident) is not v:
+            return  # a late event of a vertex already swapped out is dropped
         if not v.pending:
             v.pending = True
             self.converger.busy()
@@ -258,7 +261,7 @@ class Engine:
     def _poke(self, v: Vertex) -> None:
         if not v.pending or v.running or v.failed or v.retry_wait or not v.watch_ready:
             return
-        if self._stopping:
+        if self._stopping or self.vertices.get(v.ident) is not v:
             return
         for p in v.parents:
             if not p.clean:
