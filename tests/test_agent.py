@@ -265,3 +265,79 @@ def test_every_example_runs_twice_without_change(tmp_path: Path) -> None:
         r = run_cli("run", ex, "--state-dir", state, "--converged-exit")
         assert r.returncode == 0, f"{ex}: {r.stderr}"
         assert ": applied" not in r.stderr, r.stderr
+
+
+def test_refresh_survives_kill_9_and_is_delivered_once(tmp_path: Path, agents) -> None:  # type: ignore[no-untyped-def]
+    conf = tmp_path / "app.conf"
+    log = tmp_path / "reload.log"
+    release = tmp_path / "release"
+    pidfile = tmp_path / "reload.pid"
+    g = tmp_path / "g.yaml"
+    write_graph(
+        g,
+        f"""  file:
+  - name: conf
+    path: {conf}
+    content: "v1\\n"
+  exec:
+  - name: reload
+    shell: /bin/sh
+    refresh_only: true
+    cmd: "echo $$ > {pidfile}; echo start >> {log};
+      while [ ! -f {release} ]; do sleep 0.02; done; echo done >> {log}"
+edges:
+- {{from: {{kind: file, name: conf}}, to: {{kind: exec, name: reload}}, notify: true}}
+""",
+    )
+    state = tmp_path / "s"
+    first: Agent = agents(g, state)
+    wait_for(lambda: log.exists() and "start" in log.read_text(), what="reload started")
+    # Crash between the change of conf and the end of the reload it owes.
+    os.kill(first.proc.pid, signal.SIGKILL)
+    first.proc.wait()
+    pid = int(pidfile.read_text())
+    os.killpg(pid, signal.SIGKILL)  # the orphaned command (its own process group)
+    assert conf.read_text() == "v1\n"
+    assert (state / "vertices/exec/reload/refresh").exists()
+
+    release.write_text("")
+    second: Agent = agents(g, state)
+    second.wait_converged()
+    assert log.read_text() == "start\nstart\ndone\n", "the owed refresh ran once on restart"
+    assert not (state / "vertices/exec/reload/refresh").exists()
+    assert second.stop() == 0
+
+    # Nothing owed any more: a third start runs nothing.
+    r = run_cli("run", g, "--state-dir", state, "--converged-exit")
+    assert r.returncode == 0, r.stderr
+    assert log.read_text() == "start\nstart\ndone\n"
+
+
+def test_notify_refreshes_only_when_the_parent_changed(tmp_path: Path, agents) -> None:  # type: ignore[no-untyped-def]
+    conf = tmp_path / "app.conf"
+    log = tmp_path / "reload.log"
+    g = tmp_path / "g.yaml"
+    write_graph(
+        g,
+        f"""  file:
+  - name: conf
+    path: {conf}
+    content: "v1\\n"
+  exec:
+  - name: reload
+    shell: /bin/sh
+    refresh_only: true
+    cmd: "echo reload >> {log}"
+edges:
+- {{from: {{kind: file, name: conf}}, to: {{kind: exec, name: reload}}, notify: true}}
+""",
+    )
+    agent: Agent = agents(g, tmp_path / "s")
+    agent.wait_converged()
+    assert log.read_text() == "reload\n"
+    conf.write_text("drift\n")  # the agent repairs it, so reload is owed again
+    wait_for(lambda: log.read_text() == "reload\nreload\n", what="second reload")
+    assert agent.stop() == 0
+    r = run_cli("run", g, "--state-dir", tmp_path / "s", "--converged-exit")
+    assert r.returncode == 0
+    assert log.read_text() == "reload\nreload\n", "a clean conf owes no reload"

@@ -27,6 +27,7 @@ from typing import Any
 from evergraph.engine.contract import Resource
 from evergraph.engine.converger import Converger
 from evergraph.engine.model import GraphModel
+from evergraph.engine.refresh import RefreshStore
 from evergraph.engine.settings import Settings
 from evergraph.engine.vertex import Vertex
 from evergraph.errors import InputError
@@ -57,6 +58,8 @@ class Engine:
         self._global_sema = asyncio.Semaphore(settings.sema) if settings.sema > 0 else None
         self._semas: dict[str, asyncio.Semaphore] = {}
         self._timers: set[asyncio.Task[None]] = set()
+        self.refresh_store = RefreshStore(settings.state_dir)
+        self._refresh_loaded = False
         self._swap_lock = asyncio.Lock()
         self.converger = Converger(
             settings.converged_timeout, settings.converged_status_file, self._on_converged
@@ -145,7 +148,11 @@ class Engine:
                 len(new_vs),
                 len(removed),
             )
+        pending_refresh = self.refresh_store.load() if not self._refresh_loaded else set()
+        self._refresh_loaded = True
         for v in new_vs:
+            if v.ident in pending_refresh:
+                v.refresh_flag = True
             await self._start_vertex(v)
         # New vertices start; kept ones that were held back by a parent that
         # is now gone may run too.
@@ -276,6 +283,7 @@ class Engine:
     async def _process(self, v: Vertex) -> None:
         res = v.res
         apply = not (self.settings.noop or res.meta.noop)
+        v.refresh_now, v.refresh_flag = v.refresh_flag, False
         if self.observer:
             self.observer(v, "running")
         error: str | None = None
@@ -296,6 +304,8 @@ class Engine:
             v.apply_task = None
             self._running -= 1
             if error is not None:
+                v.refresh_flag = v.refresh_flag or v.refresh_now  # not served: keep it
+                v.refresh_now = False
                 self._record_failure(v, error)
         if error is None:
             self._record_success(v, result, apply)
@@ -332,7 +342,9 @@ class Engine:
     def _record_success(self, v: Vertex, was_clean: bool, applied: bool) -> None:
         v.ok = True
         v.last_error = None
-        v.refresh_flag = False
+        if v.refresh_now and not v.refresh_flag and applied:
+            self.refresh_store.served(v)
+        v.refresh_now = False
         if v.res.meta.retryreset:
             v.retries_left = v.res.meta.retry
         if was_clean:
@@ -344,6 +356,9 @@ class Engine:
             if applied:
                 log.info("%s: applied", v.ident)
                 for c in v.notify_children:
+                    # Persist before anything else can happen: a crash between
+                    # this change and the child's apply must not lose it.
+                    self.refresh_store.owe(c)
                     c.refresh_flag = True
                     c.pending = True
             else:

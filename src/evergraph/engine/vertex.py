@@ -37,6 +37,7 @@ class Vertex:
         "parents",
         "pending",
         "refresh_flag",
+        "refresh_now",
         "res",
         "retries_left",
         "retry_wait",
@@ -64,7 +65,10 @@ class Vertex:
         self.retry_wait = False
         self.retries_left = res.meta.retry
         self.watch_ready = True
+        #: a notify edge asked for a refresh (persisted until consumed)
         self.refresh_flag = False
+        #: the refresh the current run is serving (what `refresh()` answers)
+        self.refresh_now = False
         self.last_error: str | None = None
         self.apply_task: asyncio.Task[None] | None = None
         self.watch_task: asyncio.Task[None] | None = None
@@ -94,14 +98,13 @@ class Vertex:
     def hostname(self) -> str:
         return self.engine.hostname
 
+    def state_path(self) -> Path:
+        """`vertices/<kind>/<name-encoded>` under the state dir (not created)."""
+        return vertex_dir(self.engine.settings.state_dir, self.res.kind, self.res.name)
+
     @property
     def state_dir(self) -> Path:
-        d = (
-            self.engine.settings.state_dir
-            / "vertices"
-            / self.res.kind
-            / quote(self.res.name, safe="")
-        )
+        d = self.state_path()
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
         return d
 
@@ -116,4 +119,8 @@ class Vertex:
         self.engine.vertex_event(self)
 
     def refresh(self) -> bool:
-        return self.refresh_flag
+        return self.refresh_now
+
+
+def vertex_dir(state_dir: Path, kind: str, name: str) -> Path:
+    return state_dir / "vertices" / kind / quote(name, safe="")
