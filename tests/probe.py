@@ -43,11 +43,12 @@ class Probe(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         await super().init(handle)
         self.journal: Journal = self.journal  # set by make()
         self.journal.handles[self.name] = handle
-        self.failures = 0
 
     async def check_apply(self, apply: bool) -> bool:
         j = self.journal
         j.add(self.name, "start")
+        if not apply:
+            j.add(self.name, "noop")
         ev = j.started.get(self.name)
         if ev is not None:
             ev.set()
@@ -56,10 +57,10 @@ class Probe(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             await gate.wait()
         else:
             await asyncio.sleep(0)
-        if self.failures < self.fail_times:
-            self.failures += 1
+        failed = len(j.stamps(self.name, "fail"))
+        if failed < self.fail_times:
             j.add(self.name, "fail")
-            raise RuntimeError(f"planned failure {self.failures}")
+            raise RuntimeError(f"planned failure {failed + 1}")
         j.add(self.name, "end")
         return self.clean
 

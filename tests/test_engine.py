@@ -247,3 +247,151 @@ def test_swap_keeps_unchanged_running_and_releases_held_children(tmp_path: Path)
     assert j.runs("steady") == 1
     assert j.runs("child") == 1
     assert j.runs("new") == 1
+
+
+def test_meta_noop_checks_without_applying(tmp_path: Path) -> None:
+    j = Journal()
+    model = make(j, ["n", "a"], [("n", "a")], n={"meta": Meta(noop=True)})
+    assert asyncio.run(Engine(settings(tmp_path)).run(model)) == 0
+    assert j.stamps("n", "noop")
+    assert not j.stamps("a", "noop")
+    j2 = Journal()
+    model = make(j2, ["x"], [])
+    assert asyncio.run(Engine(settings(tmp_path, noop=True)).run(model)) == 0
+    assert j2.stamps("x", "noop"), "global --noop reaches every vertex"
+
+
+def test_limit_and_burst_bound_apply_starts(tmp_path: Path) -> None:
+    j = Journal()
+    model = make(j, ["r"], [], r={"meta": Meta(limit=20, burst=2)})
+
+    async def main() -> int:
+        eng = Engine(settings(tmp_path, converged_exit=False, converged_timeout=None))
+        task = asyncio.create_task(eng.run(model))
+        await until(lambda: j.runs("r") >= 1)
+        for i in range(2, 7):
+            j.handles["r"].event()
+            await until(lambda i=i: j.runs("r") >= i)  # type: ignore[misc]
+        eng.request_stop()
+        return await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())
+    starts = j.stamps("r", "start")
+    assert len(starts) == 6
+    # burst 2 starts at once; after that at most 20 per second
+    for k in range(2, 6):
+        assert starts[k] - starts[0] >= (k - 1) / 20 - 0.005, (k, starts[k] - starts[0])
+
+
+def test_poll_replaces_watch_with_a_timer(tmp_path: Path) -> None:
+    j = Journal()
+    model = make(j, ["p"], [], p={"meta": Meta(poll=0.02)})
+
+    async def main() -> int:
+        eng = Engine(settings(tmp_path, converged_exit=False, converged_timeout=None))
+        task = asyncio.create_task(eng.run(model))
+        await until(lambda: j.runs("p") >= 3)
+        eng.request_stop()
+        return await asyncio.wait_for(task, 5)
+
+    assert asyncio.run(main()) == 0
+
+
+def test_retry_budget_survives_a_swap_unless_reset(tmp_path: Path) -> None:
+    for reset, expected in ((False, 2), (True, 3)):
+        j = Journal()
+        meta = Meta(retry=3, delay=60_000, reset=reset)
+        first = make(j, ["f"], [], f={"fail_times": 99, "meta": meta})
+        second = make(j, ["f"], [], f={"fail_times": 98, "meta": meta})
+
+        async def main(first=first, second=second, j=j) -> int:  # type: ignore[no-untyped-def]
+            eng = Engine(settings(tmp_path, converged_exit=False, converged_timeout=None))
+            task = asyncio.create_task(eng.run(first))
+            await until(lambda: j.stamps("f", "fail") != [])
+            assert eng.vertices["probe[f]"].retries_left == 2
+            await eng.swap(second)  # params changed: a new vertex
+            left = eng.vertices["probe[f]"].retries_left
+            eng.request_stop()
+            await asyncio.wait_for(task, 5)
+            return left
+
+        assert asyncio.run(main()) == expected, reset
+
+
+def test_rewatch_restarts_a_failed_vertex_on_swap(tmp_path: Path) -> None:
+    j = Journal()
+    model = make(
+        j,
+        ["w", "plain"],
+        [],
+        w={"fail_times": 1, "meta": Meta(rewatch=True)},
+        plain={"fail_times": 1},
+    )
+
+    async def main() -> int:
+        eng = Engine(settings(tmp_path, converged_exit=False, converged_timeout=None))
+        task = asyncio.create_task(eng.run(model))
+        await until(lambda: j.stamps("w", "fail") != [] and j.stamps("plain", "fail") != [])
+        await eng.swap(model)
+        await until(lambda: j.stamps("w", "end") != [])
+        eng.request_stop()
+        return await asyncio.wait_for(task, 5)
+
+    assert asyncio.run(main()) == 1  # plain stays failed
+    assert j.runs("w") == 2
+    assert j.runs("plain") == 1
+
+
+def test_realize_applies_once_before_removal(tmp_path: Path) -> None:
+    j = Journal()
+    first = make(
+        j,
+        ["bad", "r", "other"],
+        [("bad", "r"), ("bad", "other")],
+        bad={"fail_times": 99},
+        r={"meta": Meta(realize=True)},
+    )
+    second = make(j, [], [])
+
+    async def main() -> int:
+        eng = Engine(settings(tmp_path, converged_exit=False, converged_timeout=None))
+        task = asyncio.create_task(eng.run(first))
+        await until(lambda: j.stamps("bad", "fail") != [])
+        assert j.runs("r") == 0
+        await eng.swap(second)
+        eng.request_stop()
+        return await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())
+    assert j.runs("r") == 1, "realize: applied once on its way out"
+    assert j.runs("other") == 0
+
+
+def test_hidden_vertex_is_never_applied_but_orders_its_children(tmp_path: Path) -> None:
+    j = Journal()
+    model = make(j, ["h", "c"], [("h", "c")], h={"meta": Meta(hidden=True)})
+    assert asyncio.run(Engine(settings(tmp_path)).run(model)) == 0
+    assert j.runs("h") == 0
+    assert j.runs("c") == 1
+
+
+def test_meta_sema_never_more_than_n_overlap(tmp_path: Path) -> None:
+    j = Journal()
+    names = [f"s{i}" for i in range(9)]
+    params = {
+        n: {"meta": Meta(sema=["disk:3"] if i % 3 else ["disk:3", "net"])}
+        for i, n in enumerate(names)
+    }
+    model = make(j, names, [], **params)
+    assert asyncio.run(Engine(settings(tmp_path)).run(model)) == 0
+    inside = peak = 0
+    net_inside = net_peak = 0
+    for name, what, _ in j.entries:
+        d = 1 if what == "start" else -1
+        inside += d
+        peak = max(peak, inside)
+        if int(name[1:]) % 3 == 0:
+            net_inside += d
+            net_peak = max(net_peak, net_inside)
+    assert peak == 3
+    assert net_peak == 1

@@ -110,17 +110,33 @@ class Engine:
         self.converger.busy()
         old = self.vertices
         removed, added, common = diff_keys(old, model.resources)
+        replaced: dict[str, Vertex] = {}
+        rewatch: list[Vertex] = []
         for ident in common:
             if not old[ident].res.cmp(model.resources[ident]):
                 removed.append(ident)
                 added.append(ident)
+                replaced[ident] = old[ident]
+            elif old[ident].failed and old[ident].res.meta.rewatch:
+                rewatch.append(old[ident])
         for ident in removed:
-            await self._stop_vertex(old.pop(ident))
+            await self._stop_vertex(old.pop(ident), leaving=ident not in replaced)
         new_vs: list[Vertex] = []
         for ident in added:
             v = Vertex(self, model.resources[ident])
+            prev = replaced.get(ident)
+            if prev is not None and not v.res.meta.reset:
+                # The retry budget is the resource's, not the vertex's: a
+                # parameter change does not buy a fresh one (unless meta.reset).
+                v.retries_left = _carry_retries(prev, v)
             old[ident] = v
             new_vs.append(v)
+        for v in rewatch:
+            log.info("%s: failed before; restarting it (meta.rewatch)", v.ident)
+            await self._stop_vertex(v, leaving=False)
+            fresh = Vertex(self, v.res)
+            old[v.ident] = fresh
+            new_vs.append(fresh)
         # Rewire edges from scratch: cheap, and no stale edge survives.
         for v in old.values():
             v.parents.clear()
@@ -187,7 +203,8 @@ class Engine:
             assert self._tg is not None
             v.watch_task = self._tg.create_task(self._watch(v))
 
-    async def _stop_vertex(self, v: Vertex) -> None:
+    async def _stop_vertex(self, v: Vertex, leaving: bool = True) -> None:
+        """Stop a vertex; `leaving`: its resource leaves the graph (not merely replaced)."""
         self._unsubscribe(v)
         if v.watch_task is not None:
             v.watch_task.cancel()
@@ -200,7 +217,18 @@ class Engine:
         if not v.watch_ready:
             v.watch_ready = True
             self._unready -= 1
+        if leaving and v.res.meta.realize and not v.ever_ok and not v.failed:
+            await self._realize(v)
         await self._call_cleanup(v)
+
+    async def _realize(self, v: Vertex) -> None:
+        """meta.realize: one successful apply before the resource may leave."""
+        log.info("%s: leaving the graph before it was ever applied: applying once", v.ident)
+        try:
+            await self._guarded_check_apply(v, v.res, not self.settings.noop)
+            v.ever_ok = True
+        except Exception as e:
+            log.error("%s: could not be realized before removal: %s", v.ident, e)
 
     def _unsubscribe(self, v: Vertex) -> None:
         if v.unsubscribe is not None:
@@ -313,6 +341,8 @@ class Engine:
 
     async def _guarded_check_apply(self, v: Vertex, res: Resource, apply: bool) -> bool:
         meta = res.meta
+        if meta.limit > 0:
+            await self._take_token(v, meta.limit, meta.burst)
         if not meta.sema and meta.timeout is None and self._global_sema is None:
             return bool(await res.check_apply(apply))  # the common case, kept lean
         semas = [self._sema(s) for s in sorted(meta.sema)]
@@ -328,6 +358,20 @@ class Engine:
             return bool(await call)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    async def _take_token(self, v: Vertex, limit: float, burst: int) -> None:
+        """Token bucket: `burst` starts at once, then `limit` per second."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if v.bucket_at == 0.0:
+            v.tokens, v.bucket_at = float(burst), now
+        v.tokens = min(float(burst), v.tokens + (now - v.bucket_at) * limit)
+        v.bucket_at = now
+        if v.tokens < 1.0:
+            wait = (1.0 - v.tokens) / limit
+            await asyncio.sleep(wait)
+            v.tokens, v.bucket_at = 1.0, loop.time()
+        v.tokens -= 1.0
+
     def _sema(self, spec: str) -> asyncio.Semaphore:
         s = self._semas.get(spec)
         if s is None:
@@ -341,6 +385,7 @@ class Engine:
 
     def _record_success(self, v: Vertex, was_clean: bool, applied: bool) -> None:
         v.ok = True
+        v.ever_ok = True
         v.last_error = None
         if v.refresh_now and not v.refresh_flag and applied:
             self.refresh_store.served(v)
@@ -473,3 +518,12 @@ class Engine:
         for v in self.vertices.values():
             await self._call_cleanup(v)
         aux[0].cancel()
+
+
+def _carry_retries(prev: Vertex, new: Vertex) -> int:
+    """Retries left for a replaced vertex: the old budget's use, against the new budget."""
+    budget = new.res.meta.retry
+    if budget < 0 or prev.res.meta.retry < 0:
+        return budget
+    used = max(0, prev.res.meta.retry - prev.retries_left)
+    return max(0, budget - used)

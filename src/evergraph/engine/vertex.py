@@ -24,10 +24,12 @@ _loggers: dict[str, logging.Logger] = {}
 class Vertex:
     __slots__ = (
         "apply_task",
+        "bucket_at",
         "changed_count",
         "children",
         "clean_count",
         "engine",
+        "ever_ok",
         "fail_count",
         "failed",
         "ident",
@@ -42,6 +44,7 @@ class Vertex:
         "retries_left",
         "retry_wait",
         "running",
+        "tokens",
         "unsubscribe",
         "watch_ready",
         "watch_task",
@@ -73,6 +76,11 @@ class Vertex:
         self.apply_task: asyncio.Task[None] | None = None
         self.watch_task: asyncio.Task[None] | None = None
         self.unsubscribe: Callable[[], None] | None = None
+        #: token bucket for meta.limit/burst
+        self.tokens = 0.0
+        self.bucket_at = 0.0
+        #: succeeded at least once (meta.realize)
+        self.ever_ok = False
         self.changed_count = 0
         self.clean_count = 0
         self.fail_count = 0
