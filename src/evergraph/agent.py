@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from evergraph.engine.contract import Registry, default_registry
 from evergraph.engine.engine import Engine
 from evergraph.engine.model import GraphModel
+from evergraph.engine.prepare import prepare
 from evergraph.engine.settings import Settings, default_state_dir
 from evergraph.errors import InputError
 from evergraph.frontends.yaml import YamlFrontend
 
 GRAPH_SUFFIXES = (".yaml", ".yml")
+
+log = logging.getLogger("evergraph.agent")
 
 
 def builtin_registry() -> Registry:
@@ -40,6 +45,21 @@ def prepare_state_dir(state_dir: Path | None) -> Path:
     return d
 
 
+def prepare_model(model: GraphModel, settings: Settings) -> GraphModel:
+    """Automatic edges and grouping, as the settings say; InputError on a cycle."""
+    return prepare(model, autoedges=settings.autoedges, autogroup=settings.autogroup)
+
+
+async def prepared(
+    updates: AsyncIterator[GraphModel], settings: Settings
+) -> AsyncIterator[GraphModel]:
+    async for model in updates:
+        try:
+            yield prepare_model(model, settings)
+        except InputError as e:
+            log.error("%s (the running graph is kept)", e)
+
+
 async def run_agent(
     settings: Settings,
     model: GraphModel,
@@ -53,7 +73,11 @@ async def run_agent(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, engine.request_stop)
     try:
-        updates = frontend.updates(engine.watcher) if frontend and settings.watch else None
+        updates = (
+            prepared(frontend.updates(engine.watcher), settings)
+            if frontend and settings.watch
+            else None
+        )
         return await engine.run(model, updates)
     finally:
         if handle_signals:

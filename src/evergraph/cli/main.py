@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -59,6 +60,12 @@ def cli() -> None:
 )
 @click.option("--no-watch", is_flag=True, help="Check each resource once; do not watch.")
 @click.option(
+    "--no-autoedges",
+    is_flag=True,
+    help="No automatic edges (file after its parent directory, ...).",
+)
+@click.option("--no-autogroup", is_flag=True, help="No automatic grouping of groupable resources.")
+@click.option(
     "--converged-timeout",
     type=click.FloatRange(min=0),
     default=None,
@@ -82,6 +89,11 @@ def cli() -> None:
     help="Stop after this many seconds.",
 )
 @click.option(
+    "--graphviz",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the running graph as Graphviz dot to this file (on each swap).",
+)
+@click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),
     default="text",
@@ -96,10 +108,13 @@ def run(
     noop: bool,
     sema: int,
     no_watch: bool,
+    no_autoedges: bool,
+    no_autogroup: bool,
     converged_timeout: float | None,
     converged_exit: bool,
     converged_status_file: Path | None,
     max_runtime: float | None,
+    graphviz: Path | None,
     log_format: str,
     verbose: int,
 ) -> None:
@@ -116,30 +131,40 @@ def run(
       evergraph run site.yaml --noop --converged-exit       # what would change?
       evergraph run site.yaml --converged-timeout 5 --converged-status-file /run/eg.status
     """
-    from evergraph.agent import builtin_registry, open_frontend, prepare_state_dir, run_agent
+    from evergraph.agent import (
+        builtin_registry,
+        open_frontend,
+        prepare_model,
+        prepare_state_dir,
+        run_agent,
+    )
     from evergraph.cli.logs import setup_logging
     from evergraph.engine.settings import Settings
 
     setup_logging(log_format, verbose)
+    if converged_exit and converged_timeout is None:
+        converged_timeout = 0.0
     try:
         frontend = open_frontend(file, builtin_registry())
         model = frontend.load()
-        sd = prepare_state_dir(state_dir)
+        settings = Settings(
+            state_dir=state_dir or Path(),
+            hostname=hostname,
+            noop=noop,
+            sema=sema,
+            watch=not no_watch,
+            autoedges=not no_autoedges,
+            autogroup=not no_autogroup,
+            converged_timeout=converged_timeout,
+            converged_exit=converged_exit,
+            converged_status_file=converged_status_file,
+            max_runtime=max_runtime,
+            graphviz=graphviz,
+        )
+        model = prepare_model(model, settings)
+        settings = replace(settings, state_dir=prepare_state_dir(state_dir))
     except InputError as e:
         _die(e)
-    if converged_exit and converged_timeout is None:
-        converged_timeout = 0.0
-    settings = Settings(
-        state_dir=sd,
-        hostname=hostname,
-        noop=noop,
-        sema=sema,
-        watch=not no_watch,
-        converged_timeout=converged_timeout,
-        converged_exit=converged_exit,
-        converged_status_file=converged_status_file,
-        max_runtime=max_runtime,
-    )
     sys.exit(asyncio.run(run_agent(settings, model, frontend)))
 
 
@@ -164,6 +189,39 @@ def check(file: Path) -> None:
         f"{file}: graph {model.name or '(unnamed)'!r} is valid: "
         f"{len(model.resources)} resources ({per_kind or 'none'}), {len(model.edges)} edges"
     )
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["dot", "json"]),
+    default="dot",
+    show_default=True,
+    help="Graphviz dot, or JSON for scripts.",
+)
+@click.option("--no-autoedges", is_flag=True, help="Without automatic edges.")
+@click.option("--no-autogroup", is_flag=True, help="Without automatic grouping.")
+def graph(file: Path, fmt: str, no_autoedges: bool, no_autogroup: bool) -> None:
+    """Print the graph in FILE as the engine would run it (after automatic
+    edges and grouping); change nothing.
+
+    \b
+    Examples:
+      evergraph graph site.yaml | dot -Tsvg > site.svg
+      evergraph graph site.yaml --format json | jq '.edges[] | select(.auto)'
+    """
+    from evergraph.agent import builtin_registry, open_frontend
+    from evergraph.engine.prepare import prepare
+    from evergraph.engine.render import to_dot, to_json
+
+    try:
+        model = open_frontend(file, builtin_registry()).load()
+        prepare(model, autoedges=not no_autoedges, autogroup=not no_autogroup)
+    except InputError as e:
+        _die(e)
+    click.echo(to_dot(model) if fmt == "dot" else to_json(model), nl=False)
 
 
 @cli.command(context_settings=CONTEXT)

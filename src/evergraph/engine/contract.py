@@ -120,6 +120,8 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
     """Base of every resource kind. Subclasses declare parameters as fields."""
 
     kind: ClassVar[str] = ""
+    #: vertices of this kind that cannot reach each other may merge into one
+    groupable: ClassVar[bool] = False
     name: Annotated[str, doc("the resource's name; `kind[name]` is its identity")]
     meta: Annotated[Meta, doc("meta parameters (see `evergraph docs resources`)")] = DEFAULT_META
 
@@ -138,10 +140,51 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
         raise NotImplementedError
 
     def cmp(self, other: Resource) -> bool:
-        return type(self) is type(other) and self == other
+        return (
+            type(self) is type(other)
+            and self == other
+            and self.group_members == other.group_members
+        )
 
     async def cleanup(self) -> None:
         """Release what init took."""
+
+    # -- optional abilities (override to take part) -------------------------
+    def autoedge_provides(self) -> list[str]:
+        """Keys other resources may depend on, e.g. `path:/etc/app/` for a directory."""
+        return []
+
+    def autoedge_wants(self) -> list[list[str]]:
+        """Groups of keys this resource depends on; per group the first managed key wins.
+
+        Example: a file wants its nearest managed parent directory:
+        `[["path:/a/b/", "path:/a/", "path:/"]]`.
+        """
+        return []
+
+    def group_key(self) -> tuple[object, ...]:
+        """Only resources with equal keys group (pkg: the same target state)."""
+        return ()
+
+    @property
+    def group_members(self) -> list[Resource]:
+        """Resources merged into this one by autogrouping (empty when not grouped)."""
+        members: list[Resource] | None = getattr(self, "_group_members", None)
+        if members is None:
+            members = []
+            self._group_members = members
+        return members
+
+    async def check_apply_group(self, apply: bool) -> bool:
+        """check_apply for a grouped vertex: this resource and its members.
+
+        The default handles them one by one; a kind overrides it to act on all
+        at once (pkg: one transaction).
+        """
+        clean = True
+        for res in (self, *self.group_members):
+            clean = await res.check_apply(apply) and clean
+        return clean
 
     # -- helpers ----------------------------------------------------------
     @property

@@ -152,6 +152,8 @@ class Engine:
             if e.notify and (e.from_id, e.to_id, True) not in seen:
                 seen.add((e.from_id, e.to_id, True))
                 a.notify_children.append(b)
+        if self.settings.graphviz is not None:
+            self._write_graphviz(model)
         first = not self.graph_name and not removed and len(new_vs) == len(old)
         self.graph_name = model.name or "(unnamed)"
         if first:
@@ -177,10 +179,24 @@ class Engine:
                 self._poke(v)
         self._check_idle()
 
+    def _write_graphviz(self, model: GraphModel) -> None:
+        from evergraph.engine.render import to_dot
+
+        path = self.settings.graphviz
+        assert path is not None
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            tmp.write_text(to_dot(model))
+            tmp.replace(path)
+        except OSError as e:
+            log.error("cannot write the graphviz file %s: %s", path, e)
+
     async def _start_vertex(self, v: Vertex) -> None:
         res = v.res
         try:
             await res.init(v)
+            for member in res.group_members:
+                await member.init(v)
         except Exception as e:
             self._fail_permanently(v, f"init failed: {e}")
             return
@@ -192,6 +208,16 @@ class Engine:
         if poll == 0:
             try:
                 v.unsubscribe = res.subscribe()
+                if v.unsubscribe is not None and res.group_members:
+                    # members of a group watch passively too; one unsubscribe for all
+                    subs = [v.unsubscribe, *(m.subscribe() for m in res.group_members)]
+
+                    def unsubscribe_all() -> None:
+                        for u in subs:
+                            if u is not None:
+                                u()
+
+                    v.unsubscribe = unsubscribe_all
             except Exception as e:
                 self._fail_permanently(v, f"watch failed: {e}")
                 return
@@ -239,10 +265,11 @@ class Engine:
                 log.error("%s: unsubscribing its watch failed: %s", v.ident, e)
 
     async def _call_cleanup(self, v: Vertex) -> None:
-        try:
-            await v.res.cleanup()
-        except Exception as e:
-            log.error("%s: cleanup failed: %s", v.ident, e)
+        for res in (v.res, *v.res.group_members):
+            try:
+                await res.cleanup()
+            except Exception as e:
+                log.error("%s: cleanup failed: %s", res.ident, e)
 
     async def _follow(self, updates: AsyncIterator[GraphModel]) -> None:
         async for model in updates:
@@ -343,17 +370,22 @@ class Engine:
         meta = res.meta
         if meta.limit > 0:
             await self._take_token(v, meta.limit, meta.burst)
+        grouped = getattr(res, "_group_members", None)
+        if grouped:
+            return await self._guarded(res.check_apply_group(apply), meta.sema, meta.timeout)
         if not meta.sema and meta.timeout is None and self._global_sema is None:
             return bool(await res.check_apply(apply))  # the common case, kept lean
-        semas = [self._sema(s) for s in sorted(meta.sema)]
+        return await self._guarded(res.check_apply(apply), meta.sema, meta.timeout)
+
+    async def _guarded(self, call: Awaitable[bool], sema: list[str], timeout: float | None) -> bool:
+        semas = [self._sema(s) for s in sorted(sema)]
         if self._global_sema is not None:
             semas.insert(0, self._global_sema)
         async with contextlib.AsyncExitStack() as stack:
             for s in semas:
                 await stack.enter_async_context(s)
-            call: Awaitable[bool] = res.check_apply(apply)
-            if res.meta.timeout is not None:
-                async with asyncio.timeout(res.meta.timeout):
+            if timeout is not None:
+                async with asyncio.timeout(timeout):
                     return bool(await call)
             return bool(await call)
         raise AssertionError("unreachable")  # pragma: no cover

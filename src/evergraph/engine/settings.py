@@ -29,6 +29,10 @@ class Settings:
     converged_exit: bool = False
     converged_status_file: Path | None = None
     max_runtime: float | None = None
+    #: write the running graph as dot here after each swap
+    graphviz: Path | None = None
+    autoedges: bool = True
+    autogroup: bool = True
 
     def host(self) -> str:
         return self.hostname or socket.gethostname()

@@ -49,6 +49,16 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         if self.cwd and not self.cwd.startswith("/"):
             raise self.bad("cwd", f"{self.cwd!r} is not an absolute path")
 
+    def autoedge_wants(self) -> list[list[str]]:
+        # the managed file that is this command's program
+        try:
+            argv = shlex.split(self.cmd) if not self.shell else []
+        except ValueError:
+            return []
+        if argv and argv[0].startswith("/"):
+            return [[f"path:{os.path.normpath(argv[0])}"]]
+        return []
+
     async def init(self, handle: Handle) -> None:
         await super().init(handle)
         self.stdout = ""

@@ -95,6 +95,21 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         if path.endswith("/") and self.content is not None:
             raise self.bad("content", "a directory (path ends with /) cannot have content")
 
+    def autoedge_provides(self) -> list[str]:
+        path = os.path.normpath(self.path or self.name)
+        return [f"path:{path}/" if (self.path or self.name).endswith("/") else f"path:{path}"]
+
+    def autoedge_wants(self) -> list[list[str]]:
+        # nearest managed parent directory first
+        parents = []
+        d = os.path.dirname(os.path.normpath(self.path or self.name))
+        while True:
+            parents.append(f"path:{d.rstrip('/')}/")
+            if d in ("/", ""):
+                break
+            d = os.path.dirname(d)
+        return [parents]
+
     async def init(self, handle: Handle) -> None:
         await super().init(handle)
         path = self.path or self.name

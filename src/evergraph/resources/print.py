@@ -12,6 +12,8 @@ class Print(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     """Logs `msg` when it is new (and on refresh). It changes nothing on the machine, so
     it is always clean: a second run of the same graph reports no change."""
 
+    groupable = True
+
     msg: Annotated[str, doc("the message to log")] = ""
     refresh_only: Annotated[bool, doc("log only when refreshed by a notify edge")] = False
 
