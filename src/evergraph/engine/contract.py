@@ -122,6 +122,8 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
     kind: ClassVar[str] = ""
     #: vertices of this kind that cannot reach each other may merge into one
     groupable: ClassVar[bool] = False
+    #: values this kind can send over an edge, with their types: {"stdout": str}
+    sends: ClassVar[dict[str, Any]] = {}
     name: Annotated[str, doc("the resource's name; `kind[name]` is its identity")]
     meta: Annotated[Meta, doc("meta parameters (see `evergraph docs resources`)")] = DEFAULT_META
 
@@ -161,6 +163,10 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
         `[["path:/a/b/", "path:/a/", "path:/"]]`.
         """
         return []
+
+    def sent(self) -> dict[str, object]:
+        """The values produced so far (keys of `sends`); only those are sent."""
+        return {}
 
     def group_key(self) -> tuple[object, ...]:
         """Only resources with equal keys group (pkg: the same target state)."""

@@ -24,6 +24,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
+
 from evergraph.engine.contract import Resource
 from evergraph.engine.converger import Converger
 from evergraph.engine.model import GraphModel
@@ -112,8 +114,17 @@ class Engine:
         removed, added, common = diff_keys(old, model.resources)
         replaced: dict[str, Vertex] = {}
         rewatch: list[Vertex] = []
+        receiving = {(e.to_id, e.recv) for e in model.edges if e.recv is not None}
         for ident in common:
-            if not old[ident].res.cmp(model.resources[ident]):
+            prev = old[ident]
+            if prev.received:
+                # Pre-fill values received at run time, so that a receiver
+                # whose declared parameters did not change is kept.
+                carried = {k: val for k, val in prev.received.items() if (ident, k) in receiving}
+                prev.received = carried
+                if carried:
+                    model.resources[ident] = _with_values(model.resources[ident], carried)
+            if not prev.res.cmp(model.resources[ident]):
                 removed.append(ident)
                 added.append(ident)
                 replaced[ident] = old[ident]
@@ -124,11 +135,14 @@ class Engine:
         new_vs: list[Vertex] = []
         for ident in added:
             v = Vertex(self, model.resources[ident])
-            prev = replaced.get(ident)
-            if prev is not None and not v.res.meta.reset:
-                # The retry budget is the resource's, not the vertex's: a
-                # parameter change does not buy a fresh one (unless meta.reset).
-                v.retries_left = _carry_retries(prev, v)
+            before = replaced.get(ident)
+            if before is not None:
+                if not v.res.meta.reset:
+                    # The retry budget is the resource's, not the vertex's: a
+                    # parameter change does not buy a fresh one (unless meta.reset).
+                    v.retries_left = _carry_retries(before, v)
+                # values received before still hold until the sender sends again
+                v.inbox = dict(before.received)
             old[ident] = v
             new_vs.append(v)
         for v in rewatch:
@@ -142,6 +156,7 @@ class Engine:
             v.parents.clear()
             v.children.clear()
             v.notify_children.clear()
+            v.send_edges.clear()
         seen: set[tuple[str, str, bool]] = set()
         for e in model.edges:
             a, b = old[e.from_id], old[e.to_id]
@@ -149,6 +164,8 @@ class Engine:
                 seen.add((e.from_id, e.to_id, False))
                 a.children.append(b)
                 b.parents.append(a)
+            if e.send is not None and e.recv is not None:
+                a.send_edges.append((e.send, b, e.recv))
             if e.notify and (e.from_id, e.to_id, True) not in seen:
                 seen.add((e.from_id, e.to_id, True))
                 a.notify_children.append(b)
@@ -178,6 +195,43 @@ class Engine:
             if v.pending:
                 self._poke(v)
         self._check_idle()
+
+    async def _receive(self, v: Vertex) -> Resource:
+        """Apply received values: a new resource with them, validated, re-initialised."""
+        values, v.inbox = v.inbox, {}
+        new = _with_values(v.res, values)
+        new.meta.check(new.ident)
+        new.validate()  # an InputError here is this vertex's failure
+        self._unsubscribe(v)
+        if v.watch_task is not None:
+            v.watch_task.cancel()
+            with contextlib.suppress(BaseException):
+                await v.watch_task
+            v.watch_task = None
+            if not v.watch_ready:
+                v.watch_ready = True
+                self._unready -= 1
+        await self._call_cleanup(v)
+        v.res = new
+        v.received.update(values)
+        await self._start_vertex(v)
+        log.info(
+            "%s: received %s", v.ident, ", ".join(f"{k}={_short(val)}" for k, val in values.items())
+        )
+        return new
+
+    def _send(self, v: Vertex) -> None:
+        values = v.res.sent()
+        if not values:
+            return
+        for send, c, recv in v.send_edges:
+            if send not in values:
+                continue
+            value = values[send]
+            current = c.inbox.get(recv, c.received.get(recv, getattr(c.res, recv, None)))
+            if current != value:
+                c.inbox[recv] = value
+                c.pending = True
 
     def _write_graphviz(self, model: GraphModel) -> None:
         from evergraph.engine.render import to_dot
@@ -344,6 +398,8 @@ class Engine:
         error: str | None = None
         result = True
         try:
+            if v.inbox:
+                res = await self._receive(v)
             result = await self._guarded_check_apply(v, res, apply)
         except asyncio.CancelledError:
             error = "cancelled"
@@ -442,6 +498,8 @@ class Engine:
                 log.info("%s: would change (noop)", v.ident)
             if self.observer:
                 self.observer(v, "changed")
+        if v.send_edges:
+            self._send(v)
         for c in v.children:
             self._poke(c)
         if v.pending:
@@ -559,3 +617,16 @@ def _carry_retries(prev: Vertex, new: Vertex) -> int:
         return budget
     used = max(0, prev.res.meta.retry - prev.retries_left)
     return max(0, budget - used)
+
+
+def _with_values(res: Resource, values: dict[str, object]) -> Resource:
+    """A copy of `res` with some parameters replaced (group members kept)."""
+    new = msgspec.structs.replace(res, **values)
+    if res.group_members:
+        new.group_members.extend(res.group_members)
+    return new
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

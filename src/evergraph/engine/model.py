@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
 from evergraph.engine.contract import Resource
 from evergraph.errors import InputError
@@ -54,6 +56,8 @@ class GraphModel:
                 raise InputError(f"edge names {end}, which is not a resource of this graph", origin)
         if edge.from_id == edge.to_id:
             raise InputError(f"edge from {edge.from_id} to itself", origin)
+        if edge.send is not None or edge.recv is not None:
+            check_send_recv(self.resources[edge.from_id], edge, self.resources[edge.to_id], origin)
         self.edges.append(edge)
 
     def dag(self) -> DAG[str]:
@@ -83,3 +87,46 @@ class GraphCycleError(InputError):
     def __init__(self, cycle: list[str], where: str = "") -> None:
         super().__init__("the graph has a cycle: " + " -> ".join(cycle), where)
         self.cycle = cycle
+
+
+def _type_name(t: object) -> str:
+    return getattr(t, "__name__", None) or str(t).replace("typing.", "")
+
+
+def _accepts(field_type: object, value_type: object) -> bool:
+    """Whether a field declared `field_type` takes values of `value_type`."""
+    if get_origin(field_type) is Annotated:
+        field_type = get_args(field_type)[0]
+    if field_type == value_type or field_type is Any:
+        return True
+    if isinstance(field_type, UnionType) or get_origin(field_type) is Union:
+        return any(_accepts(a, value_type) for a in get_args(field_type))
+    return False
+
+
+def check_send_recv(sender: Resource, edge: Edge, receiver: Resource, origin: str = "") -> None:
+    """Types are checked before the graph runs: a mismatch names both ends."""
+    where = f"{edge.from_id}.{edge.send} -> {edge.to_id}.{edge.recv}"
+    if edge.send is None or edge.recv is None:
+        raise InputError(f"edge {where}: send and recv go together", origin)
+    sends = type(sender).sends
+    if edge.send not in sends:
+        offered = ", ".join(sorted(sends)) or "nothing"
+        raise InputError(
+            f"edge {where}: {sender.kind} sends no {edge.send!r} (it sends: {offered})", origin
+        )
+    fields = {f.name: f.type for f in receiver.params()}
+    if edge.recv not in fields:
+        raise InputError(
+            f"edge {where}: {receiver.kind} has no parameter {edge.recv!r} "
+            f"(parameters: {', '.join(sorted(fields))})",
+            origin,
+        )
+    sent_type = sends[edge.send]
+    if not _accepts(fields[edge.recv], sent_type):
+        raise InputError(
+            f"edge {where}: type mismatch: {sender.kind}.{edge.send} is "
+            f"{_type_name(sent_type)}, {receiver.kind}.{edge.recv} takes "
+            f"{_type_name(fields[edge.recv])}",
+            origin,
+        )

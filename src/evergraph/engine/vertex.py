@@ -33,17 +33,20 @@ class Vertex:
         "fail_count",
         "failed",
         "ident",
+        "inbox",
         "last_error",
         "notify_children",
         "ok",
         "parents",
         "pending",
+        "received",
         "refresh_flag",
         "refresh_now",
         "res",
         "retries_left",
         "retry_wait",
         "running",
+        "send_edges",
         "tokens",
         "unsubscribe",
         "watch_ready",
@@ -57,6 +60,11 @@ class Vertex:
         self.parents: list[Vertex] = []
         self.children: list[Vertex] = []
         self.notify_children: list[Vertex] = []
+        #: (value sent, receiving vertex, its field) for each send/recv edge out of here
+        self.send_edges: list[tuple[str, Vertex, str]] = []
+        #: received values now in effect on `res`, and ones waiting for the next run
+        self.received: dict[str, object] = {}
+        self.inbox: dict[str, object] = {}
         hidden = res.meta.hidden
         #: needs a check: at startup, after an event, a refresh or a retry
         self.pending = not hidden

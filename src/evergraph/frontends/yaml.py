@@ -265,28 +265,35 @@ def _edge(item: object, path: tuple[PathPart, ...], fail: Callable[..., InputErr
                 f"unknown edge key {k!r} (expected: {', '.join(_EDGE_KEYS)})", (*path, k), key=True
             )
     ends: list[str] = []
-    for side in ("from", "to"):
+    values: dict[str, str | None] = {"from": None, "to": None}
+    for side, value_key in (("from", "send"), ("to", "recv")):
         end = item.get(side)
         if not isinstance(end, dict):
             raise fail(f"edge `{side}:` must be a mapping {{kind: ..., name: ...}}", (*path, side))
         for k in end:
-            if k not in _END_KEYS:
-                if k in ("send", "recv"):
-                    raise fail("send/recv edges are not supported yet", (*path, side, k), True)
+            if k not in (*_END_KEYS, value_key):
                 raise fail(
-                    f"unknown key {k!r} in edge `{side}:` (expected: kind, name)",
+                    f"unknown key {k!r} in edge `{side}:` (expected: kind, name, {value_key})",
                     (*path, side, k),
                     key=True,
                 )
         kind, name = end.get("kind"), end.get("name")
         if not isinstance(kind, str) or not isinstance(name, str):
             raise fail(f"edge `{side}:` needs `kind:` and `name:` strings", (*path, side))
+        value = end.get(value_key)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise fail(f"edge `{side}.{value_key}:` must name a field", (*path, side, value_key))
+        values[side] = value
         ends.append(f"{kind}[{name}]")
+    if (values["from"] is None) != (values["to"] is None):
+        raise fail("an edge that sends a value needs both `from.send:` and `to.recv:`", path)
     notify = item.get("notify", False)
     if not isinstance(notify, bool):
         raise fail("edge `notify:` must be true or false", (*path, "notify"))
     ename = item.get("name", "")
-    return Edge(ends[0], ends[1], notify=notify, name=str(ename))
+    return Edge(
+        ends[0], ends[1], notify=notify, send=values["from"], recv=values["to"], name=str(ename)
+    )
 
 
 def load_yaml(path: str | Path, registry: Registry) -> GraphModel:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import shlex
-from typing import Annotated
+from typing import Annotated, Any, ClassVar
 
 from evergraph.engine.contract import Handle, Resource, doc, register
 from evergraph.errors import ResourceError
@@ -33,6 +33,13 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     creates: Annotated[str, doc("guard: run cmd only if this path does not exist")] = ""
     refresh_only: Annotated[bool, doc("guard: run only when refreshed by a notify edge")] = False
     watchcmd: Annotated[str, doc("long-running command; each line it prints is an event")] = ""
+
+    sends: ClassVar[dict[str, Any]] = {"stdout": str, "stderr": str, "output": str}
+
+    def sent(self) -> dict[str, object]:
+        if not self.ran:
+            return {}  # a guarded command that did not run sends nothing
+        return {"stdout": self.stdout, "stderr": self.stderr, "output": self.output}
 
     def validate(self) -> None:
         if not self.cmd.strip():
@@ -64,6 +71,7 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         self.stdout = ""
         self.stderr = ""
         self.output = ""
+        self.ran = False
 
     def _argv(self, line: str) -> list[str]:
         return [self.shell, "-c", line] if self.shell else shlex.split(line)
@@ -95,6 +103,7 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         done = await self._run(self.cmd, "cmd")
         self.stdout, self.stderr = done.stdout, done.stderr
         self.output = done.stdout + done.stderr
+        self.ran = True
         if done.returncode != 0:
             tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-3:]
             detail = (": " + " | ".join(tail)) if tail else ""
