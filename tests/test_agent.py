@@ -341,3 +341,57 @@ edges:
     r = run_cli("run", g, "--state-dir", tmp_path / "s", "--converged-exit")
     assert r.returncode == 0
     assert log.read_text() == "reload\nreload\n", "a clean conf owes no reload"
+
+
+def test_reverse_restores_prior_state_on_removal_and_across_restart(
+    tmp_path: Path,
+    agents,  # type: ignore[no-untyped-def]
+) -> None:
+    existing = tmp_path / "existing.conf"
+    existing.write_text("original\n")
+    os.chmod(existing, 0o640)
+    fresh = tmp_path / "fresh.conf"
+    g = tmp_path / "g.yaml"
+    state = tmp_path / "s"
+
+    def graph(with_existing: bool, with_fresh: bool) -> str:
+        body = "  noop:\n  - name: keep\n  file:\n"
+        if with_existing:
+            body += (
+                f'  - name: existing\n    path: {existing}\n    content: "managed\\n"\n'
+                '    mode: "0600"\n    meta: {reverse: true}\n'
+            )
+        if with_fresh:
+            body += (
+                f"  - name: fresh\n    path: {fresh}\n    content: new\n"
+                "    meta: {reverse: true}\n"
+            )
+        return "graph: rev\nresources:\n" + body
+
+    g.write_text(graph(True, True))
+    agent: Agent = agents(g, state)
+    agent.wait_converged()
+    assert existing.read_text() == "managed\n"
+    assert fresh.read_text() == "new"
+    # Removed from the running graph: the prior state comes back.
+    g.write_text(graph(False, True))
+    wait_for(lambda: existing.read_text() == "original\n", what="content restored")
+    assert stat.S_IMODE(existing.stat().st_mode) == 0o640
+    assert agent.stop() == 0
+    # Removed while the agent was down: reversed at the next start.
+    g.write_text(graph(False, False))
+    r = run_cli("run", g, "--state-dir", state, "--converged-exit")
+    assert r.returncode == 0, r.stderr
+    assert not fresh.exists(), "a file that did not exist before is removed again"
+    assert "file[fresh]: left the graph: reversed" in r.stderr
+    assert not list(state.rglob("reversal.json"))
+
+
+def test_reverse_on_a_kind_that_cannot_be_reversed_is_a_load_error(tmp_path: Path) -> None:
+    g = tmp_path / "g.yaml"
+    g.write_text(
+        "graph: r\nresources:\n  exec:\n  - name: e\n    cmd: 'true'\n    meta: {reverse: true}\n"
+    )
+    r = run_cli("check", g)
+    assert r.returncode == 2
+    assert "exec[e].meta.reverse: exec resources cannot be reversed" in r.stderr

@@ -164,6 +164,15 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
         """
         return []
 
+    def reversal(self) -> Resource | None:
+        """For `meta.reverse`: a resource that restores the state found now (before our
+        first apply). None: nothing to undo. Kinds that cannot be reversed keep this."""
+        return None
+
+    @classmethod
+    def reversible(cls) -> bool:
+        return cls.reversal is not Resource.reversal
+
     def sent(self) -> dict[str, object]:
         """The values produced so far (keys of `sends`); only those are sent."""
         return {}

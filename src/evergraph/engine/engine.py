@@ -26,11 +26,11 @@ from typing import Any
 
 import msgspec
 
-from evergraph.engine.contract import Resource
+from evergraph.engine.contract import Registry, Resource, default_registry
 from evergraph.engine.converger import Converger
 from evergraph.engine.model import GraphModel
-from evergraph.engine.refresh import RefreshStore
 from evergraph.engine.settings import Settings
+from evergraph.engine.store import Owed, VertexStore
 from evergraph.engine.vertex import Vertex
 from evergraph.errors import InputError
 from evergraph.graph import diff_keys
@@ -44,7 +44,12 @@ Observer = Callable[[Vertex, str], None]
 
 
 class Engine:
-    def __init__(self, settings: Settings, observer: Observer | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        observer: Observer | None = None,
+        registry: Registry | None = None,
+    ) -> None:
         self.settings = settings
         self.hostname = settings.host()
         self.observer = observer
@@ -60,8 +65,9 @@ class Engine:
         self._global_sema = asyncio.Semaphore(settings.sema) if settings.sema > 0 else None
         self._semas: dict[str, asyncio.Semaphore] = {}
         self._timers: set[asyncio.Task[None]] = set()
-        self.refresh_store = RefreshStore(settings.state_dir)
-        self._refresh_loaded = False
+        self.store = VertexStore(settings.state_dir)
+        self._owed_loaded = False
+        self.registry = registry or default_registry
         self._swap_lock = asyncio.Lock()
         self.converger = Converger(
             settings.converged_timeout, settings.converged_status_file, self._on_converged
@@ -183,10 +189,15 @@ class Engine:
                 len(new_vs),
                 len(removed),
             )
-        pending_refresh = self.refresh_store.load() if not self._refresh_loaded else set()
-        self._refresh_loaded = True
+        owed = self.store.load() if not self._owed_loaded else Owed()
+        self._owed_loaded = True
+        for ident, record in owed.reversals.items():
+            if ident not in old:
+                await self._reverse(ident, record)  # left the graph while we were down
+            elif not old[ident].res.meta.reverse:
+                self.store.reversal_done(old[ident].res.kind, old[ident].res.name)
         for v in new_vs:
-            if v.ident in pending_refresh:
+            if v.ident in owed.refresh:
                 v.refresh_flag = True
             await self._start_vertex(v)
         # New vertices start; kept ones that were held back by a parent that
@@ -300,6 +311,56 @@ class Engine:
         if leaving and v.res.meta.realize and not v.ever_ok and not v.failed:
             await self._realize(v)
         await self._call_cleanup(v)
+        if leaving and v.res.meta.reverse:
+            record = self.store.load_reversal(v.res.kind, v.res.name)
+            if record is not None:
+                await self._reverse(v.ident, record)
+
+    def _capture_reversal(self, v: Vertex) -> None:
+        """Before the first apply: record how to restore the state found now."""
+        res = v.res
+        v.reversal_saved = True
+        if self.store.has_reversal(res.kind, res.name):
+            return  # captured by an earlier run: that is the state before us
+        rev = res.reversal()
+        if rev is None:
+            return
+        try:
+            self.store.save_reversal(
+                res.kind, res.name, {"kind": rev.kind, "params": msgspec.to_builtins(rev)}
+            )
+        except OSError as e:
+            log.error("%s: cannot persist its reversal: %s", v.ident, e)
+
+    async def _reverse(self, ident: str, record: dict[str, Any]) -> None:
+        """Apply a persisted reversal once; on success forget it."""
+        kind_name = record.get("kind")
+        cls = self.registry.get(str(kind_name))
+        if cls is None:
+            log.error("%s: reversal of unknown kind %r kept for later", ident, kind_name)
+            return
+        try:
+            rev = msgspec.convert(record["params"], cls)
+            rev.validate()
+        except (msgspec.ValidationError, InputError) as e:
+            log.error("%s: invalid reversal record dropped: %s", ident, e)
+            kind, _, rest = ident.partition("[")
+            self.store.reversal_done(kind, rest[:-1])
+            return
+        if self.settings.noop:
+            log.info("%s: would reverse (noop)", ident)
+            return
+        scratch = Vertex(self, rev)
+        try:
+            await rev.init(scratch)
+            await rev.check_apply(True)
+            await rev.cleanup()
+        except Exception as e:
+            log.error("%s: reversal failed (kept, retried at next start): %s", ident, e)
+            return
+        kind, _, rest = ident.partition("[")
+        self.store.reversal_done(kind, rest[:-1])
+        log.info("%s: left the graph: reversed", ident)
 
     async def _realize(self, v: Vertex) -> None:
         """meta.realize: one successful apply before the resource may leave."""
@@ -400,6 +461,8 @@ class Engine:
         try:
             if v.inbox:
                 res = await self._receive(v)
+            if res.meta.reverse and apply and not v.reversal_saved:
+                self._capture_reversal(v)
             result = await self._guarded_check_apply(v, res, apply)
         except asyncio.CancelledError:
             error = "cancelled"
@@ -476,7 +539,7 @@ class Engine:
         v.ever_ok = True
         v.last_error = None
         if v.refresh_now and not v.refresh_flag and applied:
-            self.refresh_store.served(v)
+            self.store.refresh_served(v)
         v.refresh_now = False
         if v.res.meta.retryreset:
             v.retries_left = v.res.meta.retry
@@ -491,7 +554,7 @@ class Engine:
                 for c in v.notify_children:
                     # Persist before anything else can happen: a crash between
                     # this change and the child's apply must not lose it.
-                    self.refresh_store.owe(c)
+                    self.store.owe_refresh(c)
                     c.refresh_flag = True
                     c.pending = True
             else:

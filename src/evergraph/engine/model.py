@@ -72,6 +72,10 @@ class GraphModel:
         """Validate every resource and the shape; returns a topological order."""
         for res in self.resources.values():
             res.meta.check(res.ident)
+            if res.meta.reverse and not res.reversible():
+                raise InputError(
+                    f"{res.kind} resources cannot be reversed", f"{res.ident}.meta.reverse"
+                )
             res.validate()
         try:
             return self.dag().toposort()

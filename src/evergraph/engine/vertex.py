@@ -45,6 +45,7 @@ class Vertex:
         "res",
         "retries_left",
         "retry_wait",
+        "reversal_saved",
         "running",
         "send_edges",
         "tokens",
@@ -87,6 +88,8 @@ class Vertex:
         #: token bucket for meta.limit/burst
         self.tokens = 0.0
         self.bucket_at = 0.0
+        #: the reversal was captured (or found on disk) before our first apply
+        self.reversal_saved = False
         #: succeeded at least once (meta.realize)
         self.ever_ok = False
         self.changed_count = 0

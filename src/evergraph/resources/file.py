@@ -110,6 +110,27 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             d = os.path.dirname(d)
         return [parents]
 
+    def reversal(self) -> File | None:
+        """What restores the path as it is now: absent, or its current content and mode."""
+        path = os.path.normpath(self.path or self.name)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return File(name=self.name, path=self.path or self.name, state="absent")
+        mode = f"{stat.S_IMODE(st.st_mode):04o}"
+        if stat.S_ISDIR(st.st_mode):
+            return File(name=self.name, path=path.rstrip("/") + "/", mode=mode)
+        if not stat.S_ISREG(st.st_mode):
+            return None  # a symlink or a device: not ours to recreate
+        content = None
+        if self.content is not None or self.state == "absent":
+            try:
+                with open(path, "rb") as f:
+                    content = f.read().decode()
+            except UnicodeDecodeError:
+                content = None  # binary content cannot be kept in a str parameter
+        return File(name=self.name, path=path, content=content, mode=mode)
+
     async def init(self, handle: Handle) -> None:
         await super().init(handle)
         path = self.path or self.name

@@ -1,0 +1,132 @@
+"""Per-vertex state that must survive a crash, under `vertices/<kind>/<name-encoded>/`.
+
+- `refresh`: a notify edge's refresh is owed. Written *before* the child is
+  scheduled and removed only after the child served it, so a kill -9 in
+  between leaves the file and the next start refreshes the child exactly once.
+- `reversal.json`: how to undo a `meta.reverse` resource (its kind and the
+  parameters that restore the state found before its first apply). Applied
+  when the resource leaves the graph, also across a restart.
+
+Every write is temp file + fsync + rename.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
+
+from evergraph.engine.vertex import vertex_dir
+
+if TYPE_CHECKING:
+    from evergraph.engine.vertex import Vertex
+
+log = logging.getLogger("evergraph.engine")
+
+REFRESH = "refresh"
+REVERSAL = "reversal.json"
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+
+
+@dataclass
+class Owed:
+    """What an earlier run left to do."""
+
+    refresh: set[str] = field(default_factory=set)
+    #: identity -> reversal record ({"kind": ..., "params": {...}})
+    reversals: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+class VertexStore:
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.root = state_dir / "vertices"
+
+    def _path(self, kind: str, name: str, what: str) -> Path:
+        return vertex_dir(self.state_dir, kind, name) / what
+
+    # -- refresh ----------------------------------------------------------------
+    def owe_refresh(self, v: Vertex) -> None:
+        try:
+            atomic_write(self._path(v.res.kind, v.res.name, REFRESH), b"1\n")
+        except OSError as e:
+            log.error("%s: cannot persist its pending refresh: %s", v.ident, e)
+
+    def refresh_served(self, v: Vertex) -> None:
+        self._remove(self._path(v.res.kind, v.res.name, REFRESH), v.ident)
+
+    # -- reversal ---------------------------------------------------------------
+    def has_reversal(self, kind: str, name: str) -> bool:
+        return self._path(kind, name, REVERSAL).exists()
+
+    def save_reversal(self, kind: str, name: str, record: dict[str, Any]) -> None:
+        atomic_write(self._path(kind, name, REVERSAL), json.dumps(record).encode())
+
+    def load_reversal(self, kind: str, name: str) -> dict[str, Any] | None:
+        try:
+            with open(self._path(kind, name, REVERSAL), "rb") as f:
+                record = json.loads(f.read())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.error("%s[%s]: unreadable reversal: %s", kind, name, e)
+            return None
+        return record if isinstance(record, dict) else None
+
+    def reversal_done(self, kind: str, name: str) -> None:
+        self._remove(self._path(kind, name, REVERSAL), f"{kind}[{name}]")
+
+    # -- start-up ---------------------------------------------------------------
+    def load(self) -> Owed:
+        owed = Owed()
+        try:
+            kinds = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return owed
+        for kind in kinds:
+            if not kind.is_dir():
+                continue
+            for name in os.scandir(kind.path):
+                ident = f"{kind.name}[{unquote(name.name)}]"
+                if os.path.exists(os.path.join(name.path, REFRESH)):
+                    owed.refresh.add(ident)
+                rev = os.path.join(name.path, REVERSAL)
+                if os.path.exists(rev):
+                    try:
+                        with open(rev, "rb") as f:
+                            record = json.loads(f.read())
+                        if not isinstance(record, dict) or "params" not in record:
+                            raise ValueError("not a reversal record")
+                        owed.reversals[ident] = record
+                    except (OSError, ValueError) as e:
+                        log.error("%s: unreadable reversal %s: %s", ident, rev, e)
+        if owed.refresh:
+            log.info(
+                "%d refreshes owed from the last run: %s",
+                len(owed.refresh),
+                ", ".join(sorted(owed.refresh)),
+            )
+        return owed
+
+    def _remove(self, path: Path, ident: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.error("%s: cannot remove %s: %s", ident, path, e)
