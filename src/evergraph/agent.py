@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from collections.abc import AsyncIterator
@@ -67,6 +68,9 @@ async def run_agent(
     handle_signals: bool = True,
 ) -> int:
     """Converge `model`, follow the frontend's changes, stop on signals; the exit status."""
+    # The graph lives as long as the agent: move it out of the cyclic GC's
+    # generations so collections do not keep re-walking 10k+ long-lived objects.
+    gc.freeze()
     engine = Engine(settings)
     loop = asyncio.get_running_loop()
     if handle_signals:

@@ -46,7 +46,7 @@ def add_autoedges(model: GraphModel) -> int:
     auto = {(e.from_id, e.to_id) for e in added}
     while True:
         try:
-            model.dag().toposort()
+            model.order()
             break
         except CycleError as e:
             cycle = [str(v) for v in e.cycle]

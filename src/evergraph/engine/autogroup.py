@@ -22,7 +22,7 @@ def group_vertices(model: GraphModel) -> int:
     ]
     if len(candidates) < 2:
         return 0
-    order = model.dag().toposort()
+    order = model.order()
     index = {v: i for i, v in enumerate(order)}
     children: dict[str, list[str]] = {v: [] for v in order}
     for e in model.edges:

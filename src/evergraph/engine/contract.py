@@ -18,7 +18,7 @@ Resources import this module and nothing else of the engine.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Protocol, TypeVar
 
@@ -142,11 +142,11 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
         raise NotImplementedError
 
     def cmp(self, other: Resource) -> bool:
-        return (
-            type(self) is type(other)
-            and self == other
-            and self.group_members == other.group_members
-        )
+        if type(self) is not type(other) or self != other:
+            return False
+        mine = getattr(self, "_group_members", None)
+        theirs = getattr(other, "_group_members", None)
+        return mine == theirs if mine and theirs else not mine and not theirs
 
     async def cleanup(self) -> None:
         """Release what init took."""
@@ -156,7 +156,7 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
         """Keys other resources may depend on, e.g. `path:/etc/app/` for a directory."""
         return []
 
-    def autoedge_wants(self) -> list[list[str]]:
+    def autoedge_wants(self) -> Iterable[Iterable[str]]:
         """Groups of keys this resource depends on; per group the first managed key wins.
 
         Example: a file wants its nearest managed parent directory:

@@ -28,7 +28,7 @@ import msgspec
 
 from evergraph.engine.contract import Registry, Resource, default_registry
 from evergraph.engine.converger import Converger
-from evergraph.engine.model import GraphModel
+from evergraph.engine.model import Edge, GraphModel
 from evergraph.engine.settings import Settings
 from evergraph.engine.store import Owed, VertexStore
 from evergraph.engine.vertex import Vertex
@@ -67,6 +67,7 @@ class Engine:
         self._timers: set[asyncio.Task[None]] = set()
         self.store = VertexStore(settings.state_dir)
         self._owed_loaded = False
+        self._edges: list[Edge] = []
         self.registry = registry or default_registry
         self._swap_lock = asyncio.Lock()
         self.converger = Converger(
@@ -157,38 +158,18 @@ class Engine:
             fresh = Vertex(self, v.res)
             old[v.ident] = fresh
             new_vs.append(fresh)
-        # Rewire edges from scratch: cheap, and no stale edge survives.
-        for v in old.values():
-            v.parents.clear()
-            v.children.clear()
-            v.notify_children.clear()
-            v.send_edges.clear()
-        seen: set[tuple[str, str, bool]] = set()
-        for e in model.edges:
-            a, b = old[e.from_id], old[e.to_id]
-            if (e.from_id, e.to_id, False) not in seen:
-                seen.add((e.from_id, e.to_id, False))
-                a.children.append(b)
-                b.parents.append(a)
-            if e.send is not None and e.recv is not None:
-                a.send_edges.append((e.send, b, e.recv))
-            if e.notify and (e.from_id, e.to_id, True) not in seen:
-                seen.add((e.from_id, e.to_id, True))
-                a.notify_children.append(b)
+            replaced[v.ident] = v
+        if model.edges == self._edges:
+            # Same edges (the common live edit): hand each replaced vertex's
+            # place to its successor instead of rewiring the whole graph.
+            for ident, gone in replaced.items():
+                _take_place(gone, old[ident])
+        else:
+            self._rewire(model)
+        self._edges = list(model.edges)
         if self.settings.graphviz is not None:
             self._write_graphviz(model)
-        first = not self.graph_name and not removed and len(new_vs) == len(old)
-        self.graph_name = model.name or "(unnamed)"
-        if first:
-            log.info("graph %s loaded: %d vertices", self.graph_name, len(old))
-        else:
-            log.info(
-                "graph %s swapped: %d vertices, %d started, %d stopped",
-                self.graph_name,
-                len(old),
-                len(new_vs),
-                len(removed),
-            )
+        self._log_swap(model, len(new_vs), len(removed))
         owed = self.store.load() if not self._owed_loaded else Owed()
         self._owed_loaded = True
         for ident, record in owed.reversals.items():
@@ -206,6 +187,41 @@ class Engine:
             if v.pending:
                 self._poke(v)
         self._check_idle()
+
+    def _rewire(self, model: GraphModel) -> None:
+        """Wire every edge of `model` from scratch."""
+        old = self.vertices
+        for v in old.values():
+            v.parents.clear()
+            v.children.clear()
+            v.notify_children.clear()
+            v.send_edges.clear()
+        seen: set[tuple[str, str, bool]] = set()
+        for e in model.edges:
+            a, b = old[e.from_id], old[e.to_id]
+            if (e.from_id, e.to_id, False) not in seen:
+                seen.add((e.from_id, e.to_id, False))
+                a.children.append(b)
+                b.parents.append(a)
+            if e.send is not None and e.recv is not None:
+                a.send_edges.append((e.send, b, e.recv))
+            if e.notify and (e.from_id, e.to_id, True) not in seen:
+                seen.add((e.from_id, e.to_id, True))
+                a.notify_children.append(b)
+
+    def _log_swap(self, model: GraphModel, started: int, stopped: int) -> None:
+        first = not self.graph_name
+        self.graph_name = model.name or "(unnamed)"
+        if first:
+            log.info("graph %s loaded: %d vertices", self.graph_name, len(self.vertices))
+        else:
+            log.info(
+                "graph %s swapped: %d vertices, %d started, %d stopped",
+                self.graph_name,
+                len(self.vertices),
+                started,
+                stopped,
+            )
 
     async def _receive(self, v: Vertex) -> Resource:
         """Apply received values: a new resource with them, validated, re-initialised."""
@@ -693,3 +709,17 @@ def _with_values(res: Resource, values: dict[str, object]) -> Resource:
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _take_place(gone: Vertex, new: Vertex) -> None:
+    """Give `new` the edges of the vertex it replaces, in both directions."""
+    new.parents, new.children = gone.parents, gone.children
+    new.notify_children, new.send_edges = gone.notify_children, gone.send_edges
+    gone.parents, gone.children, gone.notify_children, gone.send_edges = [], [], [], []
+    for p in new.parents:
+        p.children[p.children.index(gone)] = new
+        if gone in p.notify_children:
+            p.notify_children[p.notify_children.index(gone)] = new
+        p.send_edges = [(s, new if c is gone else c, r) for s, c, r in p.send_edges]
+    for c in new.children:
+        c.parents[c.parents.index(gone)] = new

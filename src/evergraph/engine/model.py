@@ -8,7 +8,7 @@ from typing import Annotated, Any, Union, get_args, get_origin
 
 from evergraph.engine.contract import Resource
 from evergraph.errors import InputError
-from evergraph.graph import DAG, CycleError
+from evergraph.graph import DAG, CycleError, topo_order
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,13 +60,12 @@ class GraphModel:
             check_send_recv(self.resources[edge.from_id], edge, self.resources[edge.to_id], origin)
         self.edges.append(edge)
 
+    def order(self) -> list[str]:
+        """A topological order of the identities; raises CycleError."""
+        return topo_order(self.resources, ((e.from_id, e.to_id) for e in self.edges))
+
     def dag(self) -> DAG[str]:
-        g: DAG[str] = DAG()
-        for ident in self.resources:
-            g.add_vertex(ident)
-        for e in self.edges:
-            g.add_edge(e.from_id, e.to_id)
-        return g
+        return DAG.build(self.resources, ((e.from_id, e.to_id) for e in self.edges))
 
     def check(self) -> list[str]:
         """Validate every resource and the shape; returns a topological order."""
@@ -78,7 +77,7 @@ class GraphModel:
                 )
             res.validate()
         try:
-            return self.dag().toposort()
+            return self.order()
         except CycleError as e:
             cyc = [str(v) for v in e.cycle]
             where = self.origins.get(cyc[0], "")

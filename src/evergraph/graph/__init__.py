@@ -3,6 +3,6 @@
 Nothing here knows what a resource is; vertices are any hashable values.
 """
 
-from evergraph.graph.dag import DAG, CycleError, diff_keys
+from evergraph.graph.dag import DAG, CycleError, diff_keys, topo_order
 
-__all__ = ["DAG", "CycleError", "diff_keys"]
+__all__ = ["DAG", "CycleError", "diff_keys", "topo_order"]

@@ -33,6 +33,22 @@ class DAG(Generic[V]):
         self._children: dict[V, dict[V, None]] = {}
         self._parents: dict[V, dict[V, None]] = {}
 
+    @classmethod
+    def build(cls, vertices: Iterable[V], edges: Iterable[tuple[V, V]]) -> DAG[V]:
+        """Bulk construction, several times faster than add_vertex/add_edge calls."""
+        g: DAG[V] = cls()
+        children: dict[V, dict[V, None]] = {v: {} for v in vertices}
+        parents: dict[V, dict[V, None]] = {v: {} for v in children}
+        for a, b in edges:
+            if a not in children:
+                children[a], parents[a] = {}, {}
+            if b not in children:
+                children[b], parents[b] = {}, {}
+            children[a][b] = None
+            parents[b][a] = None
+        g._children, g._parents = children, parents
+        return g
+
     def add_vertex(self, v: V) -> None:
         if v not in self._children:
             self._children[v] = {}
@@ -128,3 +144,36 @@ def diff_keys(old: Mapping[V, object], new: Mapping[V, object]) -> tuple[list[V]
     added = [k for k in new if k not in old]
     common = [k for k in new if k in old]
     return removed, added, common
+
+
+def topo_order(vertices: Iterable[V], edges: Iterable[tuple[V, V]]) -> list[V]:
+    """Topological order straight from an edge list (parallel edges allowed).
+
+    The fast path for validating a graph: no per-vertex dicts are built unless
+    there is a cycle to report.
+    """
+    indeg: dict[V, int] = dict.fromkeys(vertices, 0)
+    children: dict[V, list[V]] = {}
+    edge_list = list(edges)
+    for a, b in edge_list:
+        indeg[b] = indeg.get(b, 0) + 1
+        if a not in indeg:
+            indeg[a] = 0
+        kids = children.get(a)
+        if kids is None:
+            children[a] = [b]
+        else:
+            kids.append(b)
+    ready = [v for v, d in indeg.items() if d == 0]
+    order: list[V] = []
+    while ready:
+        v = ready.pop()
+        order.append(v)
+        for c in children.get(v, ()):
+            d = indeg[c] - 1
+            indeg[c] = d
+            if d == 0:
+                ready.append(c)
+    if len(order) != len(indeg):
+        DAG.build(indeg, edge_list).toposort()  # raises CycleError naming the cycle
+    return order

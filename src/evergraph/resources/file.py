@@ -20,7 +20,7 @@ import errno
 import functools
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Annotated, Literal
 
 from evergraph.engine.contract import Handle, Resource, doc, register
@@ -96,19 +96,21 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             raise self.bad("content", "a directory (path ends with /) cannot have content")
 
     def autoedge_provides(self) -> list[str]:
-        path = os.path.normpath(self.path or self.name)
-        return [f"path:{path}/" if (self.path or self.name).endswith("/") else f"path:{path}"]
+        path = self.path or self.name
+        norm = os.path.normpath(path)
+        return [f"path:{norm.rstrip('/')}/" if path.endswith("/") else f"path:{norm}"]
 
-    def autoedge_wants(self) -> list[list[str]]:
-        # nearest managed parent directory first
-        parents = []
-        d = os.path.dirname(os.path.normpath(self.path or self.name))
-        while True:
-            parents.append(f"path:{d.rstrip('/')}/")
-            if d in ("/", ""):
-                break
-            d = os.path.dirname(d)
-        return [parents]
+    def autoedge_wants(self) -> Iterator[Iterator[str]]:
+        yield self._parent_keys(os.path.normpath(self.path or self.name))
+
+    @staticmethod
+    def _parent_keys(path: str) -> Iterator[str]:
+        # Lazily, nearest first: the first managed one ends the walk.
+        end = path.rfind("/")
+        while end > 0:
+            yield f"path:{path[:end]}/"
+            end = path.rfind("/", 0, end)
+        yield "path:/"
 
     def reversal(self) -> File | None:
         """What restores the path as it is now: absent, or its current content and mode."""
