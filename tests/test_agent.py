@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -14,6 +15,25 @@ from .conftest import REPO, Agent, run_cli, wait_for
 
 def write_graph(path: Path, body: str) -> None:
     path.write_text("graph: t\nresources:\n" + body)
+
+
+def write_notify_graph(path: Path, conf: Path, reload_cmd: str) -> None:
+    """file[conf] (content v1) notifies exec[reload], which runs only when refreshed."""
+    write_graph(
+        path,
+        f"""  file:
+  - name: conf
+    path: {conf}
+    content: "v1\\n"
+  exec:
+  - name: reload
+    shell: /bin/sh
+    refresh_only: true
+    cmd: {json.dumps(reload_cmd)}
+edges:
+- {{from: {{kind: file, name: conf}}, to: {{kind: exec, name: reload}}, notify: true}}
+""",
+    )
 
 
 def test_second_run_changes_nothing(tmp_path: Path) -> None:
@@ -273,21 +293,11 @@ def test_refresh_survives_kill_9_and_is_delivered_once(tmp_path: Path, agents) -
     release = tmp_path / "release"
     pidfile = tmp_path / "reload.pid"
     g = tmp_path / "g.yaml"
-    write_graph(
+    write_notify_graph(
         g,
-        f"""  file:
-  - name: conf
-    path: {conf}
-    content: "v1\\n"
-  exec:
-  - name: reload
-    shell: /bin/sh
-    refresh_only: true
-    cmd: "echo $$ > {pidfile}; echo start >> {log};
-      while [ ! -f {release} ]; do sleep 0.02; done; echo done >> {log}"
-edges:
-- {{from: {{kind: file, name: conf}}, to: {{kind: exec, name: reload}}, notify: true}}
-""",
+        conf,
+        f"echo $$ > {pidfile}; echo start >> {log};"
+        f" while [ ! -f {release} ]; do sleep 0.02; done; echo done >> {log}",
     )
     state = tmp_path / "s"
     first: Agent = agents(g, state)
@@ -317,21 +327,7 @@ def test_notify_refreshes_only_when_the_parent_changed(tmp_path: Path, agents) -
     conf = tmp_path / "app.conf"
     log = tmp_path / "reload.log"
     g = tmp_path / "g.yaml"
-    write_graph(
-        g,
-        f"""  file:
-  - name: conf
-    path: {conf}
-    content: "v1\\n"
-  exec:
-  - name: reload
-    shell: /bin/sh
-    refresh_only: true
-    cmd: "echo reload >> {log}"
-edges:
-- {{from: {{kind: file, name: conf}}, to: {{kind: exec, name: reload}}, notify: true}}
-""",
-    )
+    write_notify_graph(g, conf, f"echo reload >> {log}")
     agent: Agent = agents(g, tmp_path / "s")
     agent.wait_converged()
     assert log.read_text() == "reload\n"
