@@ -1,0 +1,130 @@
+"""Graph operations against mgmt 1.1.0's own figures for its Go engine.
+
+- sync: a running engine with 10k noop vertices (a binary tree) swaps to a
+  graph where 1 % of the vertices changed a parameter (target <= 16 ms);
+- autoedges: 10k files in 100 managed directories (target <= 53 ms);
+- autogroup: 1k independent groupable noop vertices (target <= 179 ms).
+
+Each is timed in-process (median of several rounds after one warm-up round),
+on the library the CLI uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import table, temp_dir, yes_no
+
+TARGETS_MS = {"sync 10k, 1% changed": 16.0, "autoedges 10k files": 53.0, "autogroup 1k": 179.0}
+
+
+def _tree(n: int, changed: set[int]) -> Any:
+    from evergraph.engine.model import Edge, GraphModel
+    from evergraph.resources.noop import Noop
+
+    m = GraphModel(name="sync")
+    for i in range(n):
+        m.add(Noop(name=f"n{i}", comment="changed" if i in changed else ""))
+    for i in range(1, n):
+        m.connect(Edge(f"noop[n{(i - 1) // 2}]", f"noop[n{i}]"))
+    return m
+
+
+async def _sync_rounds(n: int, rounds: int, state: Path) -> list[float]:
+    from evergraph.engine.engine import Engine
+    from evergraph.engine.settings import Settings
+
+    eng = Engine(Settings(state_dir=state, hostname="bench"))
+    task = asyncio.create_task(eng.run(_tree(n, set())))
+    while len(eng.vertices) < n or eng._running:  # converged once
+        await asyncio.sleep(0.01)
+    out = []
+    for k in range(rounds + 1):
+        model = _tree(n, set(range(k % 100, n, 100)))
+        t0 = time.perf_counter()
+        await eng.swap(model)
+        out.append((time.perf_counter() - t0) * 1000)
+        while eng._running:
+            await asyncio.sleep(0.005)
+    eng.request_stop()
+    await task
+    return out[1:]
+
+
+def _autoedges(rounds: int) -> list[float]:
+    from evergraph.engine.autoedge import add_autoedges
+    from evergraph.engine.model import GraphModel
+    from evergraph.resources.file import File
+
+    m = GraphModel(name="files")
+    for d in range(100):
+        m.add(File(name=f"d{d}", path=f"/srv/bench/d{d}/"))
+    for i in range(10_000):
+        m.add(File(name=f"f{i}", path=f"/srv/bench/d{i // 100}/f{i}.txt"))
+    out = []
+    for _ in range(rounds + 1):
+        m.edges.clear()
+        t0 = time.perf_counter()
+        added = add_autoedges(m)
+        out.append((time.perf_counter() - t0) * 1000)
+        assert added == 10_000
+    return out[1:]
+
+
+def _autogroup(rounds: int) -> list[float]:
+    from evergraph.engine.autogroup import group_vertices
+    from evergraph.engine.model import GraphModel
+    from evergraph.resources.noop import Noop
+
+    out = []
+    for _ in range(rounds + 1):
+        m = GraphModel(name="group")
+        for i in range(1_000):
+            m.add(Noop(name=f"n{i}"))
+        t0 = time.perf_counter()
+        merged = group_vertices(m)
+        out.append((time.perf_counter() - t0) * 1000)
+        assert merged == 999
+    return out[1:]
+
+
+def run(quick: bool) -> tuple[list[dict[str, Any]], str]:
+    rounds = 3 if quick else 9
+    with temp_dir("/var/tmp") as tmp:
+        measured = {
+            "sync 10k, 1% changed": asyncio.run(_sync_rounds(10_000, rounds, tmp)),
+            "autoedges 10k files": _autoedges(rounds),
+            "autogroup 1k": _autogroup(rounds),
+        }
+    results, rows = [], []
+    for case, samples in measured.items():
+        med = statistics.median(samples)
+        target = TARGETS_MS[case]
+        results.append(
+            {
+                "case": case,
+                "median_ms": med,
+                "samples_ms": samples,
+                "target_ms": target,
+                "met": med <= target,
+            }
+        )
+        rows.append(
+            [
+                case,
+                f"{med:.1f} ms",
+                f"{min(samples):.1f} ms",
+                f"<= {target:g} ms",
+                yes_no(med <= target),
+            ]
+        )
+    text = table(
+        "graph operations (in-process; mgmt 1.1.0 Go figures as targets)",
+        ["case", "median", "best", "target", "met"],
+        rows,
+    )
+    return results, text
