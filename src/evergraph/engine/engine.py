@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from evergraph._gc import gc_paused
 from evergraph.engine.contract import Registry, Resource, default_registry
 from evergraph.engine.converger import Converger
 from evergraph.engine.model import Edge, GraphModel
@@ -112,7 +113,8 @@ class Engine:
     async def swap(self, model: GraphModel) -> None:
         """Replace the running graph by `model`, keeping unchanged vertices as they are."""
         async with self._swap_lock:
-            await self._swap(model)
+            with gc_paused():
+                await self._swap(model)
 
     async def _swap(self, model: GraphModel) -> None:
         # A swap is activity: the converged status drops and rises again.

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import UnionType
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, NamedTuple, Union, get_args, get_origin
 
 from evergraph.engine.contract import Resource
 from evergraph.errors import InputError
 from evergraph.graph import DAG, CycleError, topo_order
 
 
-@dataclass(frozen=True, slots=True)
-class Edge:
-    """`a -> b`: a before b. `notify`: b is refreshed when a changed something."""
+class Edge(NamedTuple):
+    """`a -> b`: a before b. `notify`: b is refreshed when a changed something.
+
+    A NamedTuple, not a dataclass: graphs of 10k+ edges are built and compared
+    on every load and swap, and tuples are several times cheaper at both.
+    """
 
     from_id: str
     to_id: str

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import yaml_rs
 
+from evergraph._gc import gc_paused
 from evergraph.engine.contract import Registry, Resource
 from evergraph.engine.model import Edge, GraphCycleError, GraphModel
 from evergraph.errors import InputError
@@ -122,6 +123,11 @@ def _plural(kinds: list[str], word: str) -> str:
 
 def parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
     """Parse and validate a yamlgraph document; every error names `file:line:col`."""
+    with gc_paused():
+        return _parse_yaml(text, filename, registry)
+
+
+def _parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
     loc = _Locator(filename, text)
 
     def fail(msg: str, path: tuple[PathPart, ...] = (), key: bool = False) -> InputError:
