@@ -65,16 +65,24 @@ class Probe(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         return self.clean
 
 
+@register("eagerprobe", registry=registry)
+class EagerProbe(Probe, kw_only=True, dict=True, forbid_unknown_fields=True):
+    """The same, run inline by the engine (eager); it suspends on gates."""
+
+    eager = True
+
+
 def make(
     journal: Journal, names: list[str], edges: list[tuple[str, str]], **params: dict
 ) -> GraphModel:  # type: ignore[type-arg]
     model = GraphModel(name="probes")
+    cls = EagerProbe if params.pop("eager", False) else Probe
     for n in names:
         kw = dict(params.get(n, {}))
-        res = Probe(name=n, **kw)
+        res = cls(name=n, **kw)
         res.journal = journal
         model.add(res)
     for a, b in edges:
-        model.connect(Edge(f"probe[{a}]", f"probe[{b}]"))
+        model.connect(Edge(f"{cls.kind}[{a}]", f"{cls.kind}[{b}]"))
     model.check()
     return model

@@ -395,3 +395,62 @@ def test_meta_sema_never_more_than_n_overlap(tmp_path: Path) -> None:
             net_peak = max(net_peak, net_inside)
     assert peak == 3
     assert net_peak == 1
+
+
+def test_eager_kind_that_suspends_is_driven_to_completion(tmp_path: Path) -> None:
+    """An eager (inline) check_apply that awaits after all: coalescing and order hold."""
+    j = Journal()
+    model = make(j, ["x", "child"], [("x", "child")], eager=True)  # type: ignore[arg-type]
+
+    async def main() -> int:
+        j.gates["x"] = asyncio.Event()
+        j.started["x"] = asyncio.Event()
+        eng = Engine(settings(tmp_path))
+        task = asyncio.create_task(eng.run(model))
+        await asyncio.wait_for(j.started["x"].wait(), 5)
+        for _ in range(10):
+            j.handles["x"].event()
+        j.gates["x"].set()
+        return await asyncio.wait_for(task, 10)
+
+    assert asyncio.run(main()) == 0
+    assert j.runs("x") == 2
+    assert j.runs("child") == 1
+    assert j.stamps("child", "start")[0] >= j.stamps("x", "end")[-1]
+
+
+def test_eager_kind_failing_after_suspending_is_retried(tmp_path: Path) -> None:
+    j = Journal()
+    model = make(
+        j,
+        ["f"],
+        [],
+        f={"fail_times": 1, "meta": Meta(retry=1)},
+        eager=True,  # type: ignore[arg-type]
+    )
+
+    async def main() -> int:
+        j.gates["f"] = asyncio.Event()
+        j.gates["f"].set()  # suspends once on the (set) gate's wait, then fails
+        return await asyncio.wait_for(Engine(settings(tmp_path)).run(model), 10)
+
+    assert asyncio.run(main()) == 0
+    assert j.runs("f") == 2
+
+
+def test_eager_kind_suspended_is_cancelled_by_a_second_stop(tmp_path: Path) -> None:
+    j = Journal()
+    model = make(j, ["stuck"], [], eager=True)  # type: ignore[arg-type]
+
+    async def main() -> int:
+        j.gates["stuck"] = asyncio.Event()  # never set
+        j.started["stuck"] = asyncio.Event()
+        eng = Engine(settings(tmp_path, converged_exit=False, converged_timeout=None))
+        task = asyncio.create_task(eng.run(model))
+        await asyncio.wait_for(j.started["stuck"].wait(), 5)
+        eng.request_stop()
+        eng.request_stop()
+        return await asyncio.wait_for(task, 5)
+
+    assert asyncio.run(main()) == 1
+    assert not j.stamps("stuck", "end")

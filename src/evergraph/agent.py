@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from evergraph.engine.contract import Registry, default_registry
@@ -66,8 +67,12 @@ async def run_agent(
     model: GraphModel,
     frontend: YamlFrontend | None = None,
     handle_signals: bool = True,
+    flush: tuple[Callable[[], None], float] | None = None,
 ) -> int:
-    """Converge `model`, follow the frontend's changes, stop on signals; the exit status."""
+    """Converge `model`, follow the frontend's changes, stop on signals; the exit status.
+
+    `flush`: (function, seconds) called periodically while running (log buffers).
+    """
     # The graph lives as long as the agent: move it out of the cyclic GC's
     # generations so collections do not keep re-walking 10k+ long-lived objects.
     gc.freeze()
@@ -82,8 +87,22 @@ async def run_agent(
             if frontend and settings.watch
             else None
         )
-        return await engine.run(model, updates)
+        if flush is None:
+            return await engine.run(model, updates)
+        flusher = asyncio.create_task(_every(*flush))
+        try:
+            return await engine.run(model, updates)
+        finally:
+            flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flusher
     finally:
         if handle_signals:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+
+
+async def _every(fn: Callable[[], None], seconds: float) -> None:
+    while True:
+        await asyncio.sleep(seconds)
+        fn()

@@ -165,7 +165,15 @@ def run(
         settings = replace(settings, state_dir=prepare_state_dir(state_dir))
     except InputError as e:
         _die(e)
-    sys.exit(asyncio.run(run_agent(settings, model, frontend)))
+    from evergraph.cli.logs import FLUSH_INTERVAL, flush_logs
+
+    try:
+        status = asyncio.run(
+            run_agent(settings, model, frontend, flush=(flush_logs, FLUSH_INTERVAL))
+        )
+    finally:
+        flush_logs()
+    sys.exit(status)
 
 
 @cli.command(context_settings=CONTEXT)

@@ -26,13 +26,18 @@ def add_autoedges(model: GraphModel) -> int:
                 index.setdefault(key, ident)
     if not index:
         return 0
+    namespaces = {key.partition(":")[0] for key in index}
     existing = {(e.from_id, e.to_id) for e in model.edges}
     added: list[Edge] = []
     for ident, res in model.resources.items():
         if not res.meta.autoedge:
             continue
         for group in res.autoedge_wants():
-            for key in group:
+            keys = iter(group)
+            first = next(keys, None)
+            if first is None or first.partition(":")[0] not in namespaces:
+                continue  # nothing provides this kind of key: skip the walk
+            for key in itertools.chain((first,), keys):
                 provider = index.get(key)
                 if provider is None or provider == ident:
                     continue

@@ -105,11 +105,22 @@ class Handle(Protocol):
         ...
 
 
+class PathSubscription(Protocol):
+    """Call it to unsubscribe."""
+
+    def __call__(self) -> None: ...
+
+    def settle(self) -> None:
+        """After creating the path's parent directories: watch the parent from now on."""
+
+
 class PathWatcher(Protocol):
     """The engine's shared inotify service (one instance for every resource)."""
 
-    def subscribe(self, path: str, callback: Callable[[], None]) -> Callable[[], None]:
-        """Call `callback` on any change of `path` (even before it exists); returns unsubscribe."""
+    def subscribe(self, path: str, callback: Callable[[int], None]) -> PathSubscription:
+        """Call `callback(mask)` on any change of `path` (even before it exists).
+        `mask` holds inotify bits (e.g. IN_MOVED_TO), or IN_Q_OVERFLOW for "anything
+        may have changed"."""
         ...
 
 
@@ -122,6 +133,9 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
     kind: ClassVar[str] = ""
     #: vertices of this kind that cannot reach each other may merge into one
     groupable: ClassVar[bool] = False
+    #: check_apply is local work that normally completes without awaiting
+    #: (syscalls on local files): the engine may run it inline, without a task
+    eager: ClassVar[bool] = False
     #: values this kind can send over an edge, with their types: {"stdout": str}
     sends: ClassVar[dict[str, Any]] = {}
     name: Annotated[str, doc("the resource's name; `kind[name]` is its identity")]
@@ -153,14 +167,15 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
 
     # -- optional abilities (override to take part) -------------------------
     def autoedge_provides(self) -> list[str]:
-        """Keys other resources may depend on, e.g. `path:/etc/app/` for a directory."""
+        """Keys other resources may depend on, `namespace:value`, e.g. `dir:/etc/app/`."""
         return []
 
     def autoedge_wants(self) -> Iterable[Iterable[str]]:
         """Groups of keys this resource depends on; per group the first managed key wins.
+        All keys of one group share a namespace (the text before the first `:`).
 
         Example: a file wants its nearest managed parent directory:
-        `[["path:/a/b/", "path:/a/", "path:/"]]`.
+        `[["dir:/a/b/", "dir:/a/", "dir:/"]]` (lazily, nearest first).
         """
         return []
 

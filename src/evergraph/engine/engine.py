@@ -18,10 +18,12 @@ an exception becomes a recorded failure of `kind[name]`, never an engine crash.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+import types
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
 from typing import Any
 
 import msgspec
@@ -38,6 +40,9 @@ from evergraph.graph import diff_keys
 from evergraph.watch import InotifyHub
 
 log = logging.getLogger("evergraph.engine")
+
+#: runs started per event-loop turn before other work (signals, events) gets a turn
+DRAIN_BATCH = 1000
 
 #: hook for observers (HTTP, tests): called with (vertex, state) where state is
 #: "running", "clean", "changed", "failed", "retrying"
@@ -66,6 +71,10 @@ class Engine:
         self._global_sema = asyncio.Semaphore(settings.sema) if settings.sema > 0 else None
         self._semas: dict[str, asyncio.Semaphore] = {}
         self._timers: set[asyncio.Task[None]] = set()
+        #: vertices poked and waiting for the next drain (see _poke)
+        self._ready: collections.deque[Vertex] = collections.deque()
+        self._queued = 0
+        self._drain_scheduled = False
         self.store = VertexStore(settings.state_dir)
         self._owed_loaded = False
         self._edges: list[Edge] = []
@@ -454,19 +463,90 @@ class Engine:
 
     # -- scheduling ---------------------------------------------------------------
     def _poke(self, v: Vertex) -> None:
+        """Queue `v` for a run if it may run now (see the module docstring)."""
+        if v.queued or not self._runnable(v):
+            return
+        v.queued = True
+        self._queued += 1
+        self._ready.append(v)
+        self.converger.busy()
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            asyncio.get_running_loop().call_soon(self._drain)
+
+    def _runnable(self, v: Vertex) -> bool:
         if not v.pending or v.running or v.failed or v.retry_wait or not v.watch_ready:
-            return
+            return False
         if self._stopping or self.vertices.get(v.ident) is not v:
-            return
-        for p in v.parents:
-            if not p.clean:
-                return  # held back; p pokes us when it succeeds
+            return False
+        return all(p.clean for p in v.parents)  # else held back: p pokes us on success
+
+    def _drain(self) -> None:
+        """Start queued runs; a batch at a time, so the loop stays responsive."""
+        self._drain_scheduled = False
+        for _ in range(DRAIN_BATCH):
+            if not self._ready:
+                break
+            v = self._ready.popleft()
+            v.queued = False
+            self._queued -= 1
+            if self._runnable(v):  # still: a parent may have turned dirty since
+                self._start(v)
+        if self._ready:
+            self._drain_scheduled = True
+            asyncio.get_running_loop().call_soon(self._drain)
+        self._check_idle()
+
+    def _start(self, v: Vertex) -> None:
         v.running = True
         v.pending = False
         self._running += 1
-        self.converger.busy()
+        res = v.res
+        meta = res.meta
         assert self._tg is not None
-        v.apply_task = self._tg.create_task(self._process(v))
+        if not (
+            res.eager
+            and not meta.sema
+            and meta.timeout is None
+            and meta.limit <= 0
+            and self._global_sema is None
+            and not v.inbox
+            and not meta.reverse
+            and not getattr(res, "_group_members", None)
+        ):
+            v.apply_task = self._tg.create_task(self._process(v))
+            return
+        # Eager: a kind whose check_apply is local syscalls runs inline, with
+        # no task; if it suspends after all, a task drives the rest.
+        apply = not (self.settings.noop or meta.noop)
+        v.refresh_now, v.refresh_flag = v.refresh_flag, False
+        if self.observer:
+            self.observer(v, "running")
+        coro = res.check_apply(apply)
+        try:
+            yielded = coro.send(None)
+        except StopIteration as done:
+            self._finish(v, bool(done.value), None, apply)
+            return
+        except Exception as e:
+            self._finish(v, True, _error_text(e, res), apply)
+            return
+        v.apply_task = self._tg.create_task(self._finish_later(v, coro, yielded, apply))
+
+    async def _finish_later(
+        self, v: Vertex, coro: Coroutine[Any, Any, bool], yielded: Any, apply: bool
+    ) -> None:
+        error: str | None = "cancelled"
+        result = True
+        try:
+            result = bool(await _resume(coro, yielded))
+            error = None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            error = _error_text(e, v.res)
+        finally:
+            self._finish(v, result, error, apply)
 
     async def _process(self, v: Vertex) -> None:
         res = v.res
@@ -474,7 +554,7 @@ class Engine:
         v.refresh_now, v.refresh_flag = v.refresh_flag, False
         if self.observer:
             self.observer(v, "running")
-        error: str | None = None
+        error: str | None = "cancelled"
         result = True
         try:
             if v.inbox:
@@ -482,24 +562,23 @@ class Engine:
             if res.meta.reverse and apply and not v.reversal_saved:
                 self._capture_reversal(v)
             result = await self._guarded_check_apply(v, res, apply)
+            error = None
         except asyncio.CancelledError:
-            error = "cancelled"
             raise
-        except TimeoutError:
-            error = f"check_apply timed out after {res.meta.timeout}s"
-        except InputError as e:
-            error = str(e)
         except Exception as e:
-            error = f"{type(e).__name__}: {e}" if not str(e) else str(e)
+            error = _error_text(e, res)
         finally:
-            v.running = False
-            v.apply_task = None
-            self._running -= 1
-            if error is not None:
-                v.refresh_flag = v.refresh_flag or v.refresh_now  # not served: keep it
-                v.refresh_now = False
-                self._record_failure(v, error)
-        if error is None:
+            self._finish(v, result, error, apply)
+
+    def _finish(self, v: Vertex, result: bool, error: str | None, apply: bool) -> None:
+        v.running = False
+        v.apply_task = None
+        self._running -= 1
+        if error is not None:
+            v.refresh_flag = v.refresh_flag or v.refresh_now  # not served: keep it
+            v.refresh_now = False
+            self._record_failure(v, error)
+        else:
             self._record_success(v, result, apply)
         self._check_idle()
 
@@ -632,7 +711,7 @@ class Engine:
 
     # -- convergence and stopping ------------------------------------------------------
     def _check_idle(self) -> None:
-        if self._running or self._retrying or self._unready:
+        if self._running or self._retrying or self._unready or self._queued:
             return
         self.converger.idle()
 
@@ -725,3 +804,44 @@ def _take_place(gone: Vertex, new: Vertex) -> None:
         p.send_edges = [(s, new if c is gone else c, r) for s, c, r in p.send_edges]
     for c in new.children:
         c.parents[c.parents.index(gone)] = new
+
+
+def _error_text(e: BaseException, res: Resource) -> str:
+    if isinstance(e, TimeoutError):
+        return f"check_apply timed out after {res.meta.timeout}s"
+    if isinstance(e, InputError):
+        return str(e)
+    return str(e) or type(e).__name__
+
+
+async def _resume(coro: Coroutine[Any, Any, bool], yielded: Any) -> bool:
+    """Drive a coroutine that was started outside a task and then suspended.
+
+    Does what a Task's step does: wait for what it yielded (a future, or a
+    bare yield), then send into it; an exception of the wait (the future's
+    own, or our cancellation) is thrown into it.
+    """
+    while True:
+        try:
+            if yielded is None:
+                await asyncio.sleep(0)
+            else:
+                await _wait(yielded)
+        except BaseException as exc:
+            try:
+                yielded = coro.throw(exc)
+            except StopIteration as done:
+                return bool(done.value)
+            continue
+        try:
+            yielded = coro.send(None)
+        except StopIteration as done:
+            return bool(done.value)
+
+
+@types.coroutine
+def _wait(fut: Any) -> Generator[Any, None, None]:
+    """Wait until `fut` is done, leaving its result for the coroutine that awaits it."""
+    while not fut.done():
+        fut._asyncio_future_blocking = True
+        yield fut

@@ -39,6 +39,7 @@ class Vertex:
         "ok",
         "parents",
         "pending",
+        "queued",
         "received",
         "refresh_flag",
         "refresh_now",
@@ -70,6 +71,8 @@ class Vertex:
         #: needs a check: at startup, after an event, a refresh or a retry
         self.pending = not hidden
         self.running = False
+        #: poked and waiting in the engine's ready queue
+        self.queued = False
         #: last check_apply succeeded (hidden vertices count as clean)
         self.ok = hidden
         #: failed for good: retries exhausted

@@ -331,7 +331,7 @@ class YamlFrontend:
 
     async def updates(self, watcher: Any) -> AsyncIterator[GraphModel]:
         changed = asyncio.Event()
-        unsubscribe = watcher.subscribe(str(self.path), changed.set)
+        unsubscribe = watcher.subscribe(str(self.path), lambda _mask: changed.set())
         try:
             while True:
                 await changed.wait()

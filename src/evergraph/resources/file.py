@@ -23,8 +23,9 @@ import stat
 from collections.abc import Callable, Iterator
 from typing import Annotated, Literal
 
-from evergraph.engine.contract import Handle, Resource, doc, register
+from evergraph.engine.contract import Handle, PathSubscription, Resource, doc, register
 from evergraph.errors import ResourceError
+from evergraph.watch.inotify import MOVED_TO
 
 
 def _current_umask() -> int:
@@ -69,6 +70,8 @@ def parse_mode(text: str) -> int:
 class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     """A file (or, with a trailing `/` on path, a directory): existence, content, mode."""
 
+    eager = True
+
     path: Annotated[
         str, doc("absolute path; default the name; a trailing `/` means a directory")
     ] = ""
@@ -95,10 +98,13 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         if path.endswith("/") and self.content is not None:
             raise self.bad("content", "a directory (path ends with /) cannot have content")
 
+    # Keys: "dir:/a/b/" for a managed directory, "path:/a/b" for a file (an exec
+    # wants the file of its program); separate namespaces let the autoedge
+    # driver skip the parent walk when no directory is managed at all.
     def autoedge_provides(self) -> list[str]:
         path = self.path or self.name
         norm = os.path.normpath(path)
-        return [f"path:{norm.rstrip('/')}/" if path.endswith("/") else f"path:{norm}"]
+        return [f"dir:{norm.rstrip('/')}/" if path.endswith("/") else f"path:{norm}"]
 
     def autoedge_wants(self) -> Iterator[Iterator[str]]:
         yield self._parent_keys(os.path.normpath(self.path or self.name))
@@ -108,9 +114,9 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         # Lazily, nearest first: the first managed one ends the walk.
         end = path.rfind("/")
         while end > 0:
-            yield f"path:{path[:end]}/"
+            yield f"dir:{path[:end]}/"
             end = path.rfind("/", 0, end)
-        yield "path:/"
+        yield "dir:/"
 
     def reversal(self) -> File | None:
         """What restores the path as it is now: absent, or its current content and mode."""
@@ -140,11 +146,28 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         self._path = os.path.normpath(path)
         self._mode = parse_mode(self.mode) if self.mode is not None else None
         self._data = self.content.encode() if self.content is not None else None
+        self._own_ino = 0  # inode of our last atomic write, until its rename is seen
+        self._watch: PathSubscription | None = None
 
     def subscribe(self) -> Callable[[], None]:
-        # A passive watch: the shared inotify hub calls handle.event directly,
-        # so 10k files need no 10k watch tasks.
-        return self.handle.watcher.subscribe(self._path, self.handle.event)
+        # A passive watch: the shared inotify hub calls us directly, so 10k
+        # files need no 10k watch tasks.
+        self._watch = self.handle.watcher.subscribe(self._path, self._changed)
+        return self._watch
+
+    def _changed(self, mask: int) -> None:
+        if mask & MOVED_TO and self._own_ino:
+            # Our own atomic write renaming the new file into place is not a
+            # change to repair: skip the re-check if the inode is the one we
+            # wrote. Any other writer's rename brings another inode; in-place
+            # writes raise other events, which are never skipped.
+            own, self._own_ino = self._own_ino, 0
+            try:
+                if os.lstat(self._path).st_ino == own:
+                    return
+            except OSError:
+                pass
+        self.handle.event()
 
     async def check_apply(self, apply: bool) -> bool:
         try:
@@ -227,8 +250,10 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     def _write(self, st: os.stat_result | None, data: bytes) -> None:
         parent, _, base = self._path.rpartition("/")
         parent = parent or "/"
-        if not os.path.isdir(parent):
-            os.makedirs(parent, mode=0o755, exist_ok=True)
+        if self._watch is not None:
+            # the parent may exist by now (made by us or a sibling resource):
+            # watch it before our file appears, so its rename is seen as ours
+            self._watch.settle()
         if self._mode is not None:
             mode = self._mode
         elif st is not None:
@@ -236,7 +261,14 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         else:
             mode = 0o666 & ~_UMASK
         tmp = f"{parent}/.{base}.evergraph-{os.getpid()}-{id(self):x}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except FileNotFoundError:
+            os.makedirs(parent, mode=0o755, exist_ok=True)  # as `install -D` does
+            if self._watch is not None:
+                self._watch.settle()
+            fd = os.open(tmp, flags, 0o600)
         try:
             try:
                 view = memoryview(data)
@@ -244,6 +276,7 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                     n = os.write(fd, view)
                     view = view[n:]
                 os.fchmod(fd, mode)
+                self._own_ino = os.fstat(fd).st_ino
                 if st is not None and (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
                     os.fchown(fd, st.st_uid, st.st_gid)
             finally:

@@ -11,6 +11,8 @@ from evergraph.engine.contract import Resource, doc, register
 class Noop(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     """Does nothing and is always clean; logs when it receives a refresh."""
 
+    eager = True
+
     groupable = True
 
     comment: Annotated[str, doc("free text, for the reader of the graph")] = ""

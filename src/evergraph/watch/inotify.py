@@ -8,6 +8,10 @@ attribute changes all arrive as events naming the entry. Until the parent
 exists, the nearest existing ancestor is watched and the subscription moves
 down as directories appear. On queue overflow every subscriber is told, so
 each resource rescans its own state.
+
+Callbacks receive the event mask (`Mask` bits), so a subscriber can tell, for
+example, the rename of its own new file into place (MOVED_TO) from a change
+by someone else.
 """
 
 from __future__ import annotations
@@ -21,6 +25,11 @@ from asyncinotify import Inotify, Mask, Watch
 
 log = logging.getLogger("evergraph.watch")
 
+#: what a callback receives when a directory on its path appeared or vanished,
+#: or the queue overflowed: "anything may have changed"
+RESCAN = int(Mask.Q_OVERFLOW)
+MOVED_TO = int(Mask.MOVED_TO)
+
 _DIR_MASK = (
     Mask.CREATE
     | Mask.DELETE
@@ -33,13 +42,17 @@ _DIR_MASK = (
     | Mask.MOVE_SELF
     | Mask.ONLYDIR
 )
+_APPEARS = Mask.CREATE | Mask.MOVED_TO
+
+Callback = Callable[[int], None]
 
 
 class _Sub:
-    __slots__ = ("callback", "dir", "name", "path")
+    __slots__ = ("callback", "dir", "name", "parent", "path")
 
-    def __init__(self, path: str, callback: Callable[[], None]) -> None:
+    def __init__(self, path: str, callback: Callback) -> None:
         self.path = path
+        self.parent = path.rpartition("/")[0] or "/"
         self.callback = callback
         self.dir = ""  # directory currently watched for this subscription
         self.name = ""  # entry name within `dir` that leads to `path`
@@ -53,6 +66,10 @@ class _DirWatch:
         self.by_name: dict[str, set[_Sub]] = {}
 
 
+def _join(d: str, name: str) -> str:
+    return f"{d}/{name}" if d != "/" else f"/{name}"
+
+
 class InotifyHub:
     """Use as `async with InotifyHub() as hub:`; `hub.run()` must be running (a task)."""
 
@@ -60,6 +77,9 @@ class InotifyHub:
         self._ino: Inotify | None = None
         self._dirs: dict[str, _DirWatch] = {}
         self._by_watch: dict[Watch, str] = {}
+        #: directories known not to exist (saves a failing inotify_add_watch per
+        #: subscription below them); an entry leaves when its creation is seen
+        self._missing: set[str] = set()
 
     async def __aenter__(self) -> InotifyHub:
         self._ino = Inotify()
@@ -71,31 +91,35 @@ class InotifyHub:
             self._ino = None
         self._dirs.clear()
         self._by_watch.clear()
+        self._missing.clear()
 
     # -- public ---------------------------------------------------------
-    def subscribe(self, path: str, callback: Callable[[], None]) -> Callable[[], None]:
-        """Call `callback()` whenever `path` may have changed; returns an unsubscribe."""
+    def subscribe(self, path: str, callback: Callback) -> Subscription:
+        """Call `callback(mask)` whenever `path` may have changed.
+
+        Returns the subscription: call it to unsubscribe; `settle()` it right
+        after creating the path's parent directories yourself, so that the
+        watch sits on the parent before you put the path in place.
+        """
         path = path.rstrip("/") or "/"
         if not path.startswith("/") or "/." in path or "//" in path:
             path = os.path.abspath(path)
         sub = _Sub(path, callback)
         self._arm(sub)
-
-        def unsubscribe() -> None:
-            self._disarm(sub)
-
-        return unsubscribe
+        return Subscription(self, sub)
 
     async def run(self) -> None:
         """Read events until cancelled, dispatching them to subscribers."""
         assert self._ino is not None, "use `async with InotifyHub()` first"
         async for ev in self._ino:
-            if ev.mask & Mask.Q_OVERFLOW:
+            mask = int(ev.mask)
+            if mask & RESCAN:
                 log.warning("inotify queue overflowed: rescanning every watched path")
+                self._missing.clear()
                 for dw in list(self._dirs.values()):
                     for subs in list(dw.by_name.values()):
                         for s in list(subs):
-                            s.callback()
+                            s.callback(RESCAN)
                 continue
             d = self._by_watch.get(ev.watch) if ev.watch is not None else None
             if d is None:
@@ -109,41 +133,71 @@ class InotifyHub:
                 self._drop_dir(d)
                 continue
             name = str(ev.name) if ev.name is not None else ""
+            if ev.mask & _APPEARS:
+                self._missing.discard(_join(d, name))
             targets = dwatch.by_name.get(name)
             if not targets:
                 continue
             for s in list(targets):
-                if s.dir != s.path.rpartition("/")[0] or s.dir == "":
-                    # Pending subscription (waiting on an ancestor): try to move down.
+                if s.dir != s.parent:
+                    # Pending subscription (waiting on an ancestor): move down.
                     self._disarm(s)
                     self._arm(s)
-                s.callback()
+                    s.callback(RESCAN)
+                else:
+                    s.callback(mask)
 
     # -- internals ------------------------------------------------------
+    def _settle(self, sub: _Sub) -> None:
+        if sub.dir != sub.parent:
+            self._missing.discard(sub.parent)
+            self._disarm(sub)
+            self._arm(sub)
+
     def _arm(self, sub: _Sub) -> None:
         assert self._ino is not None
-        target = sub.path
-        d, _, name = target.rpartition("/")
-        d = d or "/"
+        d, name = sub.parent, sub.path.rpartition("/")[2]
+        for _ in range(8):  # bounded: directories may come and go while we look
+            d, name, new = self._watch_nearest(d, name)
+            if not d:
+                return
+            self._dirs[d].by_name.setdefault(name, set()).add(sub)
+            sub.dir, sub.name = d, name
+            if d == sub.parent or not new:
+                # On an ancestor watched before: if the next directory appears,
+                # its event is queued (or was seen) and moves us down.
+                return
+            # On an ancestor watched just now: what appeared before the watch
+            # existed raised no event. Look once, and go down if it is there.
+            nxt = _join(d, name)
+            if not os.path.isdir(nxt):
+                return
+            self._missing.discard(nxt)
+            self._disarm(sub)
+            d, name = sub.parent, sub.path.rpartition("/")[2]
+
+    def _watch_nearest(self, d: str, name: str) -> tuple[str, str, bool]:
+        """Watch `d` or its nearest existing ancestor: (dir watched, entry name, new watch)."""
+        assert self._ino is not None
         while True:
-            dw = self._dirs.get(d)
-            if dw is None:
+            if d in self._dirs:
+                return d, name, False
+            if d not in self._missing:
                 try:
                     w = self._ino.add_watch(d, _DIR_MASK)
                 except (FileNotFoundError, NotADirectoryError):
-                    # Walk up: watch the nearest existing ancestor.
-                    parent, _, pname = d.rpartition("/")
-                    d, name = parent or "/", pname
-                    continue
+                    self._missing.add(d)
                 except PermissionError:
                     log.warning("cannot watch %s: permission denied", d)
-                    return
-                dw = _DirWatch(w)
-                self._dirs[d] = dw
-                self._by_watch[w] = d
-            dw.by_name.setdefault(name, set()).add(sub)
-            sub.dir, sub.name = d, name
-            return
+                    return "", "", False
+                else:
+                    self._dirs[d] = _DirWatch(w)
+                    self._by_watch[w] = d
+                    return d, name, True
+            if d == "/":
+                return "", "", False
+            parent, _, pname = d.rpartition("/")
+            d, name = parent or "/", pname
 
     def _disarm(self, sub: _Sub) -> None:
         dw = self._dirs.get(sub.dir)
@@ -176,4 +230,22 @@ class InotifyHub:
         for s in subs:
             s.dir = s.name = ""
             self._arm(s)
-            s.callback()
+            s.callback(RESCAN)
+
+
+class Subscription:
+    """A path watch: call it to unsubscribe."""
+
+    __slots__ = ("_hub", "_sub")
+
+    def __init__(self, hub: InotifyHub, sub: _Sub) -> None:
+        self._hub = hub
+        self._sub = sub
+
+    def __call__(self) -> None:
+        self._hub._disarm(self._sub)
+
+    def settle(self) -> None:
+        """Move the watch onto the path's parent now that it exists (no-op if already)."""
+        if self._hub._ino is not None:
+            self._hub._settle(self._sub)
