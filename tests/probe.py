@@ -37,6 +37,8 @@ class Journal:
 @register("probe", registry=registry)
 class Probe(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     fail_times: int = 0
+    #: runs (1-based) that fail, on top of the first fail_times runs
+    fail_runs: list[int] = []
     clean: bool = False
 
     async def init(self, handle: Handle) -> None:
@@ -58,7 +60,7 @@ class Probe(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         else:
             await asyncio.sleep(0)
         failed = len(j.stamps(self.name, "fail"))
-        if failed < self.fail_times:
+        if failed < self.fail_times or j.runs(self.name) in self.fail_runs:
             j.add(self.name, "fail")
             raise RuntimeError(f"planned failure {failed + 1}")
         j.add(self.name, "end")

@@ -454,3 +454,55 @@ def test_eager_kind_suspended_is_cancelled_by_a_second_stop(tmp_path: Path) -> N
 
     assert asyncio.run(main()) == 1
     assert not j.stamps("stuck", "end")
+
+
+def test_retryreset_gives_a_fresh_budget_after_each_success(tmp_path: Path) -> None:
+    for reset, expect_ok in ((True, True), (False, False)):
+        j = Journal()
+        meta = Meta(retry=1, retryreset=reset)
+        # run 1 fails, 2 succeeds; after an event run 3 fails, 4 would succeed
+        model = make(j, ["r"], [], r={"fail_runs": [1, 3], "meta": meta})
+
+        async def main(j=j, model=model) -> int:  # type: ignore[no-untyped-def]
+            eng = Engine(settings(tmp_path, converged_exit=False, converged_timeout=None))
+            task = asyncio.create_task(eng.run(model))
+            await until(lambda: j.stamps("r", "end") != [])
+            j.handles["r"].event()
+            await until(lambda: len(j.stamps("r", "fail")) == 2)
+            await until(lambda: not eng._running and not eng._retrying and not eng._queued)
+            eng.request_stop()
+            return await asyncio.wait_for(task, 5)
+
+        assert (asyncio.run(main()) == 0) is expect_ok, reset
+        assert j.runs("r") == (4 if expect_ok else 3), reset
+
+
+def test_a_group_holds_the_semaphores_of_all_its_members(tmp_path: Path) -> None:
+    from evergraph.engine.prepare import prepare
+    from evergraph.resources.noop import Noop
+
+    j = Journal()
+    model = make(j, ["p"], [], p={"meta": Meta(sema=["lock"])})
+    a = Noop(name="a", meta=Meta(sema=["lock"]))
+    b = Noop(name="b", meta=Meta(sema=["other"]))
+    model.add(a)
+    model.add(b)
+    prepare(model)
+    assert [m.ident for m in model.resources["noop[a]"].group_members] == ["noop[b]"]
+
+    async def main() -> int:
+        j.gates["p"] = asyncio.Event()
+        j.started["p"] = asyncio.Event()
+        eng = Engine(settings(tmp_path, converged_exit=False, converged_timeout=None))
+        task = asyncio.create_task(eng.run(model))
+        await asyncio.wait_for(j.started["p"].wait(), 5)
+        # the probe holds "lock": the group (which includes a's "lock") must wait
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not eng.vertices["noop[a]"].ok
+        j.gates["p"].set()
+        await until(lambda: eng.vertices["noop[a]"].ok)
+        eng.request_stop()
+        return await asyncio.wait_for(task, 5)
+
+    assert asyncio.run(main()) == 0

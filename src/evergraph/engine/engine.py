@@ -588,7 +588,9 @@ class Engine:
             await self._take_token(v, meta.limit, meta.burst)
         grouped = getattr(res, "_group_members", None)
         if grouped:
-            return await self._guarded(res.check_apply_group(apply), meta.sema, meta.timeout)
+            # a group holds the semaphores of all its members
+            semas = sorted({s for r in (res, *grouped) for s in r.meta.sema})
+            return await self._guarded(res.check_apply_group(apply), semas, meta.timeout)
         if not meta.sema and meta.timeout is None and self._global_sema is None:
             return bool(await res.check_apply(apply))  # the common case, kept lean
         return await self._guarded(res.check_apply(apply), meta.sema, meta.timeout)
