@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from types import UnionType
 from typing import Annotated, Any, NamedTuple, Union, get_args, get_origin
 
-from evergraph.engine.contract import Resource
+from evergraph.engine.contract import DEFAULT_META, Resource
 from evergraph.errors import InputError
 from evergraph.graph import DAG, CycleError, topo_order
 
@@ -73,7 +73,8 @@ class GraphModel:
     def check(self) -> list[str]:
         """Validate every resource and the shape; returns a topological order."""
         for res in self.resources.values():
-            res.meta.check(res.ident)
+            if res.meta is not DEFAULT_META:
+                res.meta.check(res.ident)
             if res.meta.reverse and not res.reversible():
                 raise InputError(
                     f"{res.kind} resources cannot be reversed", f"{res.ident}.meta.reverse"
