@@ -287,7 +287,7 @@ class Engine:
         res = v.res
         try:
             await res.init(v)
-            for member in res.group_members:
+            for member in _members(res):
                 await member.init(v)
         except Exception as e:
             self._fail_permanently(v, f"init failed: {e}")
@@ -300,9 +300,9 @@ class Engine:
         if poll == 0:
             try:
                 v.unsubscribe = res.subscribe()
-                if v.unsubscribe is not None and res.group_members:
+                if v.unsubscribe is not None and _members(res):
                     # members of a group watch passively too; one unsubscribe for all
-                    subs = [v.unsubscribe, *(m.subscribe() for m in res.group_members)]
+                    subs = [v.unsubscribe, *(m.subscribe() for m in _members(res))]
 
                     def unsubscribe_all() -> None:
                         for u in subs:
@@ -407,7 +407,7 @@ class Engine:
                 log.error("%s: unsubscribing its watch failed: %s", v.ident, e)
 
     async def _call_cleanup(self, v: Vertex) -> None:
-        for res in (v.res, *v.res.group_members):
+        for res in (v.res, *_members(v.res)):
             try:
                 await res.cleanup()
             except Exception as e:
@@ -847,3 +847,9 @@ def _wait(fut: Any) -> Generator[Any, None, None]:
     while not fut.done():
         fut._asyncio_future_blocking = True
         yield fut
+
+
+def _members(res: Resource) -> list[Resource]:
+    """Group members without creating the list on resources that have none (hot path)."""
+    members: list[Resource] = getattr(res, "_group_members", None) or []
+    return members
