@@ -74,6 +74,11 @@ class EagerProbe(Probe, kw_only=True, dict=True, forbid_unknown_fields=True):
     eager = True
 
 
+@register("probe:child", registry=registry)
+class ChildProbe(Probe, kw_only=True, dict=True, forbid_unknown_fields=True):
+    """A sub-kind of probe, for hierarchical grouping."""
+
+
 def make(
     journal: Journal, names: list[str], edges: list[tuple[str, str]], **params: dict
 ) -> GraphModel:  # type: ignore[type-arg]

@@ -143,3 +143,27 @@ def test_grouping_never_creates_a_cycle_on_random_graphs() -> None:
         grouped = [m.ident for r in model.resources.values() for m in r.group_members]
         assert len(grouped) == merged
         assert sorted([*model.resources, *grouped]) == sorted(names)
+
+
+def test_grouping_is_hierarchical_a_sub_kind_joins_its_parent_kind() -> None:
+    from evergraph.engine.autogroup import group_vertices
+    from evergraph.engine.model import GraphModel
+
+    from .probe import ChildProbe, Probe
+
+    class GProbe(Probe, kw_only=True, dict=True, forbid_unknown_fields=True):
+        groupable = True
+
+    class GChild(ChildProbe, kw_only=True, dict=True, forbid_unknown_fields=True):
+        groupable = True
+
+    model = GraphModel(name="h")
+    model.add(GChild(name="c1"))  # declared first, yet the parent kind leads
+    model.add(GProbe(name="p1"))
+    model.add(GChild(name="c2"))
+    assert group_vertices(model) == 2
+    assert list(model.resources) == ["probe[p1]"]
+    assert sorted(m.ident for m in model.resources["probe[p1]"].group_members) == [
+        "probe:child[c1]",
+        "probe:child[c2]",
+    ]

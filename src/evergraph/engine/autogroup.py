@@ -1,5 +1,8 @@
 """Automatic grouping: vertices of a groupable kind that cannot reach each other merge.
 
+Grouping is hierarchical: a kind `a:b` joins the family of kind `a` (see
+`Resource.group_key`), and a parent kind leads its family's group when present.
+
 The merged vertex's resource (the group's leader, first in graph order) runs
 one `check_apply_group` for all members — for packages, one transaction. We
 keep, for each vertex of the quotient graph, the set of original vertices it
@@ -20,6 +23,8 @@ def group_vertices(model: GraphModel) -> int:
         for ident, res in model.resources.items()
         if res.groupable and res.meta.autogroup and not res.meta.hidden
     ]
+    # Parent kinds first, so that a family's group is led by `a`, not `a:b`.
+    candidates.sort(key=lambda ident: ":" in model.resources[ident].kind)
     if len(candidates) < 2:
         return 0
     order = model.order()
@@ -43,7 +48,7 @@ def group_vertices(model: GraphModel) -> int:
     for ident in candidates:
         res = model.resources[ident]
         i = index[ident]
-        key = (type(res), *res.group_key())
+        key = res.group_key()
         placed = False
         for gi in groups.setdefault(key, []):
             gm = members[gi]

@@ -193,8 +193,10 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
         return {}
 
     def group_key(self) -> tuple[object, ...]:
-        """Only resources with equal keys group (pkg: the same target state)."""
-        return ()
+        """Only resources with equal keys group. The default is the kind's family:
+        a kind `a:b` joins kind `a`'s group (hierarchical grouping). A kind adds
+        its own conditions (pkg: the same target state)."""
+        return (self.kind.partition(":")[0],)
 
     @property
     def group_members(self) -> list[Resource]:
