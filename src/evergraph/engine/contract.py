@@ -287,11 +287,3 @@ def register(
         return cls
 
     return deco
-
-
-def new_resource(cls: type[R], params: dict[str, Any]) -> R:
-    """Build and type-check a resource from plain data; errors are InputError naming the field."""
-    try:
-        return msgspec.convert(params, cls, strict=True)
-    except msgspec.ValidationError as e:
-        raise InputError(str(e)) from None

@@ -9,6 +9,10 @@ state answers without a call to check_apply. A failed parent therefore holds
 every descendant back until it succeeds. Events during a run only set
 `pending`, so any number of them cause exactly one more run.
 
+Runnable vertices go to a ready queue that is drained a batch per loop turn.
+Kinds whose check_apply is local syscalls declare `eager`: they run inline,
+without a task of their own, unless they suspend after all.
+
 Ownership: every task (watches, applies, retry timers, the inotify hub, the
 graph-update follower) lives in one TaskGroup; cancellation is the only stop
 signal. Resource code is never trusted: every call into it is wrapped, and

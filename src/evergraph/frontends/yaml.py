@@ -115,7 +115,7 @@ def _msgspec_path(message: str) -> tuple[str, tuple[PathPart, ...]]:
     return message[: m.start()], tuple(parts)
 
 
-def _plural(kinds: list[str], word: str) -> str:
+def _known_kinds_hint(kinds: list[str], word: str) -> str:
     close = difflib.get_close_matches(word, kinds, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"(known: {', '.join(kinds)}){hint}"
@@ -171,7 +171,7 @@ def _parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
         cls = registry.get(str(kind))
         if cls is None:
             raise fail(
-                f"unknown resource kind {kind!r} {_plural(kinds, str(kind))}",
+                f"unknown resource kind {kind!r} {_known_kinds_hint(kinds, str(kind))}",
                 ("resources", kind),
                 key=True,
             )
