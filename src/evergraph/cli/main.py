@@ -232,6 +232,25 @@ def graph(file: Path, fmt: str, no_autoedges: bool, no_autogroup: bool) -> None:
     click.echo(to_dot(model) if fmt == "dot" else to_json(model), nl=False)
 
 
+@cli.group(context_settings=CONTEXT)
+def docs() -> None:
+    """Reference documentation, generated from the code.
+
+    \b
+    Example:
+      evergraph docs resources | less
+    """
+
+
+@docs.command("resources", context_settings=CONTEXT)
+def docs_resources() -> None:
+    """Every resource kind with its parameters, types, defaults and meaning."""
+    from evergraph.agent import builtin_registry
+    from evergraph.engine.docs import resources_reference
+
+    click.echo(resources_reference(builtin_registry()), nl=False)
+
+
 @cli.command(context_settings=CONTEXT)
 def version() -> None:
     """Print the version of evergraph."""

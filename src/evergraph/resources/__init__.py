@@ -1,3 +1,3 @@
 """Built-in resource kinds, one module per kind; importing this registers them all."""
 
-from evergraph.resources import exec, file, noop, print  # noqa: F401  (register kinds)
+from evergraph.resources import exec, file, noop, print, timer  # noqa: F401  (register kinds)
