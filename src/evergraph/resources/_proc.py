@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import os
+import pwd
 import signal
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,13 +22,37 @@ class Completed:
     stderr: str
 
 
-def build_env(extra: Mapping[str, str] | None) -> dict[str, str] | None:
-    """The agent's environment with `extra` laid over it (None: inherit unchanged)."""
-    if not extra:
-        return None
-    env = dict(os.environ)
-    env.update(extra)
-    return env
+@dataclass(frozen=True, slots=True)
+class RunAs:
+    """Where and as whom a command runs."""
+
+    cwd: str | None = None
+    env: dict[str, str] | None = None  # None: inherit the agent's unchanged
+    user: int | None = None
+    group: int | None = None
+
+    @classmethod
+    def resolve(cls, cwd: str, extra: Mapping[str, str], user: str = "", group: str = "") -> RunAs:
+        """Look up user and group (LookupError naming them if unknown)."""
+        uid = gid = None
+        env: dict[str, str] | None = None
+        if user:
+            try:
+                pw = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+            except KeyError:
+                raise LookupError(f"no such user {user!r}") from None
+            uid, gid = pw.pw_uid, pw.pw_gid
+            env = dict(os.environ)
+            env.update(HOME=pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name)
+        if group:
+            try:
+                gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+            except KeyError:
+                raise LookupError(f"no such group {group!r}") from None
+        if extra:
+            env = dict(os.environ) if env is None else env
+            env.update(extra)
+        return cls(cwd or None, env, uid, gid)
 
 
 async def _stop_group(proc: asyncio.subprocess.Process) -> None:
@@ -43,14 +69,14 @@ async def _stop_group(proc: asyncio.subprocess.Process) -> None:
         await proc.wait()
 
 
-async def run(
-    argv: Sequence[str], cwd: str | None = None, env: Mapping[str, str] | None = None
-) -> Completed:
+async def run(argv: Sequence[str], how: RunAs = RunAs()) -> Completed:
     """Run to completion, capturing output; cancellation stops the process group."""
     proc = await asyncio.create_subprocess_exec(
         *argv,
-        cwd=cwd or None,
-        env=build_env(env),
+        cwd=how.cwd,
+        env=how.env,
+        user=how.user,
+        group=how.group,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -69,14 +95,14 @@ async def run(
     )
 
 
-async def lines(
-    argv: Sequence[str], cwd: str | None = None, env: Mapping[str, str] | None = None
-) -> AsyncIterator[str]:
+async def lines(argv: Sequence[str], how: RunAs = RunAs()) -> AsyncIterator[str]:
     """Yield stdout lines of a long-running command; raises when it exits."""
     proc = await asyncio.create_subprocess_exec(
         *argv,
-        cwd=cwd or None,
-        env=build_env(env),
+        cwd=how.cwd,
+        env=how.env,
+        user=how.user,
+        group=how.group,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,

@@ -1,17 +1,21 @@
 """exec: run a command — guarded, so it runs only when needed.
 
-Without a guard (`creates`, `ifcmd`, `refresh_only`) the command runs on
-every check: at start-up, and on every event of its `watchcmd`. With `shell`
-the command goes to that shell (`sh -c CMD`); without, it is split like a
-shell would (shlex) and executed directly.
+Without a guard (`creates`, `ifcmd`, `nifcmd`, `refresh_only`) the command
+runs on every check: at start-up, and on every event of its `watchcmd` or
+`watchfiles`. With `shell` the command goes to that shell (`sh -c CMD`);
+with `args`, `cmd` is the program and `args` its arguments, exactly as given;
+otherwise `cmd` is split like a shell would (shlex) and executed directly.
 
 `env` is laid over the agent's own environment (as Ansible's `environment:`
-does): commands find PATH, HOME and locale as the agent has them, and `env`
-adds or overrides variables.
+does): commands find PATH and locale as the agent has them, and `env` adds or
+overrides variables. With `user`, HOME, USER and LOGNAME are that user's
+(unless `env` sets them), as `sudo -H -u` would do. Every command of the
+resource (guards, cmd, donecmd, watchcmd) runs as `user`/`group`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shlex
 from typing import Annotated, Any, ClassVar
@@ -33,6 +37,16 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     creates: Annotated[str, doc("guard: run cmd only if this path does not exist")] = ""
     refresh_only: Annotated[bool, doc("guard: run only when refreshed by a notify edge")] = False
     watchcmd: Annotated[str, doc("long-running command; each line it prints is an event")] = ""
+    args: Annotated[
+        list[str], doc("arguments for cmd, passed as they are (no shell, no split)")
+    ] = []
+    nifcmd: Annotated[str, doc("guard: run cmd only if this command exits non-zero")] = ""
+    donecmd: Annotated[str, doc("run after cmd succeeded (e.g. to record that it ran)")] = ""
+    user: Annotated[
+        str, doc("run the commands as this user (name or uid); empty = the agent's")
+    ] = ""
+    group: Annotated[str, doc("run the commands with this group (name or gid)")] = ""
+    watchfiles: Annotated[list[str], doc("absolute paths; a change to any is an event")] = []
 
     sends: ClassVar[dict[str, Any]] = {"stdout": str, "stderr": str, "output": str}
 
@@ -44,7 +58,9 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     def validate(self) -> None:
         if not self.cmd.strip():
             raise self.bad("cmd", "is empty: say which command to run")
-        for field in ("cmd", "ifcmd", "watchcmd"):
+        if self.args and self.shell:
+            raise self.bad("args", "cannot be used with shell: put the arguments in cmd")
+        for field in ("ifcmd", "nifcmd", "watchcmd", "donecmd", *(() if self.args else ("cmd",))):
             value = getattr(self, field)
             if value and not self.shell:
                 try:
@@ -55,6 +71,9 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             raise self.bad("creates", f"{self.creates!r} is not an absolute path")
         if self.cwd and not self.cwd.startswith("/"):
             raise self.bad("cwd", f"{self.cwd!r} is not an absolute path")
+        for path in self.watchfiles:
+            if not path.startswith("/"):
+                raise self.bad("watchfiles", f"{path!r} is not an absolute path")
 
     def autoedge_wants(self) -> list[list[str]]:
         # the managed file that is this command's program
@@ -74,20 +93,31 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         self.ran = False
 
     def _argv(self, line: str) -> list[str]:
+        if self.args and line is self.cmd:
+            return [self.cmd, *self.args]
         return [self.shell, "-c", line] if self.shell else shlex.split(line)
 
     def watches(self) -> bool:
-        # Without watchcmd there is nothing to watch: checked at start-up and
-        # on refresh only.
-        return bool(self.watchcmd)
+        # Without watchcmd or watchfiles there is nothing to watch: checked at
+        # start-up and on refresh only.
+        return bool(self.watchcmd or self.watchfiles)
 
     async def watch(self) -> None:
-        self.handle.ready()
+        unsubscribes = [
+            self.handle.watcher.subscribe(path, lambda _mask: self.handle.event())
+            for path in self.watchfiles
+        ]
         try:
-            async for _line in _proc.lines(self._argv(self.watchcmd), self.cwd, self.env):
+            self.handle.ready()
+            if not self.watchcmd:
+                await asyncio.Event().wait()  # events come through the callbacks
+            async for _line in _proc.lines(self._argv(self.watchcmd), self._as()):
                 self.handle.event()
         except FileNotFoundError as e:
             raise ResourceError(f"watchcmd: {e.strerror}: {e.filename}") from None
+        finally:
+            for unsubscribe in unsubscribes:
+                unsubscribe()
 
     async def check_apply(self, apply: bool) -> bool:
         if self.refresh_only and not self.handle.refresh():
@@ -97,6 +127,10 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         if self.ifcmd:
             guard = await self._run(self.ifcmd, "ifcmd")
             if guard.returncode != 0:
+                return True
+        if self.nifcmd:
+            guard = await self._run(self.nifcmd, "nifcmd")
+            if guard.returncode == 0:
                 return True
         if not apply:
             return False
@@ -109,11 +143,20 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             detail = (": " + " | ".join(tail)) if tail else ""
             raise ResourceError(f"cmd exited with status {done.returncode}{detail}")
         self.handle.logger.info("%s: ran %s", self.ident, self.cmd)
+        if self.donecmd:
+            after = await self._run(self.donecmd, "donecmd")
+            if after.returncode != 0:
+                raise ResourceError(f"donecmd exited with status {after.returncode}")
         return False
+
+    def _as(self) -> _proc.RunAs:
+        return _proc.RunAs.resolve(self.cwd, self.env, self.user, self.group)
 
     async def _run(self, line: str, what: str) -> _proc.Completed:
         try:
-            return await _proc.run(self._argv(line), self.cwd, self.env)
+            return await _proc.run(self._argv(line), self._as())
+        except LookupError as e:
+            raise ResourceError(str(e)) from None
         except FileNotFoundError as e:
             raise ResourceError(f"{what}: {e.strerror}: {e.filename}") from None
         except PermissionError as e:
