@@ -1,3 +1,14 @@
 """Built-in resource kinds, one module per kind; importing this registers them all."""
 
-from evergraph.resources import exec, file, noop, print, timer  # noqa: F401  (register kinds)
+from evergraph.resources import (  # noqa: F401  (register kinds)
+    exec,
+    file,
+    noop,
+    password,
+    pkg,
+    print,
+    ssh_key,
+    svc,
+    timer,
+    users,
+)

@@ -1,0 +1,1 @@
+"""password resource kinds (being written)."""

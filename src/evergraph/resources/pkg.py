@@ -1,0 +1,1 @@
+"""pkg resource kinds (being written)."""

@@ -1,0 +1,1 @@
+"""ssh_key resource kinds (being written)."""

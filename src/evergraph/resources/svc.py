@@ -1,0 +1,1 @@
+"""svc resource kinds (being written)."""

@@ -1,0 +1,1 @@
+"""users resource kinds (being written)."""
