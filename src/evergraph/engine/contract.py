@@ -20,11 +20,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Protocol, TypeVar
 
 import msgspec
 
 from evergraph.errors import InputError
+
+if TYPE_CHECKING:
+    from evergraph.keys import HostKeys
 
 
 def doc(text: str) -> msgspec.Meta:
@@ -94,6 +97,11 @@ class Handle(Protocol):
     @property
     def watcher(self) -> PathWatcher: ...
 
+    @property
+    def keys(self) -> HostKeys:
+        """The host's key pairs (created under `<state>/keys/` on first use)."""
+        ...
+
     def ready(self) -> None:
         """The watch is set up: changes from now on will be reported."""
 
@@ -121,6 +129,10 @@ class PathWatcher(Protocol):
         """Call `callback(mask)` on any change of `path` (even before it exists).
         `mask` holds inotify bits (e.g. IN_MOVED_TO), or IN_Q_OVERFLOW for "anything
         may have changed"."""
+        ...
+
+    def subscribe_dir(self, directory: str, callback: Callable[[int], None]) -> PathSubscription:
+        """Call `callback(mask)` on any change of an entry directly in `directory`."""
         ...
 
 
@@ -178,6 +190,14 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
         `[["dir:/a/b/", "dir:/a/", "dir:/"]]` (lazily, nearest first).
         """
         return []
+
+    def managed_under(self) -> str | None:
+        """A directory (ending in `/`) under which this resource needs the paths that
+        other resources of the graph manage (file.purge keeps them). None: not needed."""
+        return None
+
+    def know_managed(self, paths: frozenset[str]) -> None:
+        """Receives, before init, the managed paths under `managed_under()`."""
 
     def reversal(self) -> Resource | None:
         """For `meta.reverse`: a resource that restores the state found now (before our

@@ -28,7 +28,7 @@ import logging
 import time
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -53,6 +53,10 @@ DRAIN_BATCH = 1000
 Observer = Callable[[Vertex, str], None]
 
 
+if TYPE_CHECKING:
+    from evergraph.keys import HostKeys
+
+
 class Engine:
     def __init__(
         self,
@@ -65,6 +69,7 @@ class Engine:
         self.observer = observer
         self.vertices: dict[str, Vertex] = {}
         self.watcher: InotifyHub = InotifyHub()
+        self._keys: HostKeys | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._running = 0
         self._retrying = 0
@@ -109,6 +114,14 @@ class Engine:
             self.converger.close()
             self._tg = None
         return self.exit_status()
+
+    def keys(self) -> HostKeys:
+        """The host's key pairs, loaded (or created) on first use: nacl costs start-up time."""
+        if self._keys is None:
+            from evergraph.keys import HostKeys
+
+            self._keys = HostKeys(self.settings.state_dir)
+        return self._keys
 
     def request_stop(self) -> None:
         """First call: graceful (finish in-flight applies). Second: cancel them too."""

@@ -17,6 +17,7 @@ from evergraph.engine.contract import PathWatcher, Resource
 
 if TYPE_CHECKING:
     from evergraph.engine.engine import Engine
+    from evergraph.keys import HostKeys
 
 _loggers: dict[str, logging.Logger] = {}
 
@@ -133,6 +134,10 @@ class Vertex:
     @property
     def watcher(self) -> PathWatcher:
         return self.engine.watcher
+
+    @property
+    def keys(self) -> HostKeys:
+        return self.engine.keys()
 
     def ready(self) -> None:
         self.engine.vertex_ready(self)

@@ -1,4 +1,10 @@
-"""file: a file or directory with the declared existence, content and mode.
+"""file: a file or directory with the declared existence, content, mode and owner.
+
+Content comes from `content`, from `source` (a file, or with `recurse` a
+directory tree copied into a directory) or from `fragments` (files
+concatenated; a directory stands for its files in name order). `purge`
+removes what nobody manages from a directory: entries neither copied from
+`source` nor managed by another resource of the graph.
 
 Writes are atomic: new content goes to a temporary file in the same
 directory, gets its mode (and the old file's owner), then is renamed over the
@@ -18,7 +24,10 @@ from __future__ import annotations
 
 import errno
 import functools
+import grp
 import os
+import pwd
+import shutil
 import stat
 from collections.abc import Callable, Iterator
 from typing import Annotated, Literal
@@ -79,9 +88,30 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         Literal["exists", "absent"], doc("`exists` creates the file; `absent` removes it")
     ] = "exists"
     content: Annotated[str | None, doc("the whole content; unset = content not managed")] = None
+    source: Annotated[
+        str | None,
+        doc("copy this file's content; for a directory path, copy this tree (needs recurse)"),
+    ] = None
+    fragments: Annotated[
+        list[str],
+        doc("content = these files concatenated; a directory adds its files in name order"),
+    ] = []
     mode: Annotated[
         str | None, doc("permissions, octal `'0644'` or symbolic `'u=rw,g=r,o='` (quote it)")
     ] = None
+    owner: Annotated[str | None, doc("user name or numeric uid; unset = not managed")] = None
+    group: Annotated[str | None, doc("group name or numeric gid; unset = not managed")] = None
+    recurse: Annotated[
+        bool,
+        doc("directories: copy `source` recursively; mode/owner/group apply to the whole tree"),
+    ] = False
+    force: Annotated[
+        bool, doc("replace what is in the way: a directory by a file, a file by a directory")
+    ] = False
+    purge: Annotated[
+        bool,
+        doc("directories: remove entries not from `source` nor managed by another resource"),
+    ] = False
 
     # -- contract -----------------------------------------------------------
     def validate(self) -> None:
@@ -95,8 +125,34 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 parse_mode(self.mode)
             except ValueError as e:
                 raise self.bad("mode", str(e)) from None
-        if path.endswith("/") and self.content is not None:
-            raise self.bad("content", "a directory (path ends with /) cannot have content")
+        is_dir = path.endswith("/")
+        given = [f for f in ("content", "source", "fragments") if getattr(self, f)]
+        if self.content == "":
+            given.insert(0, "content")
+        if len(given) > 1:
+            raise self.bad(given[1], f"cannot be combined with {given[0]}: pick one")
+        for f in ("source", *(["fragments"] if self.fragments else [])):
+            for p in [self.source] if f == "source" else self.fragments:
+                if p is not None and not p.startswith("/"):
+                    raise self.bad(f, f"{p!r} is not an absolute path")
+        if is_dir:
+            if self.content is not None:
+                raise self.bad("content", "a directory (path ends with /) cannot have content")
+            if self.fragments:
+                raise self.bad("fragments", "a directory (path ends with /) cannot have fragments")
+            if self.source is not None and not self.recurse:
+                raise self.bad("source", "copying a directory needs recurse: true")
+        else:
+            if self.purge:
+                raise self.bad("purge", "only a directory (path ends with /) can be purged")
+            if self.recurse:
+                raise self.bad("recurse", "only a directory (path ends with /) can recurse")
+        for f in ("owner", "group"):
+            v = getattr(self, f)
+            if v is not None and (not v or ":" in v or v.startswith("-")):
+                raise self.bad(f, f"{v!r} is not a name or a numeric id")
+        if self.state == "absent" and (self.source or self.fragments or self.purge):
+            raise self.bad("state", "absent cannot be combined with source, fragments or purge")
 
     # Keys: "dir:/a/b/" for a managed directory, "path:/a/b" for a file (an exec
     # wants the file of its program); separate namespaces let the autoedge
@@ -118,6 +174,20 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             end = path.rfind("/", 0, end)
         yield "dir:/"
 
+    def managed_under(self) -> str | None:
+        if self.purge:
+            return os.path.normpath(self.path or self.name).rstrip("/") + "/"
+        return None
+
+    def know_managed(self, paths: frozenset[str]) -> None:
+        self._others = paths
+
+    def cmp(self, other: Resource) -> bool:
+        # a purge must learn about a new managed path: restart it when the set changes
+        return super().cmp(other) and getattr(self, "_others", None) == getattr(
+            other, "_others", None
+        )
+
     def reversal(self) -> File | None:
         """What restores the path as it is now: absent, or its current content and mode."""
         path = os.path.normpath(self.path or self.name)
@@ -126,18 +196,25 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         except FileNotFoundError:
             return File(name=self.name, path=self.path or self.name, state="absent")
         mode = f"{stat.S_IMODE(st.st_mode):04o}"
+        owner = str(st.st_uid) if self.owner is not None else None
+        group = str(st.st_gid) if self.group is not None else None
         if stat.S_ISDIR(st.st_mode):
-            return File(name=self.name, path=path.rstrip("/") + "/", mode=mode)
+            return File(
+                name=self.name, path=path.rstrip("/") + "/", mode=mode, owner=owner, group=group
+            )
         if not stat.S_ISREG(st.st_mode):
             return None  # a symlink or a device: not ours to recreate
         content = None
-        if self.content is not None or self.state == "absent":
+        if self._manages_content() or self.state == "absent":
             try:
                 with open(path, "rb") as f:
                     content = f.read().decode()
             except UnicodeDecodeError:
                 content = None  # binary content cannot be kept in a str parameter
-        return File(name=self.name, path=path, content=content, mode=mode)
+        return File(name=self.name, path=path, content=content, mode=mode, owner=owner, group=group)
+
+    def _manages_content(self) -> bool:
+        return self.content is not None or self.source is not None or bool(self.fragments)
 
     async def init(self, handle: Handle) -> None:
         await super().init(handle)
@@ -148,12 +225,62 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         self._data = self.content.encode() if self.content is not None else None
         self._own_ino = 0  # inode of our last atomic write, until its rename is seen
         self._watch: PathSubscription | None = None
+        #: extra watches (source, fragments, listed directories) by path
+        self._extra: dict[str, PathSubscription] = {}
+        if not hasattr(self, "_others"):
+            self._others = frozenset()
 
     def subscribe(self) -> Callable[[], None]:
         # A passive watch: the shared inotify hub calls us directly, so 10k
         # files need no 10k watch tasks.
         self._watch = self.handle.watcher.subscribe(self._path, self._changed)
-        return self._watch
+        if self.source is not None:
+            self._watch_path(self.source.rstrip("/") or "/", listing=False)
+        for frag in self.fragments:
+            # the path itself, and its listing in case it is (or becomes) a directory
+            self._watch_path(frag.rstrip("/") or "/", listing=False)
+            self._watch_path(frag.rstrip("/") or "/", listing=True)
+        if self._is_dir and (self.source or self.purge or self.recurse):
+            self._rewatch_trees()
+        return self._unsubscribe
+
+    def _unsubscribe(self) -> None:
+        if self._watch is not None:
+            self._watch()
+        for sub in self._extra.values():
+            sub()
+        self._extra.clear()
+
+    def _watch_path(self, path: str, listing: bool) -> None:
+        key = f"{path}/" if listing else path
+        if key not in self._extra:
+            watcher = self.handle.watcher
+            hub = watcher.subscribe_dir if listing else watcher.subscribe
+            self._extra[key] = hub(path, self._changed_other)
+
+    def _changed_other(self, mask: int) -> None:
+        self.handle.event()
+
+    def _rewatch_trees(self) -> None:
+        """Watch the listing of the directory (and with recurse every directory below
+        it), of the source tree, and of fragment directories. Re-run after each check:
+        new subdirectories get watches, vanished ones lose theirs."""
+        if self._watch is None:
+            return
+        want: set[str] = set()
+        roots = [self._path]
+        if self.source is not None and self._is_dir:
+            roots.append(self.source.rstrip("/") or "/")
+        for root in roots:
+            want.add(root)
+            if self.recurse:
+                for d, dirs, _files in os.walk(root):
+                    want.update(f"{d}/{x}" for x in dirs)
+        keys = {f"{d}/" for d in want}
+        for key in [k for k in self._extra if k.endswith("/") and k not in keys]:
+            self._extra.pop(key)()
+        for d in want:
+            self._watch_path(d, listing=True)
 
     def _changed(self, mask: int) -> None:
         if mask & MOVED_TO and self._own_ino:
@@ -176,9 +303,64 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             st = None
         if self.state == "absent":
             return self._absent(st, apply)
+        uid, gid = self._ids()
         if self._is_dir:
-            return self._directory(st, apply)
-        return self._regular(st, apply)
+            ok = self._directory(st, uid, gid, apply)
+            if self._extra:
+                self._rewatch_trees()
+            return ok
+        return self._regular(st, uid, gid, apply)
+
+    # -- desired state ----------------------------------------------------------
+    def _ids(self) -> tuple[int, int]:
+        """(uid, gid) wanted, -1 where not managed. Looked up at each check, not at
+        init: a user resource earlier in the graph may create the user."""
+        uid = gid = -1
+        if self.owner is not None:
+            if self.owner.isdigit():
+                uid = int(self.owner)
+            else:
+                try:
+                    uid = pwd.getpwnam(self.owner).pw_uid
+                except KeyError:
+                    raise ResourceError(f"owner: no such user {self.owner!r}") from None
+        if self.group is not None:
+            if self.group.isdigit():
+                gid = int(self.group)
+            else:
+                try:
+                    gid = grp.getgrnam(self.group).gr_gid
+                except KeyError:
+                    raise ResourceError(f"group: no such group {self.group!r}") from None
+        return uid, gid
+
+    def _wanted(self) -> bytes | None:
+        """The content to have, or None when content is not managed."""
+        if self._data is not None:
+            return self._data
+        if self.source is not None:
+            return _read_input(self.source, "source")
+        if self.fragments:
+            parts = []
+            for frag in self.fragments:
+                if os.path.isdir(frag):
+                    for name in sorted(os.listdir(frag)):
+                        p = os.path.join(frag, name)
+                        if os.path.isfile(p):
+                            parts.append(_read_input(p, "fragments"))
+                else:
+                    parts.append(_read_input(frag, "fragments"))
+            return b"".join(parts)
+        return None
+
+    def _in_the_way(self, st: os.stat_result, what: str) -> None:
+        """Remove what occupies the path (force), or refuse."""
+        if not self.force:
+            raise ResourceError(f"{self._path} exists and is {what} (force: true replaces it)")
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(self._path)
+        else:
+            os.unlink(self._path)
 
     # -- states -------------------------------------------------------------
     def _absent(self, st: os.stat_result | None, apply: bool) -> bool:
@@ -188,53 +370,179 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             return False
         try:
             if stat.S_ISDIR(st.st_mode):
-                os.rmdir(self._path)
+                if self.force:
+                    shutil.rmtree(self._path)
+                else:
+                    os.rmdir(self._path)
             else:
                 os.unlink(self._path)
         except FileNotFoundError:
             pass
         except OSError as e:
             if e.errno == errno.ENOTEMPTY:
-                raise ResourceError(f"{self._path}: directory is not empty") from None
+                raise ResourceError(
+                    f"{self._path}: directory is not empty (force: true removes it all)"
+                ) from None
             raise ResourceError(f"{self._path}: cannot remove: {e.strerror}") from None
         return False
 
-    def _directory(self, st: os.stat_result | None, apply: bool) -> bool:
+    def _directory(self, st: os.stat_result | None, uid: int, gid: int, apply: bool) -> bool:
         if st is not None and not stat.S_ISDIR(st.st_mode):
-            raise ResourceError(f"{self._path} exists and is not a directory")
-        mode_ok = self._mode is None or (st is not None and stat.S_IMODE(st.st_mode) == self._mode)
-        if st is not None and mode_ok:
-            return True
-        if not apply:
+            if not apply:
+                return False
+            self._in_the_way(st, "not a directory")
+            st = None
+        clean = st is not None and _attrs_ok(st, self._mode, uid, gid)
+        if not clean and not apply:
             return False
         try:
             if st is None:
                 os.makedirs(self._path, mode=0o755, exist_ok=True)
-            if self._mode is not None:
-                os.chmod(self._path, self._mode)
+            if not clean:
+                _set_attrs(self._path, self._mode, uid, gid)
+            if self.source is not None or self.recurse or self.purge:
+                clean = self._tree(uid, gid, apply) and clean
         except OSError as e:
-            raise ResourceError(f"{self._path}: {e.strerror}") from None
+            raise ResourceError(f"{e.filename or self._path}: {e.strerror or e}") from None
+        return clean
+
+    def _tree(self, uid: int, gid: int, apply: bool) -> bool:
+        """Copy the source tree, apply attributes below, purge: True if all was clean."""
+        clean = True
+        src = self.source.rstrip("/") if self.source is not None else None
+        if src is not None and not os.path.isdir(src):
+            raise ResourceError(f"source {src}: not a directory")
+        # walk the target and the source side by side, top-down
+        stack = [""]
+        while stack:
+            rel = stack.pop()
+            here = f"{self._path}/{rel}" if rel else self._path
+            mine = set(_listdir(here))
+            theirs: dict[str, os.stat_result] = {}
+            if src is not None:
+                sdir = f"{src}/{rel}" if rel else src
+                for name in _listdir(sdir):
+                    theirs[name] = os.lstat(f"{sdir}/{name}")
+            for name, sst in sorted(theirs.items()):
+                target = f"{here}/{name}"
+                srcpath = f"{src}/{rel}/{name}" if rel else f"{src}/{name}"
+                ok = self._copy_entry(srcpath, sst, target, uid, gid, apply)
+                clean = clean and ok
+                if stat.S_ISDIR(sst.st_mode) and (apply or ok):
+                    stack.append(f"{rel}/{name}" if rel else name)
+            for name in sorted(mine - set(theirs)):
+                target = f"{here}/{name}"
+                if self.purge and not self._kept(target):
+                    clean = False
+                    if apply:
+                        self.handle.logger.info("%s: purge %s", self.ident, target)
+                        _remove(target)
+                    continue
+                if self.recurse and not self._managed_by_other(target):
+                    try:
+                        tst = os.lstat(target)
+                    except FileNotFoundError:
+                        continue
+                    if stat.S_ISLNK(tst.st_mode):
+                        continue
+                    isdir = stat.S_ISDIR(tst.st_mode)
+                    mode = _tree_mode(self._mode, isdir)
+                    if not _attrs_ok(tst, mode, uid, gid):
+                        clean = False
+                        if apply:
+                            _set_attrs(target, mode, uid, gid)
+                    if isdir:
+                        stack.append(f"{rel}/{name}" if rel else name)
+        return clean
+
+    def _copy_entry(
+        self, src: str, sst: os.stat_result, target: str, uid: int, gid: int, apply: bool
+    ) -> bool:
+        if self._managed_by_other(target):
+            return True  # another resource owns it
+        try:
+            tst: os.stat_result | None = os.lstat(target)
+        except FileNotFoundError:
+            tst = None
+        isdir = stat.S_ISDIR(sst.st_mode)
+        mode = _tree_mode(self._mode, isdir)
+        if mode is None:
+            mode = stat.S_IMODE(sst.st_mode)
+        if stat.S_ISLNK(sst.st_mode):
+            link = os.readlink(src)
+            if tst is not None and stat.S_ISLNK(tst.st_mode) and os.readlink(target) == link:
+                return True
+            if apply:
+                if tst is not None:
+                    _remove(target)
+                os.symlink(link, target)
+            return False
+        if isdir:
+            if tst is not None and stat.S_ISDIR(tst.st_mode):
+                if _attrs_ok(tst, mode, uid, gid):
+                    return True
+                if apply:
+                    _set_attrs(target, mode, uid, gid)
+                return False
+            if apply:
+                if tst is not None:
+                    _remove(target)
+                os.mkdir(target, mode)
+                _set_attrs(target, mode, uid, gid)
+            return False
+        if not stat.S_ISREG(sst.st_mode):
+            return True  # devices, sockets, fifos: not copied
+        same = (
+            tst is not None
+            and stat.S_ISREG(tst.st_mode)
+            and tst.st_size == sst.st_size
+            and _read_input(target, "path") == _read_input(src, "source")
+        )
+        if same and tst is not None and _attrs_ok(tst, mode, uid, gid):
+            return True
+        if apply:
+            if same:
+                _set_attrs(target, mode, uid, gid)
+            else:
+                if tst is not None and stat.S_ISDIR(tst.st_mode):
+                    _remove(target)
+                _atomic_copy(src, target, mode, uid, gid)
         return False
 
-    def _regular(self, st: os.stat_result | None, apply: bool) -> bool:
+    def _managed_by_other(self, path: str) -> bool:
+        return path in self._others
+
+    def _kept(self, path: str) -> bool:
+        """Purge keeps what another resource manages, and the directories leading to it."""
+        if path in self._others:
+            return True
+        prefix = path + "/"
+        return any(p.startswith(prefix) for p in self._others)
+
+    def _regular(self, st: os.stat_result | None, uid: int, gid: int, apply: bool) -> bool:
         if st is not None and not stat.S_ISREG(st.st_mode):
+            if not apply:
+                return False
             what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-            raise ResourceError(f"{self._path} exists and is {what}")
-        data = self._data
+            try:
+                self._in_the_way(st, what)
+            except OSError as e:
+                raise ResourceError(f"{self._path}: {e.strerror or e}") from None
+            st = None
+        data = self._wanted()
         content_ok = st is not None and (
             data is None or (st.st_size == len(data) and self._read() == data)
         )
-        mode_ok = self._mode is None or (st is not None and stat.S_IMODE(st.st_mode) == self._mode)
-        if content_ok and mode_ok:
+        attrs_ok = st is not None and _attrs_ok(st, self._mode, uid, gid)
+        if content_ok and attrs_ok:
             return True
         if not apply:
             return False
         try:
             if not content_ok:
-                self._write(st, data if data is not None else b"")
+                self._write(st, data if data is not None else b"", uid, gid)
             else:
-                assert self._mode is not None
-                os.chmod(self._path, self._mode)
+                _set_attrs(self._path, self._mode, uid, gid)
         except OSError as e:
             raise ResourceError(f"{self._path}: {e.strerror or e}") from None
         return False
@@ -247,7 +555,7 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         except FileNotFoundError:
             return b""
 
-    def _write(self, st: os.stat_result | None, data: bytes) -> None:
+    def _write(self, st: os.stat_result | None, data: bytes, uid: int, gid: int) -> None:
         parent, _, base = self._path.rpartition("/")
         parent = parent or "/"
         if self._watch is not None:
@@ -260,6 +568,9 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             mode = stat.S_IMODE(st.st_mode)
         else:
             mode = 0o666 & ~_UMASK
+        if st is not None:  # keep the old file's owner unless told otherwise
+            uid = st.st_uid if uid < 0 else uid
+            gid = st.st_gid if gid < 0 else gid
         tmp = f"{parent}/.{base}.evergraph-{os.getpid()}-{id(self):x}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         try:
@@ -275,10 +586,10 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 while view:
                     n = os.write(fd, view)
                     view = view[n:]
-                os.fchmod(fd, mode)
+                if (uid, gid) != (-1, -1) and (uid, gid) != (os.geteuid(), os.getegid()):
+                    os.fchown(fd, uid, gid)
+                os.fchmod(fd, mode)  # after chown, which clears set-id bits
                 self._own_ino = os.fstat(fd).st_ino
-                if st is not None and (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
-                    os.fchown(fd, st.st_uid, st.st_gid)
             finally:
                 os.close(fd)
             os.rename(tmp, self._path)
@@ -288,3 +599,69 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             except OSError:
                 pass
             raise
+
+
+def _read_input(path: str, field: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ResourceError(f"{field} {path}: no such file") from None
+    except IsADirectoryError:
+        raise ResourceError(f"{field} {path}: is a directory") from None
+    except OSError as e:
+        raise ResourceError(f"{field} {path}: {e.strerror}") from None
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _attrs_ok(st: os.stat_result, mode: int | None, uid: int, gid: int) -> bool:
+    return (
+        (mode is None or stat.S_IMODE(st.st_mode) == mode)
+        and (uid < 0 or st.st_uid == uid)
+        and (gid < 0 or st.st_gid == gid)
+    )
+
+
+def _set_attrs(path: str, mode: int | None, uid: int, gid: int) -> None:
+    if uid >= 0 or gid >= 0:
+        os.lchown(path, uid, gid)
+    if mode is not None:
+        os.chmod(path, mode)  # after chown, which clears set-id bits
+
+
+def _tree_mode(mode: int | None, isdir: bool) -> int | None:
+    """A mode applied to a whole tree: directories get search (x) where read is granted."""
+    if mode is None or not isdir:
+        return mode
+    return mode | ((mode & 0o444) >> 2)
+
+
+def _remove(path: str) -> None:
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _atomic_copy(src: str, target: str, mode: int | None, uid: int, gid: int) -> None:
+    parent, _, base = target.rpartition("/")
+    tmp = f"{parent}/.{base}.evergraph-{os.getpid()}"
+    try:
+        shutil.copyfile(src, tmp)
+        _set_attrs(tmp, mode, uid, gid)
+        os.rename(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -45,6 +45,8 @@ _DIR_MASK = (
 _APPEARS = Mask.CREATE | Mask.MOVED_TO
 
 Callback = Callable[[int], None]
+#: the entry name of a directory-listing subscription: no real entry has a NUL
+_ANY = "\0"
 
 
 class _Sub:
@@ -108,6 +110,11 @@ class InotifyHub:
         self._arm(sub)
         return Subscription(self, sub)
 
+    def subscribe_dir(self, directory: str, callback: Callback) -> Subscription:
+        """Call `callback(mask)` on any change of an entry directly in `directory`
+        (not below it): for resources that own a directory's listing (file.purge)."""
+        return self.subscribe(f"{directory.rstrip('/')}/{_ANY}", callback)
+
     async def run(self) -> None:
         """Read events until cancelled, dispatching them to subscribers."""
         assert self._ino is not None, "use `async with InotifyHub()` first"
@@ -135,6 +142,11 @@ class InotifyHub:
             name = str(ev.name) if ev.name is not None else ""
             if ev.mask & _APPEARS:
                 self._missing.discard(_join(d, name))
+            anyone = dwatch.by_name.get(_ANY)
+            if anyone:
+                for s in list(anyone):
+                    if s.dir == s.parent:
+                        s.callback(mask)
             targets = dwatch.by_name.get(name)
             if not targets:
                 continue

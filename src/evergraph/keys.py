@@ -1,0 +1,131 @@
+"""Host keys: one encryption key pair and one signing key pair per state dir.
+
+Stored in `<state>/keys/` (directory 0700, files 0600), created on first use
+with an atomic write so a crash never leaves half a key. Used for:
+
+- directed exports: sealed to the target's public key, signed by the exporter;
+- secrets a resource saves on disk (e.g. `password.saved`): encrypted with a
+  symmetric key derived from the host's private key, never plaintext.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import tempfile
+from pathlib import Path
+
+import nacl.encoding
+import nacl.exceptions
+import nacl.hash
+import nacl.public
+import nacl.secret
+import nacl.signing
+import nacl.utils
+
+
+class KeyError_(Exception):
+    """A key file is unreadable or a ciphertext does not open with our key."""
+
+
+def _atomic_secret(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, data)
+        os.fsync(fd)
+        os.close(fd)
+        os.link(tmp, path)  # fails if another process created it first: theirs wins
+    except FileExistsError:
+        pass
+    finally:
+        _unlink(tmp)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _load_or_create(path: Path) -> bytes:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        _atomic_secret(path, base64.b64encode(nacl.utils.random(32)) + b"\n")
+        raw = path.read_bytes()
+    try:
+        seed = base64.b64decode(raw.strip(), validate=True)
+    except ValueError as e:
+        raise KeyError_(f"{path}: not a base64 key ({e})") from None
+    if len(seed) != 32:
+        raise KeyError_(f"{path}: a key is 32 bytes, this one is {len(seed)}")
+    return seed
+
+
+class HostKeys:
+    """The host's key pairs. `public`/`verify` go into the member record."""
+
+    def __init__(self, state_dir: Path) -> None:
+        d = state_dir / "keys"
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(d, 0o700)
+        self.dir = d
+        self.box_key = nacl.public.PrivateKey(_load_or_create(d / "box.key"))
+        self.sign_key = nacl.signing.SigningKey(_load_or_create(d / "sign.key"))
+        # a symmetric key for local secrets, derived so it is never stored apart
+        local = nacl.hash.blake2b(
+            bytes(self.box_key),
+            key=b"evergraph-local-secrets",
+            digest_size=nacl.secret.SecretBox.KEY_SIZE,
+            encoder=nacl.encoding.RawEncoder,
+        )
+        self._local = nacl.secret.SecretBox(local)
+
+    @property
+    def public(self) -> str:
+        """The encryption public key, base64."""
+        return base64.b64encode(bytes(self.box_key.public_key)).decode()
+
+    @property
+    def verify(self) -> str:
+        """The signature verification key, base64."""
+        return base64.b64encode(bytes(self.sign_key.verify_key)).decode()
+
+    # local secrets ---------------------------------------------------------
+    def seal_local(self, plaintext: bytes) -> bytes:
+        return base64.b64encode(self._local.encrypt(plaintext))
+
+    def open_local(self, token: bytes) -> bytes:
+        try:
+            return self._local.decrypt(base64.b64decode(token.strip(), validate=True))
+        except (ValueError, nacl.exceptions.CryptoError):
+            raise KeyError_("does not open with this host's key") from None
+
+    # directed exports --------------------------------------------------------
+    def seal_to(self, public_b64: str, plaintext: bytes) -> bytes:
+        """Encrypt to another host's public key (only its private key opens it)."""
+        try:
+            pk = nacl.public.PublicKey(base64.b64decode(public_b64, validate=True))
+        except (ValueError, nacl.exceptions.CryptoError):
+            raise KeyError_("not a valid public key") from None
+        return nacl.public.SealedBox(pk).encrypt(plaintext)
+
+    def unseal(self, ciphertext: bytes) -> bytes:
+        try:
+            return nacl.public.SealedBox(self.box_key).decrypt(ciphertext)
+        except nacl.exceptions.CryptoError:
+            raise KeyError_("not sealed to this host") from None
+
+    def sign(self, data: bytes) -> bytes:
+        return self.sign_key.sign(data).signature
+
+    @staticmethod
+    def check_signature(verify_b64: str, data: bytes, signature: bytes) -> bool:
+        try:
+            vk = nacl.signing.VerifyKey(base64.b64decode(verify_b64, validate=True))
+            vk.verify(data, signature)
+        except (ValueError, nacl.exceptions.BadSignatureError, nacl.exceptions.CryptoError):
+            return False
+        return True
