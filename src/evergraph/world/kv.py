@@ -1,0 +1,176 @@
+"""The World's key-value protocol: what every backend (memory, sqlite, etcd) provides.
+
+Modelled on etcd v3, the most demanding backend, so that the others are
+strict subsets of its behaviour:
+
+- every write bumps one global `revision`; a key remembers the revision that
+  created it and the one that last modified it;
+- `cas` writes only if the key's mod revision is the expected one (0: the key
+  must not exist) — the building block for elections and fenced writes;
+- a lease expires `ttl` seconds after its last keep-alive and takes its keys
+  with it (deletions that watchers see);
+- `watch(prefix, start)` yields batches of events, one batch per revision, from
+  `start` on (so a watcher resumes where it stopped); history older than the
+  compaction point raises `Compacted`, and the caller re-lists.
+
+Keys are `str`, values `bytes`. World features (members, follow, exports,
+deploys) are written once on top of this protocol.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal
+
+log = logging.getLogger("evergraph.world")
+
+
+class WorldError(Exception):
+    """The World cannot be reached or refused an operation; the message says which."""
+
+
+class Compacted(WorldError):
+    """The revision a watch asked for is older than the history kept."""
+
+    def __init__(self, revision: int, compact_revision: int) -> None:
+        super().__init__(
+            f"revision {revision} is compacted (history starts after {compact_revision})"
+        )
+        self.revision = revision
+        self.compact_revision = compact_revision
+
+
+class LeaseExpired(WorldError):
+    """A keep-alive came too late: the lease and its keys are gone."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    type: Literal["put", "delete"]
+    key: str
+    #: the new value; for a delete, empty
+    value: bytes
+    #: the revision of this change (a delete has the deleting revision)
+    revision: int
+    create_revision: int = 0
+    lease: int = 0
+
+
+class KV(abc.ABC):
+    """One connection to the World. Create it inside the running event loop."""
+
+    #: shown in messages and benchmark tables
+    name: str = "kv"
+
+    # -- reads ------------------------------------------------------------------
+    @abc.abstractmethod
+    async def get(self, key: str) -> KeyValue | None: ...
+
+    @abc.abstractmethod
+    async def range(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """Every key starting with `prefix`, in key order, and the revision read at."""
+
+    # -- writes -----------------------------------------------------------------
+    @abc.abstractmethod
+    async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        """Write; returns the new revision."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> bool:
+        """True if the key existed."""
+
+    @abc.abstractmethod
+    async def delete_prefix(self, prefix: str) -> int:
+        """How many keys were deleted (in one revision)."""
+
+    @abc.abstractmethod
+    async def cas(self, key: str, value: bytes | None, *, expect: int, lease: int = 0) -> bool:
+        """Compare-and-swap: if the key's mod revision is `expect` (0 = must not exist),
+        put `value` (None = delete) and return True; otherwise change nothing."""
+
+    # -- leases -----------------------------------------------------------------
+    @abc.abstractmethod
+    async def grant(self, ttl: float) -> int:
+        """A new lease of `ttl` seconds; returns its id (> 0)."""
+
+    @abc.abstractmethod
+    async def keepalive(self, lease: int) -> None:
+        """Restart the lease's TTL; raises LeaseExpired if it is gone."""
+
+    @abc.abstractmethod
+    async def revoke(self, lease: int) -> None:
+        """End the lease now, deleting its keys."""
+
+    # -- watch --------------------------------------------------------------------
+    @abc.abstractmethod
+    def watch(self, prefix: str, start: int) -> AsyncIterator[list[Event]]:
+        """Batches of changes to keys under `prefix`, one batch per revision, from
+        revision `start` on. Raises Compacted if `start` is no longer in history.
+        The iterator ends only when the KV is closed."""
+
+    @abc.abstractmethod
+    async def compact(self, revision: int) -> None:
+        """Forget history before `revision` (watchers from older revisions get Compacted)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    async def __aenter__(self) -> KV:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class LeaseKeeper:
+    """Keeps one lease alive (keep-alive every ttl/3) and re-grants it if it expired
+    while we were away; `on_regrant` re-puts whatever the lease carried."""
+
+    def __init__(self, kv: KV, ttl: float) -> None:
+        self.kv = kv
+        self.ttl = ttl
+        self.lease = 0
+        self._task: asyncio.Task[None] | None = None
+        #: set when the lease had to be granted anew: its keys must be written again
+        self.regranted = asyncio.Event()
+
+    async def start(self) -> int:
+        self.lease = await self.kv.grant(self.ttl)
+        self._task = asyncio.create_task(self._run(), name="lease-keepalive")
+        return self.lease
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl / 3)
+            try:
+                await self.kv.keepalive(self.lease)
+            except LeaseExpired:
+                log.warning("world: lease %x expired; granting a new one", self.lease)
+                self.lease = await self.kv.grant(self.ttl)
+                self.regranted.set()
+            except WorldError as e:
+                log.warning("world: keep-alive failed: %s", e)
+
+    async def stop(self, revoke: bool = True) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if revoke and self.lease:
+            with contextlib.suppress(WorldError):
+                await self.kv.revoke(self.lease)

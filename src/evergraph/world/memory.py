@@ -1,0 +1,181 @@
+"""The memory World: one process, no persistence. For tests and `--world memory`.
+
+It passes the same contract tests as sqlite and etcd. Several `MemoryKV`
+clients may share one `MemoryStore`, standing in for several hosts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+from collections.abc import AsyncIterator
+
+from evergraph.world.kv import KV, Compacted, Event, KeyValue, LeaseExpired, WorldError
+
+
+class MemoryStore:
+    def __init__(self) -> None:
+        self.revision = 0
+        self.compacted = 0
+        self.data: dict[str, KeyValue] = {}
+        #: (revision, events) in revision order
+        self.history: list[tuple[int, list[Event]]] = []
+        self.leases: dict[int, tuple[float, set[str], asyncio.TimerHandle | None]] = {}
+        self._ids = itertools.count(0x1000)
+        self._changed = asyncio.Event()
+
+    def commit(self, events: list[Event]) -> None:
+        self.history.append((self.revision, events))
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def next_rev(self) -> int:
+        self.revision += 1
+        return self.revision
+
+    def put(self, key: str, value: bytes, lease: int) -> Event:
+        if lease and lease not in self.leases:
+            raise LeaseExpired(f"lease {lease:x} not found")
+        rev = self.revision
+        old = self.data.get(key)
+        if old is not None and old.lease and old.lease in self.leases:
+            self.leases[old.lease][1].discard(key)
+        create = old.create_revision if old is not None else rev
+        self.data[key] = KeyValue(key, value, create, rev, lease)
+        if lease:
+            self.leases[lease][1].add(key)
+        return Event("put", key, value, rev, create, lease)
+
+    def delete(self, key: str) -> Event | None:
+        old = self.data.pop(key, None)
+        if old is None:
+            return None
+        if old.lease and old.lease in self.leases:
+            self.leases[old.lease][1].discard(key)
+        return Event("delete", key, b"", self.revision, old.create_revision)
+
+    def arm(self, lease: int, ttl: float) -> None:
+        _, keys, timer = self.leases[lease]
+        if timer is not None:
+            timer.cancel()
+        timer = asyncio.get_running_loop().call_later(ttl, self.expire, lease)
+        self.leases[lease] = (ttl, keys, timer)
+
+    def expire(self, lease: int) -> None:
+        entry = self.leases.pop(lease, None)
+        if entry is None:
+            return
+        _, keys, timer = entry
+        if timer is not None:
+            timer.cancel()
+        if keys:
+            self.next_rev()
+            events = [e for k in sorted(keys) if (e := self.delete(k)) is not None]
+            self.commit(events)
+
+
+class MemoryKV(KV):
+    name = "memory"
+
+    def __init__(self, store: MemoryStore | None = None) -> None:
+        self.store = store if store is not None else MemoryStore()
+        self._closed = asyncio.Event()
+
+    def _check(self) -> MemoryStore:
+        if self._closed.is_set():
+            raise WorldError("the World connection is closed")
+        return self.store
+
+    async def get(self, key: str) -> KeyValue | None:
+        return self._check().data.get(key)
+
+    async def range(self, prefix: str) -> tuple[list[KeyValue], int]:
+        st = self._check()
+        return [st.data[k] for k in sorted(st.data) if k.startswith(prefix)], st.revision
+
+    async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        st = self._check()
+        if lease and lease not in st.leases:
+            raise LeaseExpired(f"lease {lease:x} not found")
+        st.next_rev()
+        st.commit([st.put(key, value, lease)])
+        return st.revision
+
+    async def delete(self, key: str) -> bool:
+        st = self._check()
+        if key not in st.data:
+            return False
+        st.next_rev()
+        ev = st.delete(key)
+        assert ev is not None
+        st.commit([ev])
+        return True
+
+    async def delete_prefix(self, prefix: str) -> int:
+        st = self._check()
+        keys = sorted(k for k in st.data if k.startswith(prefix))
+        if keys:
+            st.next_rev()
+            st.commit([e for k in keys if (e := st.delete(k)) is not None])
+        return len(keys)
+
+    async def cas(self, key: str, value: bytes | None, *, expect: int, lease: int = 0) -> bool:
+        st = self._check()
+        cur = st.data.get(key)
+        if (cur.mod_revision if cur is not None else 0) != expect:
+            return False
+        if value is None:
+            return await self.delete(key)
+        await self.put(key, value, lease=lease)
+        return True
+
+    async def grant(self, ttl: float) -> int:
+        st = self._check()
+        lease = next(st._ids)
+        st.leases[lease] = (ttl, set(), None)
+        st.arm(lease, ttl)
+        return lease
+
+    async def keepalive(self, lease: int) -> None:
+        st = self._check()
+        if lease not in st.leases:
+            raise LeaseExpired(f"lease {lease:x} expired")
+        st.arm(lease, st.leases[lease][0])
+
+    async def revoke(self, lease: int) -> None:
+        self._check().expire(lease)
+
+    async def compact(self, revision: int) -> None:
+        st = self._check()
+        st.compacted = max(st.compacted, min(revision, st.revision))
+        cut = bisect.bisect_left(st.history, st.compacted + 1, key=lambda h: h[0])
+        del st.history[:cut]
+
+    async def watch(self, prefix: str, start: int) -> AsyncIterator[list[Event]]:
+        st = self._check()
+        if start <= st.compacted and start <= st.revision:
+            raise Compacted(start, st.compacted)
+        nxt = start
+        while not self._closed.is_set():
+            changed = st._changed
+            i = bisect.bisect_left(st.history, nxt, key=lambda h: h[0])
+            for rev, events in st.history[i:]:
+                mine = [e for e in events if e.key.startswith(prefix)]
+                nxt = rev + 1
+                if mine:
+                    yield mine
+            if nxt <= st.revision:
+                continue
+            waits = [
+                asyncio.ensure_future(self._closed.wait()),
+                asyncio.ensure_future(changed.wait()),
+            ]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+
+    async def close(self) -> None:
+        self._closed.set()
