@@ -1,0 +1,367 @@
+"""The sqlite World: the default, embedded, zero set-up backend.
+
+One file (`<state>/world.sqlite`, WAL mode) shared by every process of the
+host: agents and the CLI open the same file. Each write is one transaction
+that bumps the global revision and appends its events to a `log` table, so a
+watcher in any process reads what changed after the revision it has seen.
+
+How a watcher learns that another process wrote: inotify on the `-wal` file
+(every commit writes it), with a slow poll (1 s) behind it in case an event
+is missed (e.g. a checkpoint that truncated the file between our reads).
+
+Leases keep their deadline as wall-clock time in the file. Expired leases
+are swept by whoever writes, and by every open client with a watch, on a
+short timer: a host whose agent was killed loses its member record within
+the TTL as long as any process of the host uses the World.
+
+Calls run in the event loop: a WAL commit without fsync takes tens of
+microseconds, less than a hop to a thread. `busy_timeout` covers the short
+moments another process holds the write lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+from evergraph.world.kv import KV, Compacted, Event, KeyValue, LeaseExpired, WorldError, log
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta VALUES ('revision', 0), ('compacted', 0);
+CREATE TABLE IF NOT EXISTS kv(
+    key TEXT PRIMARY KEY, value BLOB NOT NULL,
+    create_rev INTEGER NOT NULL, mod_rev INTEGER NOT NULL, lease INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS kv_lease ON kv(lease) WHERE lease != 0;
+CREATE TABLE IF NOT EXISTS log(
+    rev INTEGER NOT NULL, seq INTEGER NOT NULL, type INTEGER NOT NULL, key TEXT NOT NULL,
+    value BLOB NOT NULL, create_rev INTEGER NOT NULL, lease INTEGER NOT NULL,
+    PRIMARY KEY(rev, seq)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS leases(id INTEGER PRIMARY KEY, ttl REAL NOT NULL, expires REAL NOT NULL);
+"""
+
+#: history kept for watchers that fall behind; older revisions are compacted
+HISTORY = 10_000
+_SWEEP = 0.25  # seconds between lease sweeps while watching
+_POLL = 1.0  # fallback poll for other processes' writes
+_PUT, _DEL = 0, 1
+
+
+def _upper(prefix: str) -> str:
+    return prefix + "\U0010ffff"
+
+
+class SQLiteKV(KV):
+    name = "sqlite"
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA busy_timeout = 5000")
+            self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.execute("PRAGMA synchronous = NORMAL")
+            self._db.executescript(_SCHEMA)  # idempotent; runs in its own transaction
+        except sqlite3.Error as e:
+            raise WorldError(f"world {self.path}: {e}") from None
+        except OSError as e:
+            raise WorldError(f"world {self.path}: {e.strerror}") from None
+        self._closed = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._notifier: asyncio.Task[None] | None = None
+        self._writes = 0
+
+    # -- plumbing ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def _txn(self) -> Iterator[sqlite3.Connection]:
+        if self._db is None:
+            raise WorldError("the World connection is closed")
+        db = self._db
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        except sqlite3.Error as e:
+            raise WorldError(f"world {self.path}: {e}") from None
+
+    def _read(self) -> sqlite3.Connection:
+        if getattr(self, "_closed", None) is not None and self._closed.is_set():
+            raise WorldError("the World connection is closed")
+        return self._db
+
+    def _rev(self, db: sqlite3.Connection, name: str = "revision") -> int:
+        return int(db.execute("SELECT v FROM meta WHERE k = ?", (name,)).fetchone()[0])
+
+    def _bump(self, db: sqlite3.Connection) -> int:
+        rev = self._rev(db) + 1
+        db.execute("UPDATE meta SET v = ? WHERE k = 'revision'", (rev,))
+        return rev
+
+    def _sweep(self, db: sqlite3.Connection) -> None:
+        """Inside a write transaction: end expired leases (their keys go in one revision)."""
+        now = time.time()
+        dead = [r[0] for r in db.execute("SELECT id FROM leases WHERE expires < ?", (now,))]
+        if dead:
+            self._end_leases(db, dead)
+
+    def _end_leases(self, db: sqlite3.Connection, leases: list[int]) -> None:
+        marks = ",".join("?" * len(leases))
+        keys = [
+            r[0]
+            for r in db.execute(
+                f"SELECT key FROM kv WHERE lease IN ({marks}) ORDER BY key",
+                leases,
+            )
+        ]
+        db.execute(f"DELETE FROM leases WHERE id IN ({marks})", leases)
+        if keys:
+            self._delete_keys(db, self._bump(db), keys)
+
+    def _delete_keys(self, db: sqlite3.Connection, rev: int, keys: list[str]) -> None:
+        for seq, key in enumerate(keys):
+            row = db.execute("SELECT create_rev FROM kv WHERE key = ?", (key,)).fetchone()
+            db.execute("DELETE FROM kv WHERE key = ?", (key,))
+            db.execute(
+                "INSERT INTO log VALUES (?, ?, ?, ?, x'', ?, 0)", (rev, seq, _DEL, key, row[0])
+            )
+
+    def _put(self, db: sqlite3.Connection, rev: int, key: str, value: bytes, lease: int) -> None:
+        if lease and db.execute("SELECT 1 FROM leases WHERE id = ?", (lease,)).fetchone() is None:
+            raise LeaseExpired(f"lease {lease:x} not found")
+        row = db.execute("SELECT create_rev FROM kv WHERE key = ?", (key,)).fetchone()
+        create = row[0] if row is not None else rev
+        db.execute(
+            "INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?, ?)", (key, value, create, rev, lease)
+        )
+        db.execute(
+            "INSERT INTO log VALUES (?, 0, ?, ?, ?, ?, ?)", (rev, _PUT, key, value, create, lease)
+        )
+
+    def _wrote(self, db: sqlite3.Connection) -> None:
+        self._writes += 1
+        if self._writes % 1000 == 0:  # keep the history bounded
+            rev = self._rev(db)
+            if rev > HISTORY:
+                self._compact(db, rev - HISTORY)
+
+    def _compact(self, db: sqlite3.Connection, revision: int) -> None:
+        cur = self._rev(db, "compacted")
+        revision = min(revision, self._rev(db))
+        if revision > cur:
+            db.execute("DELETE FROM log WHERE rev <= ?", (revision,))
+            db.execute("UPDATE meta SET v = ? WHERE k = 'compacted'", (revision,))
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # -- reads ------------------------------------------------------------------
+    async def get(self, key: str) -> KeyValue | None:
+        row = (
+            self._read()
+            .execute("SELECT key, value, create_rev, mod_rev, lease FROM kv WHERE key = ?", (key,))
+            .fetchone()
+        )
+        return KeyValue(row[0], bytes(row[1]), row[2], row[3], row[4]) if row else None
+
+    async def range(self, prefix: str) -> tuple[list[KeyValue], int]:
+        db = self._read()
+        try:
+            db.execute("BEGIN")
+            rows = db.execute(
+                "SELECT key, value, create_rev, mod_rev, lease FROM kv"
+                " WHERE key >= ? AND key < ? ORDER BY key",
+                (prefix, _upper(prefix)),
+            ).fetchall()
+            rev = self._rev(db)
+        finally:
+            db.execute("COMMIT")
+        return [KeyValue(r[0], bytes(r[1]), r[2], r[3], r[4]) for r in rows], rev
+
+    # -- writes -----------------------------------------------------------------
+    async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        with self._txn() as db:
+            self._sweep(db)
+            rev = self._bump(db)
+            self._put(db, rev, key, value, lease)
+            self._wrote(db)
+        self._notify()
+        return rev
+
+    async def delete(self, key: str) -> bool:
+        return await self._delete_where("key = ?", (key,)) > 0
+
+    async def delete_prefix(self, prefix: str) -> int:
+        return await self._delete_where("key >= ? AND key < ?", (prefix, _upper(prefix)))
+
+    async def _delete_where(self, where: str, args: tuple[str, ...]) -> int:
+        with self._txn() as db:
+            self._sweep(db)
+            keys = [
+                r[0] for r in db.execute(f"SELECT key FROM kv WHERE {where} ORDER BY key", args)
+            ]
+            if keys:
+                self._delete_keys(db, self._bump(db), keys)
+                self._wrote(db)
+        if keys:
+            self._notify()
+        return len(keys)
+
+    async def cas(self, key: str, value: bytes | None, *, expect: int, lease: int = 0) -> bool:
+        with self._txn() as db:
+            self._sweep(db)
+            row = db.execute("SELECT mod_rev FROM kv WHERE key = ?", (key,)).fetchone()
+            if (row[0] if row else 0) != expect:
+                return False
+            if value is None:
+                if row is None:
+                    return True
+                self._delete_keys(db, self._bump(db), [key])
+            else:
+                self._put(db, self._bump(db), key, value, lease)
+            self._wrote(db)
+        self._notify()
+        return True
+
+    # -- leases -----------------------------------------------------------------
+    async def grant(self, ttl: float) -> int:
+        with self._txn() as db:
+            cur = db.execute(
+                "INSERT INTO leases(ttl, expires) VALUES (?, ?)", (ttl, time.time() + ttl)
+            )
+            lease = int(cur.lastrowid or 0)
+        return lease
+
+    async def keepalive(self, lease: int) -> None:
+        with self._txn() as db:
+            self._sweep(db)
+            cur = db.execute(
+                "UPDATE leases SET expires = ? + ttl WHERE id = ?", (time.time(), lease)
+            )
+            found = cur.rowcount > 0
+        self._notify()
+        if not found:
+            raise LeaseExpired(f"lease {lease:x} expired")
+
+    async def revoke(self, lease: int) -> None:
+        with self._txn() as db:
+            self._end_leases(db, [lease])
+        self._notify()
+
+    async def compact(self, revision: int) -> None:
+        with self._txn() as db:
+            self._compact(db, revision)
+
+    # -- watch --------------------------------------------------------------------
+    async def watch(self, prefix: str, start: int) -> AsyncIterator[list[Event]]:
+        self._start_notifier()
+        nxt = start
+        hi = _upper(prefix)
+        while not self._closed.is_set():
+            changed = self._changed
+            db = self._read()
+            try:
+                db.execute("BEGIN")
+                rev = self._rev(db)
+                compacted = self._rev(db, "compacted")
+                if nxt <= compacted and nxt <= rev:
+                    raise Compacted(nxt, compacted)
+                rows = db.execute(
+                    "SELECT rev, type, key, value, create_rev, lease FROM log"
+                    " WHERE rev >= ? AND rev <= ? AND key >= ? AND key < ? ORDER BY rev, seq",
+                    (nxt, rev, prefix, hi),
+                ).fetchall()
+            except sqlite3.Error as e:
+                raise WorldError(f"world {self.path}: {e}") from None
+            finally:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("COMMIT")
+            batch: list[Event] = []
+            for r in rows:
+                if batch and batch[0].revision != r[0]:
+                    yield batch
+                    batch = []
+                batch.append(
+                    Event("put" if r[1] == _PUT else "delete", r[2], bytes(r[3]), r[0], r[4], r[5])
+                )
+            if batch:
+                yield batch
+            nxt = max(nxt, rev + 1)
+            await self._wait(changed)
+
+    async def _wait(self, changed: asyncio.Event) -> None:
+        waits = [
+            asyncio.ensure_future(changed.wait()),
+            asyncio.ensure_future(self._closed.wait()),
+        ]
+        try:
+            await asyncio.wait(waits, timeout=_POLL, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    def _start_notifier(self) -> None:
+        if self._notifier is None:
+            self._notifier = asyncio.create_task(self._notify_loop(), name="world-sqlite-notify")
+
+    async def _notify_loop(self) -> None:
+        """Wake watchers on other processes' commits (inotify on the WAL) and sweep
+        expired leases, so deletions by expiry reach watchers without any write."""
+        from asyncinotify import Inotify, Mask
+
+        wal = str(self.path) + "-wal"
+        with Inotify() as ino:
+            with contextlib.suppress(OSError):
+                ino.add_watch(wal, Mask.MODIFY | Mask.CLOSE_WRITE)
+            events = ino.__aiter__()
+            nxt_event: asyncio.Future[Any] | None = None
+            try:
+                while not self._closed.is_set():
+                    if nxt_event is None:
+                        nxt_event = asyncio.ensure_future(events.__anext__())
+                    done, _ = await asyncio.wait({nxt_event}, timeout=_SWEEP)
+                    if done:
+                        nxt_event = None
+                    else:
+                        await self._sweep_now()
+                    self._notify()
+            finally:
+                if nxt_event is not None:
+                    nxt_event.cancel()
+
+    async def _sweep_now(self) -> None:
+        db = self._read()
+        due = db.execute("SELECT 1 FROM leases WHERE expires < ? LIMIT 1", (time.time(),))
+        if due.fetchone() is None:
+            return
+        try:
+            with self._txn() as db:
+                self._sweep(db)
+        except WorldError as e:
+            log.warning("world: lease sweep failed: %s", e)
+
+    async def close(self) -> None:
+        self._closed.set()
+        self._notify()
+        if self._notifier is not None:
+            self._notifier.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._notifier
+            self._notifier = None
+        if self._db is not None:
+            self._db.close()
+            self._db = None  # type: ignore[assignment]
+
+
+def default_path(state_dir: Path) -> Path:
+    return state_dir / "world.sqlite"
