@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
 from evergraph import __version__
 from evergraph.errors import InputError
+
+if TYPE_CHECKING:
+    from evergraph.world.open import WorldOptions
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -37,6 +41,99 @@ def cli() -> None:
       evergraph run site.yaml                        # converge, then keep watching
       evergraph run site.yaml --converged-timeout 1 --converged-exit   # one-shot
     """
+
+
+def world_options(f: Callable[..., None]) -> Callable[..., None]:
+    """The options that say which World to use (shared by run, world, members, exports)."""
+    opts = [
+        click.option(
+            "--world",
+            "world_backend",
+            type=click.Choice(["sqlite", "memory", "etcd"]),
+            default="sqlite",
+            show_default=True,
+            help="Where shared state lives: sqlite (a file in the state dir), memory "
+            "(this process only), etcd (--seeds or --etcd embedded).",
+        ),
+        click.option(
+            "--world-db",
+            type=click.Path(dir_okay=False, path_type=Path),
+            default=None,
+            help="The sqlite World's file. [default: STATE_DIR/world.sqlite]",
+        ),
+        click.option(
+            "--seeds",
+            default="",
+            metavar="URL,...",
+            help="etcd client URLs, e.g. https://10.0.0.1:2379 (implies --world etcd).",
+        ),
+        click.option(
+            "--etcd",
+            "etcd_mode",
+            type=click.Choice(["embedded"]),
+            default=None,
+            help="Start an etcd server as a child process, data under the state dir.",
+        ),
+        click.option(
+            "--etcd-ca",
+            type=click.Path(dir_okay=False, path_type=Path),
+            default=None,
+            help="CA certificate that signed the etcd servers' certificates.",
+        ),
+        click.option(
+            "--etcd-cert",
+            type=click.Path(dir_okay=False, path_type=Path),
+            default=None,
+            help="Client certificate for etcd (with --etcd-key).",
+        ),
+        click.option(
+            "--etcd-key",
+            type=click.Path(dir_okay=False, path_type=Path),
+            default=None,
+            help="Client key for etcd.",
+        ),
+        click.option("--etcd-user", default=None, help="etcd user name (auth enabled)."),
+        click.option(
+            "--etcd-password",
+            default=None,
+            envvar="EVERGRAPH_ETCD_PASSWORD",
+            help="etcd password [env: EVERGRAPH_ETCD_PASSWORD].",
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _world_opts(world: dict[str, object]) -> WorldOptions:
+    from evergraph.world.open import WorldOptions
+
+    seeds = tuple(u.strip() for u in str(world.get("seeds") or "").split(",") if u.strip())
+    for url in seeds:
+        if not url.startswith(("http://", "https://")):
+            raise InputError(f"{url!r} is not an http:// or https:// URL", "--seeds")
+    for flag in ("etcd_ca", "etcd_cert", "etcd_key"):
+        p = world.get(flag)
+        if p is not None and not Path(str(p)).is_file():
+            raise InputError(f"no such file: {p}", "--" + flag.replace("_", "-"))
+    if (world.get("etcd_cert") is None) != (world.get("etcd_key") is None):
+        raise InputError("give both --etcd-cert and --etcd-key, or neither", "--etcd-cert")
+
+    def path(k: str) -> Path | None:
+        v = world.get(k)
+        return Path(str(v)) if v is not None else None
+
+    return WorldOptions(
+        backend=str(world.get("world_backend") or "sqlite"),
+        db=path("world_db"),
+        seeds=seeds,
+        embedded=world.get("etcd_mode") == "embedded",
+        ca=path("etcd_ca"),
+        cert=path("etcd_cert"),
+        key=path("etcd_key"),
+        user=str(world["etcd_user"]) if world.get("etcd_user") else None,
+        password=str(world["etcd_password"]) if world.get("etcd_password") else None,
+    )
 
 
 @cli.command(context_settings=CONTEXT)
@@ -100,6 +197,7 @@ def cli() -> None:
     show_default=True,
     help="Log lines as text or as one JSON object per line.",
 )
+@world_options
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 def run(
     file: Path,
@@ -117,6 +215,7 @@ def run(
     graphviz: Path | None,
     log_format: str,
     verbose: int,
+    **world: object,
 ) -> None:
     """Converge the graph in FILE, then keep it converged.
 
@@ -161,15 +260,26 @@ def run(
             max_runtime=max_runtime,
             graphviz=graphviz,
         )
+        from evergraph.cluster import exports_of
+
+        exports = exports_of(model)
         model = prepare_model(model, settings)
         settings = replace(settings, state_dir=prepare_state_dir(state_dir))
+        world_opts = _world_opts(world)
     except InputError as e:
         _die(e)
     from evergraph.cli.logs import FLUSH_INTERVAL, flush_logs
 
     try:
         status = asyncio.run(
-            run_agent(settings, model, frontend, flush=(flush_logs, FLUSH_INTERVAL))
+            run_agent(
+                settings,
+                model,
+                frontend,
+                flush=(flush_logs, FLUSH_INTERVAL),
+                world=world_opts,
+                exports=exports,
+            )
         )
     finally:
         flush_logs()

@@ -28,6 +28,7 @@ from evergraph.errors import InputError
 
 if TYPE_CHECKING:
     from evergraph.keys import HostKeys
+    from evergraph.world.kv import KV
 
 
 def doc(text: str) -> msgspec.Meta:
@@ -100,6 +101,11 @@ class Handle(Protocol):
     @property
     def keys(self) -> HostKeys:
         """The host's key pairs (created under `<state>/keys/` on first use)."""
+        ...
+
+    @property
+    def world(self) -> KV:
+        """The World (shared key-value store); ResourceError if the run has none."""
         ...
 
     def ready(self) -> None:

@@ -55,6 +55,7 @@ Observer = Callable[[Vertex, str], None]
 
 if TYPE_CHECKING:
     from evergraph.keys import HostKeys
+    from evergraph.world.kv import KV
 
 
 class Engine:
@@ -70,6 +71,8 @@ class Engine:
         self.vertices: dict[str, Vertex] = {}
         self.watcher: InotifyHub = InotifyHub()
         self._keys: HostKeys | None = None
+        #: the World this agent uses (set by the agent before run), for resources
+        self.world: KV | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._running = 0
         self._retrying = 0

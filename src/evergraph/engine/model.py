@@ -26,6 +26,24 @@ class Edge(NamedTuple):
     name: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class CollectSpec:
+    """Collect exported resources of `kind` whose exporter, name and parameters match."""
+
+    kind: str
+    host: str | None = None
+    name: str | None = None
+    params: dict[str, object] = field(default_factory=dict)
+
+    def matches(self, kind: str, host: str, name: str, params: dict[str, object]) -> bool:
+        return (
+            kind == self.kind
+            and (self.host is None or host == self.host)
+            and (self.name is None or name == self.name)
+            and all(params.get(k) == v for k, v in self.params.items())
+        )
+
+
 @dataclass(slots=True)
 class GraphModel:
     """A validated graph ready for the engine. Build with `add` and `connect`, then `check`."""
@@ -35,6 +53,8 @@ class GraphModel:
     edges: list[Edge] = field(default_factory=list)
     #: where each resource was declared (e.g. `file.yaml:12:5`), for messages
     origins: dict[str, str] = field(default_factory=dict)
+    #: live queries for resources other hosts export to this one (YAML `collect:`)
+    collect: list[CollectSpec] = field(default_factory=list)
 
     def add(self, res: Resource, origin: str = "") -> None:
         """Add a resource; an equal duplicate merges, a different one is an error."""

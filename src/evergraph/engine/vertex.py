@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from evergraph.engine.contract import PathWatcher, Resource
+from evergraph.errors import ResourceError
 
 if TYPE_CHECKING:
     from evergraph.engine.engine import Engine
     from evergraph.keys import HostKeys
+    from evergraph.world.kv import KV
 
 _loggers: dict[str, logging.Logger] = {}
 
@@ -138,6 +140,12 @@ class Vertex:
     @property
     def keys(self) -> HostKeys:
         return self.engine.keys()
+
+    @property
+    def world(self) -> KV:
+        if self.engine.world is None:
+            raise ResourceError("this run has no World")
+        return self.engine.world
 
     def ready(self) -> None:
         self.engine.vertex_ready(self)

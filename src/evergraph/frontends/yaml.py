@@ -23,7 +23,7 @@ import yaml_rs
 
 from evergraph._gc import gc_paused
 from evergraph.engine.contract import Registry, Resource
-from evergraph.engine.model import Edge, GraphCycleError, GraphModel
+from evergraph.engine.model import CollectSpec, Edge, GraphCycleError, GraphModel
 from evergraph.errors import InputError
 
 log = logging.getLogger("evergraph.frontend.yaml")
@@ -150,12 +150,6 @@ def _parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
         raise fail("the top level must be a mapping with `graph:` and `resources:`")
     for k in doc:
         if k not in _TOP_KEYS:
-            if k == "collect":
-                raise fail(
-                    "`collect` needs the World, which this version does not have yet",
-                    (k,),
-                    key=True,
-                )
             raise fail(
                 f"unknown top-level key {k!r} (expected: {', '.join(_TOP_KEYS)})", (k,), key=True
             )
@@ -207,6 +201,11 @@ def _parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
             model.connect(edge)
         except InputError as e:
             raise InputError(e.message, loc.at(("edges", i))) from None
+    collect = doc.get("collect") or []
+    if not isinstance(collect, list):
+        raise fail("`collect` must be a list of {kind: K, filter: {...}}", ("collect",))
+    for i, item in enumerate(collect):
+        model.collect.append(_collect_spec(item, ("collect", i), fail, registry))
     try:
         model.check()
     except GraphCycleError as e:
@@ -217,6 +216,35 @@ def _parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
     except InputError as e:
         raise InputError(e.message, _where_resource(e.where, model, loc) or filename) from None
     return model
+
+
+def _collect_spec(
+    item: object, path: tuple[PathPart, ...], fail: Callable[..., InputError], registry: Registry
+) -> CollectSpec:
+    if not isinstance(item, dict):
+        raise fail("a collect entry is a mapping {kind: K, filter: {...}}", path)
+    for k in item:
+        if k not in ("kind", "filter"):
+            raise fail(f"unknown key {k!r} in collect (expected kind, filter)", (*path, k), True)
+    kind = item.get("kind")
+    cls = registry.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise fail(f"collect needs a known `kind:`, not {kind!r}", (*path, "kind"))
+    flt = item.get("filter") or {}
+    if not isinstance(flt, dict):
+        raise fail("`filter` must be a mapping of host, name and parameters", (*path, "filter"))
+    host, name, params = None, None, {}
+    fields = set(cls.__struct_fields__)
+    for k, v in flt.items():
+        if k in ("host", "name"):
+            if not isinstance(v, str):
+                raise fail(f"`{k}` must be a string", (*path, "filter", k))
+            host, name = (v, name) if k == "host" else (host, v)
+        elif k in fields and k != "meta":
+            params[str(k)] = v
+        else:
+            raise fail(f"{kind} has no parameter {k!r} to filter on", (*path, "filter", k), True)
+    return CollectSpec(str(kind), host, name, params)
 
 
 def _where_resource(where: str, model: GraphModel, loc: _Locator) -> str:

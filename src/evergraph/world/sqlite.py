@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 from evergraph.world.kv import KV, Compacted, Event, KeyValue, LeaseExpired, WorldError, log
 
@@ -319,25 +319,32 @@ class SQLiteKV(KV):
         expired leases, so deletions by expiry reach watchers without any write."""
         from asyncinotify import Inotify, Mask
 
-        wal = str(self.path) + "-wal"
+        loop = asyncio.get_running_loop()
+        woke = asyncio.Event()
+
+        def drain(fd: int) -> None:
+            # the events' content does not matter: any write means "look again"
+            with contextlib.suppress(BlockingIOError, OSError):
+                while os.read(fd, 65536):
+                    pass
+            woke.set()
+
         with Inotify() as ino:
             with contextlib.suppress(OSError):
-                ino.add_watch(wal, Mask.MODIFY | Mask.CLOSE_WRITE)
-            events = ino.__aiter__()
-            nxt_event: asyncio.Future[Any] | None = None
+                ino.add_watch(str(self.path) + "-wal", Mask.MODIFY | Mask.CLOSE_WRITE)
+            os.set_blocking(ino.fd, False)  # drain reads until empty
+            loop.add_reader(ino.fd, drain, ino.fd)
             try:
                 while not self._closed.is_set():
-                    if nxt_event is None:
-                        nxt_event = asyncio.ensure_future(events.__anext__())
-                    done, _ = await asyncio.wait({nxt_event}, timeout=_SWEEP)
-                    if done:
-                        nxt_event = None
-                    else:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(_SWEEP):
+                            await woke.wait()
+                    if not woke.is_set():
                         await self._sweep_now()
+                    woke.clear()
                     self._notify()
             finally:
-                if nxt_event is not None:
-                    nxt_event.cancel()
+                loop.remove_reader(ino.fd)
 
     async def _sweep_now(self) -> None:
         db = self._read()
