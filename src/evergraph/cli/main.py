@@ -367,6 +367,11 @@ def version() -> None:
     click.echo(f"evergraph {__version__}")
 
 
+from evergraph.cli import world as _world_cli  # noqa: E402  (needs world_options)
+
+_world_cli.register(cli, world_options)
+
+
 def main() -> None:
     cli(prog_name="evergraph")
 

@@ -28,7 +28,7 @@ from evergraph.errors import InputError
 
 log = logging.getLogger("evergraph.frontend.yaml")
 
-_TOP_KEYS = ("graph", "resources", "edges", "comment")
+_TOP_KEYS = ("graph", "resources", "edges", "collect", "comment")
 _EDGE_KEYS = ("name", "from", "to", "notify")
 _END_KEYS = ("kind", "name")
 _MSGSPEC_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")

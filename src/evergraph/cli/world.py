@@ -1,0 +1,204 @@
+"""`evergraph world|members|exports`: read and write the same World as `run`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import click
+
+from evergraph.errors import InputError
+from evergraph.world.kv import KV, WorldError
+
+T = TypeVar("T")
+
+
+def state_dir_option(f: Callable[..., None]) -> Callable[..., None]:
+    return click.option(
+        "--state-dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        help="The agent's state dir (holds the sqlite World). [default: as for run]",
+    )(f)
+
+
+def with_world(
+    state_dir: Path | None, world: dict[str, object], body: Callable[[KV], Awaitable[T]]
+) -> T:
+    """Open the World the options name, run `body(kv)`, close it; errors exit 1 or 2."""
+    from evergraph.agent import prepare_state_dir
+    from evergraph.cli.main import _die, _world_opts
+    from evergraph.world.open import open_world
+
+    try:
+        opts = _world_opts(world)
+        if opts.embedded:
+            raise InputError("only `run` starts an embedded etcd; use --seeds", "--etcd")
+        sd = prepare_state_dir(state_dir)
+    except InputError as e:
+        _die(e)
+
+    async def main() -> T:
+        opened = await open_world(opts, sd)
+        try:
+            return await body(opened.kv)
+        finally:
+            await opened.close()
+
+    try:
+        return asyncio.run(main())
+    except WorldError as e:
+        click.echo(f"evergraph: world: {e}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def _show(value: bytes) -> str:
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        return value.hex()
+
+
+def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]) -> None:
+    ctx = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+    @cli.group(context_settings=ctx)
+    def world() -> None:
+        """Read and write keys of the World (the same one `run` uses).
+
+        \b
+        Examples:
+          evergraph world put kv/motd "hello"
+          evergraph world get kv/motd
+          evergraph world watch kv/                 # print changes as they happen
+          evergraph world get --prefix members/ --seeds http://10.0.0.1:2379
+        """
+
+    @world.command(context_settings=ctx)
+    @click.argument("key")
+    @click.option("--prefix", is_flag=True, help="Every key starting with KEY.")
+    @state_dir_option
+    @world_options
+    def get(key: str, prefix: bool, state_dir: Path | None, **opts: object) -> None:
+        """Print KEY's value (exit 1 if absent), or with --prefix `key<TAB>value` lines."""
+
+        async def body(kv: KV) -> int:
+            if prefix:
+                items, _ = await kv.range(key)
+                for item in items:
+                    click.echo(f"{item.key}\t{_show(item.value)}")
+                return 0
+            one = await kv.get(key)
+            if one is None:
+                click.echo(f"evergraph: world: no key {key!r}", err=True)
+                return 1
+            click.echo(_show(one.value))
+            return 0
+
+        sys.exit(with_world(state_dir, opts, body))
+
+    @world.command(context_settings=ctx)
+    @click.argument("key")
+    @click.argument("value")
+    @state_dir_option
+    @world_options
+    def put(key: str, value: str, state_dir: Path | None, **opts: object) -> None:
+        """Set KEY to VALUE."""
+        if not key:
+            click.echo("evergraph: world put: KEY must not be empty", err=True)
+            sys.exit(2)
+
+        async def body(kv: KV) -> int:
+            rev = await kv.put(key, value.encode())
+            click.echo(f"revision {rev}", err=True)
+            return 0
+
+        sys.exit(with_world(state_dir, opts, body))
+
+    @world.command("del", context_settings=ctx)
+    @click.argument("key")
+    @click.option("--prefix", is_flag=True, help="Every key starting with KEY.")
+    @state_dir_option
+    @world_options
+    def delete(key: str, prefix: bool, state_dir: Path | None, **opts: object) -> None:
+        """Delete KEY (exit 1 if absent), or with --prefix every key under it."""
+
+        async def body(kv: KV) -> int:
+            if prefix:
+                n = await kv.delete_prefix(key)
+                click.echo(f"deleted {n} keys", err=True)
+                return 0
+            return 0 if await kv.delete(key) else 1
+
+        sys.exit(with_world(state_dir, opts, body))
+
+    @world.command(context_settings=ctx)
+    @click.argument("prefix")
+    @state_dir_option
+    @world_options
+    def watch(prefix: str, state_dir: Path | None, **opts: object) -> None:
+        """Print every change under PREFIX as it happens (`put key value` / `delete key`)."""
+
+        async def body(kv: KV) -> int:
+            _, rev = await kv.range(prefix)
+            async for batch in kv.watch(prefix, rev + 1):
+                for ev in batch:
+                    line = (
+                        f"put {ev.key} {_show(ev.value)}"
+                        if ev.type == "put"
+                        else f"delete {ev.key}"
+                    )
+                    click.echo(line)
+            return 0
+
+        sys.exit(with_world(state_dir, opts, body))
+
+    @cli.command(context_settings=ctx)
+    @click.option("--json", "as_json", is_flag=True, help="One JSON object per member.")
+    @state_dir_option
+    @world_options
+    def members(as_json: bool, state_dir: Path | None, **opts: object) -> None:
+        """List the live cluster members (agents whose lease is alive)."""
+        from evergraph.world.members import members as list_members
+
+        async def body(kv: KV) -> int:
+            import msgspec
+
+            for m in await list_members(kv):
+                if as_json:
+                    click.echo(msgspec.json.encode(m).decode())
+                else:
+                    click.echo(f"{m.host}\t{m.state}\t{m.version}\t{','.join(m.groups) or '-'}")
+            return 0
+
+        sys.exit(with_world(state_dir, opts, body))
+
+    @cli.command(context_settings=ctx)
+    @state_dir_option
+    @world_options
+    def exports(state_dir: Path | None, **opts: object) -> None:
+        """List exported resources: `to  from  kind[name]  sealed|signed` (never the content)."""
+        from evergraph.world.exports import EXPORTED, parse_key
+
+        async def body(kv: KV) -> int:
+            items, _ = await kv.range(EXPORTED)
+            for item in items:
+                where = parse_key(item.key)
+                if where is None:
+                    click.echo(f"?\t?\t{item.key}\tnot an export key", err=True)
+                    continue
+                to, src, kind, name = where
+                try:
+                    sealed = bool(json.loads(item.value).get("sealed"))
+                    how = "sealed" if sealed else "signed"
+                except (ValueError, AttributeError):
+                    how = "bad record"
+                click.echo(f"{to}\t{src}\t{kind}[{name}]\t{how}")
+            return 0
+
+        sys.exit(with_world(state_dir, opts, body))
