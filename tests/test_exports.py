@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sqlite3
 from pathlib import Path
+
+import pytest
 
 from .conftest import Agent, run_cli, wait_for
 
@@ -99,3 +103,29 @@ def test_forged_and_garbage_records_are_rejected(tmp_path: Path, agents) -> None
     assert not out.exists()
     assert b.proc.poll() is None  # still running
     assert b.stop() == 0
+
+
+@pytest.mark.slow
+def test_members_register_and_a_killed_agent_vanishes_within_its_ttl(
+    tmp_path: Path, agents
+) -> None:  # type: ignore[no-untyped-def]
+    db = tmp_path / "world.sqlite"
+    g = tmp_path / "g.yaml"
+    g.write_text("graph: m\nresources:\n  noop:\n  - name: m\n")
+    a: Agent = agents(g, tmp_path / "sa", "--hostname", "alpha", "--world-db", str(db))
+    b: Agent = agents(g, tmp_path / "sb", "--hostname", "beta", "--world-db", str(db))
+    a.wait_converged()
+    b.wait_converged()
+
+    def members() -> list[str]:
+        r = run_cli("members", "--world-db", db, "--state-dir", tmp_path / "cli")
+        assert r.returncode == 0, r.stderr
+        return [line.split("\t")[0] for line in r.stdout.splitlines()]
+
+    assert members() == ["alpha", "beta"]
+    os.kill(a.proc.pid, signal.SIGKILL)  # no goodbye: only the lease's expiry removes it
+    a.proc.wait()
+    # within the default TTL (10 s) plus a sweep
+    wait_for(lambda: members() == ["beta"], timeout=12, what="alpha's record expired")
+    assert b.stop() == 0  # a clean stop revokes the lease at once
+    assert members() == []

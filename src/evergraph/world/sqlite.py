@@ -167,6 +167,7 @@ class SQLiteKV(KV):
 
     # -- reads ------------------------------------------------------------------
     async def get(self, key: str) -> KeyValue | None:
+        await self._sweep_now()  # a dead host's leased keys must not be read as alive
         row = (
             self._read()
             .execute("SELECT key, value, create_rev, mod_rev, lease FROM kv WHERE key = ?", (key,))
@@ -175,6 +176,7 @@ class SQLiteKV(KV):
         return KeyValue(row[0], bytes(row[1]), row[2], row[3], row[4]) if row else None
 
     async def range(self, prefix: str) -> tuple[list[KeyValue], int]:
+        await self._sweep_now()
         db = self._read()
         try:
             db.execute("BEGIN")
