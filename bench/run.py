@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
 from bench import common
 
-BENCHMARKS = ("engine", "graphops", "drift", "files")
+BENCHMARKS = ("engine", "graphops", "drift", "files", "world")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench import files
 
             out["files"], text = files.run(args.quick)
+        elif name == "world":
+            from bench import world
+
+            out["world"], text = world.run(args.quick)
         else:
             from bench import drift
 

@@ -1,0 +1,259 @@
+"""Benchmark 5, the World: KV throughput and watch latency per backend, and the
+export -> collected -> applied latency between two hosts.
+
+KV: one client writes N keys sequentially (`put`), reads them (`get`), then
+times N put -> watch-event round trips (a second client of the same World
+watches; the clock runs from just before `put` to the event's arrival).
+Floors, doing the same operations with nothing of ours: for sqlite, the
+`sqlite3` module committing one row per transaction in WAL mode; for etcd, a
+bare aetcd client (put/get loop and one watch) against the same server.
+
+Exports: an agent (host B, `evergraph run` with `collect:`) and this process
+acting as host A on one sqlite World. Each trial A writes a signed, sealed
+export record of a file with new content; the clock stops when B's file
+reads back with that content (our own inotify on the directory). Target p99
+<= 50 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sqlite3
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    EVERGRAPH,
+    fmt_s,
+    percentile,
+    spawn,
+    stop,
+    table,
+    temp_dir_until_exit,
+    yes_no,
+)
+
+TARGET_EXPORT_P99_S = 0.050
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    return {"p50": percentile(xs, 50), "p99": percentile(xs, 99)}
+
+
+async def _kv_ops(make: Any, n: int) -> dict[str, Any]:
+    a, b = make(), make()
+    try:
+        t0 = time.perf_counter()
+        for i in range(n):
+            await a.put(f"bench/{i:06d}", b"x" * 64)
+        puts = n / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for i in range(n):
+            await a.get(f"bench/{i:06d}")
+        gets = n / (time.perf_counter() - t0)
+        _, rev = await a.range("watch/")
+        it = b.watch("watch/", rev + 1).__aiter__()
+        lat = []
+        for i in range(min(n, 500)):
+            t0 = time.perf_counter()
+            await a.put(f"watch/{i}", b"v")
+            await it.__anext__()
+            lat.append(time.perf_counter() - t0)
+        return {"puts_per_s": puts, "gets_per_s": gets, "watch": _stats(lat)}
+    finally:
+        await a.close()
+        await b.close()
+
+
+def _sqlite_floor(path: Path, n: int) -> dict[str, Any]:
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute("CREATE TABLE kv(key TEXT PRIMARY KEY, value BLOB)")
+    t0 = time.perf_counter()
+    for i in range(n):
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (f"bench/{i:06d}", b"x" * 64))
+        db.execute("COMMIT")
+    puts = n / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for i in range(n):
+        db.execute("SELECT value FROM kv WHERE key = ?", (f"bench/{i:06d}",)).fetchone()
+    gets = n / (time.perf_counter() - t0)
+    db.close()
+    return {"puts_per_s": puts, "gets_per_s": gets}
+
+
+async def _etcd_floor(url: str, n: int) -> dict[str, Any]:
+    import aetcd
+
+    host, port = url.removeprefix("http://").split(":")
+    async with aetcd.Client(host=host, port=int(port)) as c:
+        t0 = time.perf_counter()
+        for i in range(n):
+            await c.put(f"floor/{i:06d}".encode(), b"x" * 64)
+        puts = n / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for i in range(n):
+            await c.get(f"floor/{i:06d}".encode())
+        gets = n / (time.perf_counter() - t0)
+        watch = await c.watch_prefix(b"floorw/")
+        it = watch.__aiter__()
+        lat = []
+        for i in range(min(n, 500)):
+            t0 = time.perf_counter()
+            await c.put(f"floorw/{i}".encode(), b"v")
+            await it.__anext__()
+            lat.append(time.perf_counter() - t0)
+        await watch.cancel()
+    return {"puts_per_s": puts, "gets_per_s": gets, "watch": _stats(lat)}
+
+
+def _kv_rows(quick: bool) -> tuple[dict[str, Any], list[list[str]]]:
+    from evergraph.world.memory import MemoryKV, MemoryStore
+    from evergraph.world.sqlite import SQLiteKV
+
+    n = 300 if quick else 2000
+    res: dict[str, Any] = {}
+    d = Path(temp_dir_until_exit("/var/tmp"))
+
+    async def memory() -> dict[str, Any]:
+        store = MemoryStore()
+        return await _kv_ops(lambda: MemoryKV(store), n)
+
+    res["memory"] = asyncio.run(memory())
+    res["sqlite"] = asyncio.run(_kv_ops(lambda: SQLiteKV(d / "w.sqlite"), n))
+    res["sqlite_floor"] = _sqlite_floor(d / "floor.sqlite", n)
+    try:
+        from evergraph.world.etcd import EtcdKV
+        from evergraph.world.etcd_server import EtcdServer
+    except ImportError:
+        EtcdKV = None
+    if EtcdKV is not None and shutil.which("etcd"):
+        data = Path(tempfile.mkdtemp(prefix="evergraph-bench-etcd-", dir="/dev/shm"))
+        server = EtcdServer.single(data)
+        try:
+            server.start()
+            res["etcd"] = asyncio.run(_kv_ops(lambda: EtcdKV([server.client_url]), n))
+            res["etcd_floor"] = asyncio.run(_etcd_floor(server.client_url, n))
+        finally:
+            server.stop()
+            shutil.rmtree(data, ignore_errors=True)
+    rows = []
+    for name in ("memory", "sqlite", "sqlite_floor", "etcd", "etcd_floor"):
+        r = res.get(name)
+        if r is None:
+            continue
+        w = r.get("watch")
+        rows.append(
+            [
+                name.replace("_floor", " (floor)"),
+                f"{r['puts_per_s']:,.0f}",
+                f"{r['gets_per_s']:,.0f}",
+                fmt_s(w["p50"]) if w else "-",
+                fmt_s(w["p99"]) if w else "-",
+            ]
+        )
+    return res, rows
+
+
+async def _export_trials(state_a: Path, db: Path, target: Path, trials: int) -> list[float]:
+    from asyncinotify import Inotify, Mask
+
+    from evergraph.keys import HostKeys
+    from evergraph.world.exports import export_key, make_record
+    from evergraph.world.members import host_keys
+    from evergraph.world.sqlite import SQLiteKV
+
+    keys = HostKeys(state_a)
+    kv = SQLiteKV(db)
+    await kv.put(
+        "hostkeys/hosta",
+        json.dumps({"host": "hosta", "public": keys.public, "verify": keys.verify}).encode(),
+    )
+    for _ in range(200):
+        rec = await host_keys(kv, "hostb")
+        if rec is not None:
+            break
+        await asyncio.sleep(0.05)
+    assert rec is not None, "host B never published its keys"
+    key = export_key("hostb", "hosta", "file", str(target))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    out = []
+    with Inotify() as ino:
+        ino.add_watch(target.parent, Mask.MOVED_TO | Mask.CLOSE_WRITE)
+        for i in range(trials + 1):
+            want = f"trial {i}\n"
+            value = make_record(
+                keys, "hosta", "hostb", "file", str(target), {"content": want}, rec.public
+            )
+            t0 = time.perf_counter()
+            await kv.put(key, value)
+            while True:
+                try:
+                    if target.read_text() == want:
+                        break
+                except FileNotFoundError:
+                    pass
+                await asyncio.wait_for(ino.get(), 20)
+            if i:  # the first trial includes B's first swap of a new resource kind
+                out.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.02)
+    await kv.close()
+    return out
+
+
+def _export_latency(quick: bool) -> dict[str, Any]:
+    d = Path(temp_dir_until_exit("/var/tmp"))
+    db, target = d / "world.sqlite", d / "b" / "exported.conf"
+    g = d / "b.yaml"
+    g.write_text("graph: b\nresources:\n  noop:\n  - name: b\ncollect:\n- {kind: file}\n")
+    agent = spawn(
+        [
+            EVERGRAPH,
+            "run",
+            str(g),
+            "--state-dir",
+            str(d / "sb"),
+            "--hostname",
+            "hostb",
+            "--world-db",
+            str(db),
+        ],
+        stdout=open(d / "b.log", "wb"),  # noqa: SIM115
+        stderr=-2,
+    )
+    try:
+        lat = asyncio.run(_export_trials(d / "sa", db, target, 30 if quick else 200))
+    finally:
+        stop(agent)
+    return _stats(lat) | {"trials": len(lat)}
+
+
+def run(quick: bool) -> tuple[dict[str, Any], str]:
+    res, rows = _kv_rows(quick)
+    text = table(
+        "World KV: sequential ops/s and put->watch latency (2 clients, one World)",
+        ["backend", "puts/s", "gets/s", "watch p50", "watch p99"],
+        rows,
+    )
+    exp = _export_latency(quick)
+    res["export"] = exp
+    text += "\n\n" + table(
+        "Export -> collected -> applied (host A record -> file on agent B, sqlite World)",
+        ["trials", "p50", "p99", "target p99", "met"],
+        [
+            [
+                str(exp["trials"]),
+                fmt_s(exp["p50"]),
+                fmt_s(exp["p99"]),
+                fmt_s(TARGET_EXPORT_P99_S),
+                yes_no(exp["p99"] <= TARGET_EXPORT_P99_S),
+            ]
+        ],
+    )
+    return res, text
