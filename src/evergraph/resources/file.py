@@ -163,7 +163,9 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         return [f"dir:{norm.rstrip('/')}/" if path.endswith("/") else f"path:{norm}"]
 
     def autoedge_wants(self) -> Iterator[Iterator[str]]:
-        yield self._parent_keys(os.path.normpath(self.path or self.name))
+        norm = os.path.normpath(self.path or self.name)
+        yield self._parent_keys(norm)
+        yield iter((f"pkgfile:{norm}",))  # after the package that installs it
 
     @staticmethod
     def _parent_keys(path: str) -> Iterator[str]:
