@@ -156,6 +156,8 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
     eager: ClassVar[bool] = False
     #: values this kind can send over an edge, with their types: {"stdout": str}
     sends: ClassVar[dict[str, Any]] = {}
+    #: sent fields whose values must never be logged or shown (password)
+    secret_sends: ClassVar[frozenset[str]] = frozenset()
     name: Annotated[str, doc("the resource's name; `kind[name]` is its identity")]
     meta: Annotated[Meta, doc("meta parameters (see `evergraph docs resources`)")] = DEFAULT_META
 

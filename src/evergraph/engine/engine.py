@@ -274,7 +274,12 @@ class Engine:
         v.received.update(values)
         await self._start_vertex(v)
         log.info(
-            "%s: received %s", v.ident, ", ".join(f"{k}={_short(val)}" for k, val in values.items())
+            "%s: received %s",
+            v.ident,
+            ", ".join(
+                f"{k}={'<secret>' if k in v.secret_fields else _short(val)}"
+                for k, val in values.items()
+            ),
         )
         return new
 
@@ -282,6 +287,7 @@ class Engine:
         values = v.res.sent()
         if not values:
             return
+        secret = v.res.secret_sends
         for send, c, recv in v.send_edges:
             if send not in values:
                 continue
@@ -290,6 +296,8 @@ class Engine:
             if current != value:
                 c.inbox[recv] = value
                 c.pending = True
+                if send in secret:
+                    c.secret_fields.add(recv)
 
     def _write_graphviz(self, model: GraphModel) -> None:
         from evergraph.engine.render import to_dot

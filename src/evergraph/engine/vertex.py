@@ -51,6 +51,7 @@ class Vertex:
         "retry_wait",
         "reversal_saved",
         "running",
+        "secret_fields",
         "send_edges",
         "tokens",
         "unsubscribe",
@@ -70,6 +71,8 @@ class Vertex:
         #: received values now in effect on `res`, and ones waiting for the next run
         self.received: dict[str, object] = {}
         self.inbox: dict[str, object] = {}
+        #: received fields whose sender marked them secret: never logged
+        self.secret_fields: set[str] = set()
         hidden = res.meta.hidden
         #: needs a check: at startup, after an event, a refresh or a retry
         self.pending = not hidden
