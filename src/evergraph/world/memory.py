@@ -154,10 +154,11 @@ class MemoryKV(KV):
 
     async def watch(self, prefix: str, start: int) -> AsyncIterator[list[Event]]:
         st = self._check()
-        if start <= st.compacted and start <= st.revision:
-            raise Compacted(start, st.compacted)
         nxt = start
         while not self._closed.is_set():
+            if nxt <= st.compacted and nxt <= st.revision:
+                # also when a live watch fell behind a compaction
+                raise Compacted(nxt, st.compacted)
             changed = st._changed
             i = bisect.bisect_left(st.history, nxt, key=lambda h: h[0])
             for rev, events in st.history[i:]:
