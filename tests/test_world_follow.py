@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ import pytest
 from evergraph.world.follow import Follower, SimpleFollower, Tombstone, follow, watch_one
 from evergraph.world.kv import KV, Compacted, Event, KeyValue, WorldError
 
-from .worlds import Factory, world_factory
+from .worlds import Factory, run_pair, world_factory
 
 
 def _backends() -> list[str]:
@@ -43,18 +43,7 @@ def factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Factory]
         yield make
 
 
-def run(factory: Factory, body: Callable[[KV, KV], Awaitable[None]]) -> None:
-    """Run `body(writer, reader)` with two clients of one World."""
-
-    async def main() -> None:
-        a, b = factory(), factory()
-        try:
-            await asyncio.wait_for(body(a, b), 30)
-        finally:
-            await a.close()
-            await b.close()
-
-    asyncio.run(main())
+run = run_pair
 
 
 # -- a switch in front of a real backend --------------------------------------------

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from evergraph.world.kv import KV, Compacted, Event, LeaseExpired
 
-from .worlds import BACKENDS, Factory, world_factory
+from .worlds import BACKENDS, Factory, run_pair, world_factory
 
 
 @pytest.fixture(params=BACKENDS)
@@ -19,18 +19,7 @@ def factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Factory]
         yield make
 
 
-def run(factory: Factory, body: Callable[[KV, KV], Awaitable[None]]) -> None:
-    """Run `body(a, b)` with two clients of one World."""
-
-    async def main() -> None:
-        a, b = factory(), factory()
-        try:
-            await asyncio.wait_for(body(a, b), 30)
-        finally:
-            await a.close()
-            await b.close()
-
-    asyncio.run(main())
+run = run_pair
 
 
 async def next_batch(it: object) -> list[Event]:

@@ -3,10 +3,11 @@ share one World (as several hosts or processes would)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 from evergraph.world.kv import KV
@@ -50,3 +51,17 @@ def world_factory(backend: str, tmp_path: Path) -> Iterator[tuple[Factory, objec
             shutil.rmtree(data, ignore_errors=True)
     else:
         raise ValueError(backend)
+
+
+def run_pair(factory: Factory, body: Callable[[KV, KV], Awaitable[None]]) -> None:
+    """Run `body(a, b)` with two clients of one World (as two hosts), then close both."""
+
+    async def main() -> None:
+        a, b = factory(), factory()
+        try:
+            await asyncio.wait_for(body(a, b), 30)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())

@@ -315,3 +315,13 @@ def register(
         return cls
 
     return deco
+
+
+def parent_dir_keys(path: str) -> Iterator[str]:
+    """Autoedge keys of a normalised path's parent directories (`dir:/a/b/`), nearest
+    first, lazily: the first managed one ends the walk."""
+    end = path.rfind("/")
+    while end > 0:
+        yield f"dir:{path[:end]}/"
+        end = path.rfind("/", 0, end)
+    yield "dir:/"

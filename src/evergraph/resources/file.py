@@ -32,7 +32,14 @@ import stat
 from collections.abc import Callable, Iterator
 from typing import Annotated, Literal
 
-from evergraph.engine.contract import Handle, PathSubscription, Resource, doc, register
+from evergraph.engine.contract import (
+    Handle,
+    PathSubscription,
+    Resource,
+    doc,
+    parent_dir_keys,
+    register,
+)
 from evergraph.errors import ResourceError
 from evergraph.watch.inotify import MOVED_TO
 
@@ -164,17 +171,8 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
 
     def autoedge_wants(self) -> Iterator[Iterator[str]]:
         norm = os.path.normpath(self.path or self.name)
-        yield self._parent_keys(norm)
+        yield parent_dir_keys(norm)
         yield iter((f"pkgfile:{norm}",))  # after the package that installs it
-
-    @staticmethod
-    def _parent_keys(path: str) -> Iterator[str]:
-        # Lazily, nearest first: the first managed one ends the walk.
-        end = path.rfind("/")
-        while end > 0:
-            yield f"dir:{path[:end]}/"
-            end = path.rfind("/", 0, end)
-        yield "dir:/"
 
     def managed_under(self) -> str | None:
         if self.purge:
@@ -317,23 +315,8 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     def _ids(self) -> tuple[int, int]:
         """(uid, gid) wanted, -1 where not managed. Looked up at each check, not at
         init: a user resource earlier in the graph may create the user."""
-        uid = gid = -1
-        if self.owner is not None:
-            if self.owner.isdigit():
-                uid = int(self.owner)
-            else:
-                try:
-                    uid = pwd.getpwnam(self.owner).pw_uid
-                except KeyError:
-                    raise ResourceError(f"owner: no such user {self.owner!r}") from None
-        if self.group is not None:
-            if self.group.isdigit():
-                gid = int(self.group)
-            else:
-                try:
-                    gid = grp.getgrnam(self.group).gr_gid
-                except KeyError:
-                    raise ResourceError(f"group: no such group {self.group!r}") from None
+        uid = _lookup(self.owner, lambda n: pwd.getpwnam(n).pw_uid, "owner", "user")
+        gid = _lookup(self.group, lambda n: grp.getgrnam(n).gr_gid, "group", "group")
         return uid, gid
 
     def _wanted(self) -> bytes | None:
@@ -601,6 +584,18 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             except OSError:
                 pass
             raise
+
+
+def _lookup(value: str | None, by_name: Callable[[str], int], field: str, what: str) -> int:
+    """A name or numeric id -> the id; -1 when not managed."""
+    if value is None:
+        return -1
+    if value.isdigit():
+        return int(value)
+    try:
+        return by_name(value)
+    except KeyError:
+        raise ResourceError(f"{field}: no such {what} {value!r}") from None
 
 
 def _read_input(path: str, field: str) -> bytes:

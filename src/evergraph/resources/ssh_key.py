@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from evergraph.engine.contract import PathSubscription, Resource, doc, register
+from evergraph.engine.contract import PathSubscription, Resource, doc, parent_dir_keys, register
 from evergraph.errors import ResourceError
 
 PASSWD = "/etc/passwd"
@@ -251,15 +251,7 @@ class SshAuthorizedKey(Resource, kw_only=True, dict=True, forbid_unknown_fields=
         if self.user:
             yield iter((f"user:{self.user}",))  # the account (and its home) first
         else:
-            yield self._parent_keys(os.path.normpath(self.file))
-
-    @staticmethod
-    def _parent_keys(path: str) -> Iterator[str]:
-        end = path.rfind("/")
-        while end > 0:
-            yield f"dir:{path[:end]}/"
-            end = path.rfind("/", 0, end)
-        yield "dir:/"
+            yield parent_dir_keys(os.path.normpath(self.file))
 
     def reversal(self) -> SshAuthorizedKey:
         """Absent if our key is not in the file now; else its line as it is."""
