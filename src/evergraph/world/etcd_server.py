@@ -1,0 +1,438 @@
+"""A real etcd server as a child process: `--etcd embedded` and the etcd tests.
+
+`EtcdServer` starts Debian's `etcd` (3.4) with its data in a directory we
+own, waits until the member reports itself healthy, and stops it by PID
+(SIGTERM, then SIGKILL after a grace). Failures are `WorldError`s with one
+readable line: etcd not installed, a port already in use, etcd exiting
+early (with its last log lines).
+
+Health is read from an extra plain-HTTP loopback listener
+(`--listen-metrics-urls`) serving `/health` and `/metrics`, so polling works
+the same whether the client port speaks TLS with client certificates or not.
+
+etcd's own log (zap JSON on stderr, warnings and worse) is drained by a
+thread: errors go to our log, the last lines are kept for error messages.
+The child gets SIGTERM if the thread that started it dies (`setpriv
+--pdeathsig`), so a crashed agent leaves no orphaned etcd behind; start it
+from the thread that lives as long as it should (the event loop thread).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from evergraph.world.kv import WorldError, log
+
+INSTALL_HINT = "etcd is not installed: apt-get install etcd-server"
+
+#: seconds between SIGTERM and SIGKILL in stop()
+STOP_GRACE = 5.0
+#: lines of etcd's log kept for error messages
+_TAIL = 40
+#: fast raft timing for loopback members (tests, a single host): elections in ~0.1 s
+FAST_TIMING = (10, 100)
+#: etcd's defaults, for members talking over a real network
+DEFAULT_TIMING = (100, 1000)
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """TLS for the client (and peer) ports: the server certificate and key, the CA
+    that signed client (and peer) certificates, and whether clients must show one."""
+
+    cert: Path
+    key: Path
+    ca: Path
+    client_cert_auth: bool = False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (bind to port 0, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as etcd does
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+        return False
+
+
+class EtcdServer:
+    """One etcd member. Construct with `single`, `cluster` or `embedded`."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        name: str = "default",
+        host: str = "127.0.0.1",
+        client_port: int = 0,
+        peer_port: int = 0,
+        advertise_host: str | None = None,
+        initial_cluster: str | None = None,
+        cluster_token: str = "evergraph",
+        tls: ServerTLS | None = None,
+        timing: tuple[int, int] = DEFAULT_TIMING,
+        extra_args: Sequence[str] = (),
+        binary: str = "etcd",
+    ) -> None:
+        """`client_port`/`peer_port` 0: pick free loopback ports now (kept across restarts).
+        `initial_cluster` (`name=peer_url,...`): None for a single member.
+        `timing`: (heartbeat interval, election timeout) in milliseconds."""
+        self.data_dir = Path(data_dir)
+        self.name = name
+        self.host = host
+        #: ports we picked ourselves may be picked again if taken before etcd binds them
+        self._auto_ports = client_port == 0 and peer_port == 0
+        self.client_port = client_port or free_port(host)
+        self.peer_port = peer_port or free_port(host)
+        wildcard = host in ("0.0.0.0", "::", "")
+        self.advertise_host = advertise_host or (socket.getfqdn() if wildcard else host)
+        self.initial_cluster = initial_cluster
+        self.cluster_token = cluster_token
+        self.tls = tls
+        self.timing = timing
+        self.extra_args = list(extra_args)
+        self.binary = binary
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._health_port = 0
+        self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL)
+        self._reader: threading.Thread | None = None
+
+    # -- constructors -------------------------------------------------------------
+    @classmethod
+    def single(
+        cls, data_dir: Path, name: str = "default", *, tls: ServerTLS | None = None
+    ) -> EtcdServer:
+        """A one-member cluster on free loopback ports, fast raft timing (tests)."""
+        return cls(data_dir, name=name, tls=tls, timing=FAST_TIMING)
+
+    @classmethod
+    def cluster(cls, n: int, base_dir: Path, *, tls: ServerTLS | None = None) -> list[EtcdServer]:
+        """`n` members on free loopback ports, data in `base_dir/m0..`; start them
+        together with `EtcdServer.start_all` (a member alone has no quorum)."""
+        members = [
+            cls(
+                Path(base_dir) / f"m{i}",
+                name=f"m{i}",
+                tls=tls,
+                timing=FAST_TIMING,
+            )
+            for i in range(n)
+        ]
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in members)
+        for m in members:  # known once every member has its ports
+            m.initial_cluster = initial
+        return members
+
+    @classmethod
+    def embedded(
+        cls,
+        data_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        client_port: int = 2379,
+        peer_port: int = 2380,
+        tls: ServerTLS | None = None,
+    ) -> EtcdServer:
+        """`evergraph run --etcd embedded`: etcd's usual ports and timing, history
+        compacted automatically (the last 10,000 revisions are kept)."""
+        return cls(
+            data_dir,
+            name="evergraph",
+            host=host,
+            client_port=client_port,
+            peer_port=peer_port,
+            tls=tls,
+            extra_args=[
+                "--auto-compaction-mode=revision",
+                "--auto-compaction-retention=10000",
+                "--snapshot-count=10000",
+            ],
+        )
+
+    # -- addresses ------------------------------------------------------------------
+    @property
+    def _scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
+
+    @property
+    def client_url(self) -> str:
+        return f"{self._scheme}://{self.advertise_host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"{self._scheme}://{self.advertise_host}:{self.peer_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_tail(self) -> list[str]:
+        """The last lines etcd logged (warnings and worse)."""
+        return list(self._tail)
+
+    # -- life cycle ---------------------------------------------------------------
+    def _argv(self) -> list[str]:
+        listen = f"{self._scheme}://{self.host}"
+        argv = [
+            f"--name={self.name}",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={listen}:{self.client_port}",
+            f"--advertise-client-urls={self.client_url}",
+            f"--listen-peer-urls={listen}:{self.peer_port}",
+            f"--initial-advertise-peer-urls={self.peer_url}",
+            f"--initial-cluster={self.initial_cluster or f'{self.name}={self.peer_url}'}",
+            f"--initial-cluster-token={self.cluster_token}",
+            "--initial-cluster-state=new",  # ignored once the data dir holds a member
+            f"--listen-metrics-urls=http://127.0.0.1:{self._health_port}",
+            f"--heartbeat-interval={self.timing[0]}",
+            f"--election-timeout={self.timing[1]}",
+            "--logger=zap",
+            "--log-outputs=stderr",
+            "--log-level=warn",
+        ]
+        if self.tls is not None:
+            t = self.tls
+            argv += [
+                f"--cert-file={t.cert}",
+                f"--key-file={t.key}",
+                f"--trusted-ca-file={t.ca}",
+                f"--client-cert-auth={'true' if t.client_cert_auth else 'false'}",
+                f"--peer-cert-file={t.cert}",
+                f"--peer-key-file={t.key}",
+                f"--peer-trusted-ca-file={t.ca}",
+                "--peer-client-cert-auth=true",
+            ]
+        return argv + self.extra_args
+
+    def spawn(self) -> None:
+        """Start the process without waiting for it to be healthy."""
+        if self.running:
+            return
+        self._reap()  # a previous process that exited by itself
+        etcd = shutil.which(self.binary)
+        if etcd is None:
+            raise WorldError(INSTALL_HINT)
+        for port, what in ((self.client_port, "client"), (self.peer_port, "peer")):
+            if _port_in_use(self.host, port):
+                raise self._port_error(port, what)
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self.data_dir.chmod(0o700)  # etcd insists
+        except OSError as e:
+            raise WorldError(f"etcd data dir {self.data_dir}: {e.strerror}") from None
+        self._health_port = free_port()
+        # etcd reads ETCD_* variables as flags: only ours count
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
+        setpriv = shutil.which("setpriv")
+        prefix = [setpriv, "--pdeathsig", "TERM"] if setpriv else []
+        self._tail.clear()
+        self._proc = subprocess.Popen(
+            [*prefix, etcd, *self._argv()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
+            start_new_session=True,  # a Ctrl-C on our terminal must not reach it first
+        )
+        self._reader = threading.Thread(
+            target=self._drain, args=(self._proc,), name=f"etcd-log-{self.name}", daemon=True
+        )
+        self._reader.start()
+
+    def _drain(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stderr is not None
+        with proc.stderr:
+            for raw in proc.stderr:
+                line = _format_log_line(raw.decode(errors="replace").strip())
+                if line is None:
+                    continue
+                self._tail.append(line)
+                if line.startswith(("error", "fatal", "panic")):
+                    log.warning("etcd %s: %s", self.name, line)
+                else:
+                    log.debug("etcd %s: %s", self.name, line)
+
+    def start(self, timeout: float = 15.0) -> None:
+        """Start and wait until healthy; on failure the process is stopped and a
+        WorldError says why."""
+        for attempt in range(3):
+            try:
+                self.spawn()
+                self.wait_healthy(timeout)
+                return
+            except WorldError as e:
+                self.stop()
+                fresh = not (self.data_dir / "member").exists()
+                # ports we picked may have been taken between picking and binding
+                if "in use" in str(e) and self._auto_ports and fresh and attempt < 2:
+                    self.client_port, self.peer_port = free_port(self.host), free_port(self.host)
+                    continue
+                raise
+
+    @staticmethod
+    def start_all(servers: Iterable[EtcdServer], timeout: float = 20.0) -> None:
+        """Start the members of a cluster together and wait until each is healthy."""
+        members = list(servers)
+        try:
+            for m in members:
+                m.spawn()
+            deadline = time.monotonic() + timeout
+            for m in members:
+                m.wait_healthy(max(0.1, deadline - time.monotonic()))
+        except BaseException:
+            for m in members:
+                m.stop()
+            raise
+
+    def wait_healthy(self, timeout: float = 15.0) -> None:
+        """Poll `/health` until it answers true; raise if etcd exits or the time runs out."""
+        deadline = time.monotonic() + timeout
+        url = f"http://127.0.0.1:{self._health_port}/health"
+        last = "no answer"
+        while True:
+            proc = self._proc
+            if proc is None:
+                raise WorldError(f"etcd {self.name} is not started")
+            if proc.poll() is not None:
+                raise self._exit_error(proc.returncode)
+            try:
+                with urllib.request.urlopen(url, timeout=1) as resp:
+                    body = json.loads(resp.read())
+                if body.get("health") == "true":
+                    return
+                last = f"unhealthy: {body.get('reason') or body}"
+            except urllib.error.HTTPError as e:  # 503 while it has no leader
+                last = f"HTTP {e.code}"
+            except (OSError, ValueError) as e:
+                last = str(e)
+            if time.monotonic() > deadline:
+                raise WorldError(
+                    f"etcd {self.name} ({self.client_url}) was not healthy within {timeout:g} s"
+                    f" ({last}){self._tail_text()}"
+                )
+            time.sleep(0.02)
+
+    def stop(self, grace: float = STOP_GRACE) -> None:
+        """SIGTERM, then SIGKILL if it has not exited after `grace` seconds."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                return
+        self._reap()
+
+    def kill(self) -> None:
+        """SIGKILL now (a crash, for failover tests)."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+        self._reap()
+
+    def _reap(self) -> None:
+        if self._proc is not None:
+            self._proc.wait()
+        if self._reader is not None:
+            self._reader.join(5)
+        self._proc = None
+        self._reader = None
+
+    def is_leader(self) -> bool:
+        """Whether this member is the raft leader right now (from its metrics)."""
+        if not self.running:
+            return False
+        url = f"http://127.0.0.1:{self._health_port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return False
+        return any(line.strip() == "etcd_server_is_leader 1" for line in text.splitlines())
+
+    def __enter__(self) -> EtcdServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self, tp: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # -- messages -----------------------------------------------------------------
+    def _port_error(self, port: int, what: str) -> WorldError:
+        return WorldError(
+            f"cannot start etcd {self.name}: {what} port {self.host}:{port} is already in use"
+            " (is another etcd running?)"
+        )
+
+    def _exit_error(self, code: int) -> WorldError:
+        if self._reader is not None:
+            self._reader.join(2)  # its last words
+        text = "\n".join(self._tail)
+        if "address already in use" in text:
+            for port, what in ((self.client_port, "client"), (self.peer_port, "peer")):
+                if f":{port}: bind" in text:
+                    return self._port_error(port, what)
+        return WorldError(f"etcd {self.name} exited with status {code}{self._tail_text()}")
+
+    def _tail_text(self) -> str:
+        # errors first: a usage text after a bad flag would hide the reason
+        tail = list(self._tail)
+        bad = [ln for ln in tail if ln.startswith(("error", "fatal", "panic", "flag"))]
+        lines = bad[-6:] or tail[-8:]
+        return (":\n  " + "\n  ".join(lines)) if lines else ""
+
+
+def _format_log_line(line: str) -> str | None:
+    """zap's JSON line as `level: msg: error`; None for noise we always see."""
+    if not line or "/health error" in line:  # our own polling, before it has a leader
+        return None
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(rec, dict):
+        return line
+    msg = str(rec.get("msg", ""))
+    if msg == "simple token is not cryptographically signed":
+        return None
+    text = f"{rec.get('level', '?')}: {msg}"
+    if "error" in rec:
+        text += f": {rec['error']}"
+    return text
