@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from evergraph.world.etcd_server import EtcdServer
 
 EVERGRAPH = [sys.executable, "-m", "evergraph.cli.main"]
 REPO = Path(__file__).resolve().parent.parent
@@ -101,3 +105,21 @@ def agents() -> Iterator[Callable[..., Agent]]:
     yield start
     for a in started:
         a.stop()
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A temp dir on /dev/shm (etcd's data: fast, and no fsync cost)."""
+    d = Path(tempfile.mkdtemp(prefix="evergraph-etcd-test-", dir="/dev/shm"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def servers() -> Iterator[list[EtcdServer]]:
+    """Every etcd server a test appends here is stopped (by its PID) when the test ends."""
+    started: list[EtcdServer] = []
+    yield started
+    for s in started:
+        s.stop()
+    assert not any(s.running for s in started)

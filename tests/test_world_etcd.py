@@ -14,9 +14,8 @@ import logging
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -32,23 +31,6 @@ from evergraph.world.kv import Compacted, Event, WorldError
 from .conftest import wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="evergraph-etcd-test-", dir="/dev/shm"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def servers() -> Iterator[list[EtcdServer]]:
-    """Every server a test appends here is stopped (by its PID) when the test ends."""
-    started: list[EtcdServer] = []
-    yield started
-    for s in started:
-        s.stop()
-    assert not any(s.running for s in started)
 
 
 def run(body: Callable[[], Awaitable[None]], timeout: float = 60) -> None:
