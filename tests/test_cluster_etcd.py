@@ -13,7 +13,7 @@ import pytest
 from evergraph.world.etcd import EtcdKV
 from evergraph.world.etcd_server import EtcdServer
 
-from .conftest import Agent, run_cli, wait_for
+from .conftest import REPO, Agent, run_cli, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -91,3 +91,31 @@ def test_exports_across_three_etcd_members_and_three_agents(
     assert [ln.split("\t")[0] for ln in r.stdout.splitlines()] == ["hostb", "hostc"]
     for ag in (b, c):
         assert ag.stop() == 0
+
+
+def test_run_with_embedded_etcd_starts_and_stops_it(tmp_path: Path) -> None:
+    state = tmp_path / "s"
+    r = run_cli(
+        "run",
+        REPO / "examples" / "hello.yaml",
+        "--state-dir",
+        state,
+        "--etcd",
+        "embedded",
+        "--converged-exit",
+    )
+    assert r.returncode == 0, r.stderr
+    assert (state / "etcd").is_dir()  # its data lives under the state dir
+    mine = [
+        p
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and str(state / "etcd").encode() in _cmdline(p)
+    ]
+    assert mine == []  # stopped with the agent
+
+
+def _cmdline(p: Path) -> bytes:
+    try:
+        return (p / "cmdline").read_bytes()
+    except OSError:
+        return b""
