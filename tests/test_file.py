@@ -97,12 +97,15 @@ def listing(root: Path) -> dict[str, str]:
     out = {}
     for p in sorted(root.rglob("*")):
         rel = str(p.relative_to(root))
-        if p.is_symlink():
-            out[rel] = "->" + os.readlink(p)
-        elif p.is_dir():
-            out[rel] = "dir"
-        else:
-            out[rel] = p.read_text()
+        try:
+            if p.is_symlink():
+                out[rel] = "->" + os.readlink(p)
+            elif p.is_dir():
+                out[rel] = "dir"
+            else:
+                out[rel] = p.read_text()
+        except FileNotFoundError:
+            out[rel] = "(vanished while listing)"  # the agent is purging it right now
     return out
 
 
