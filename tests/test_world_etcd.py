@@ -11,9 +11,12 @@ import asyncio
 import datetime
 import ipaddress
 import logging
+import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -184,6 +187,41 @@ def test_server_start_errors_say_what_is_wrong(shm: Path, servers: list[EtcdServ
     assert str(e.value).startswith("etcd default exited with status")
     assert f"open {shm}/no.pem: no such file or directory" in str(e.value)
     assert not bad.running
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie nobody reaps (this sandbox's init does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def test_etcd_exits_when_the_process_that_started_it_dies(shm: Path) -> None:
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from evergraph.world.etcd_server import EtcdServer\n"
+        f"s = EtcdServer.single(Path({str(shm / 'data')!r}))\n"
+        "s.start()\n"
+        "print(s.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    pid = 0
+    with subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True
+    ) as agent:
+        try:
+            assert agent.stdout is not None
+            pid = int(agent.stdout.readline())
+            assert not _exited(pid)
+            agent.kill()  # a crash: no chance to stop etcd itself
+            agent.wait()
+            wait_for(lambda: _exited(pid), 10, "etcd to exit after its parent died")
+        finally:
+            agent.kill()
+            if pid and not _exited(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_embedded_keeps_its_data_across_restarts(shm: Path, servers: list[EtcdServer]) -> None:
