@@ -18,6 +18,7 @@ from evergraph.engine.prepare import prepare
 from evergraph.engine.settings import Settings, default_state_dir
 from evergraph.errors import InputError
 from evergraph.frontends.yaml import YamlFrontend
+from evergraph.world.exports import Exported
 from evergraph.world.kv import WorldError
 from evergraph.world.open import OpenWorld, WorldOptions, open_world
 
@@ -55,16 +56,6 @@ def prepare_model(model: GraphModel, settings: Settings) -> GraphModel:
     return prepare(model, autoedges=settings.autoedges, autogroup=settings.autogroup)
 
 
-async def prepared(
-    updates: AsyncIterator[GraphModel], settings: Settings
-) -> AsyncIterator[GraphModel]:
-    async for model in updates:
-        try:
-            yield prepare_model(model, settings)
-        except InputError as e:
-            log.error("%s (the running graph is kept)", e)
-
-
 async def run_agent(
     settings: Settings,
     model: GraphModel,
@@ -87,6 +78,7 @@ async def run_agent(
     loop = asyncio.get_running_loop()
     opened: OpenWorld | None = None
     cluster: Cluster | None = None
+    found: list[Exported] = []
     if world is not None:
         try:
             opened = await open_world(world, settings.state_dir)
@@ -95,7 +87,7 @@ async def run_agent(
             await cluster.start()
             await cluster.publish(exports or [])
             if model.collect and frontend is not None:
-                model = await _with_collected(cluster, frontend, settings)
+                model, found = await _with_collected(cluster, frontend, settings)
         except WorldError as e:
             log.error("world: %s", e)
             if opened is not None:
@@ -109,7 +101,7 @@ async def run_agent(
             loop.add_signal_handler(sig, engine.request_stop)
     try:
         updates = (
-            _updates(frontend, engine, settings, cluster, model.collect)
+            _updates(frontend, engine, settings, cluster, model.collect, found)
             if frontend and settings.watch
             else None
         )
@@ -134,10 +126,11 @@ async def run_agent(
 
 async def _with_collected(
     cluster: Cluster, frontend: YamlFrontend, settings: Settings
-) -> GraphModel:
+) -> tuple[GraphModel, list[Exported]]:
+    """The first graph: the file plus what it collects now (and those exports)."""
     base = frontend.load()
     found, _ = await cluster.collected(base.collect)
-    return prepare_model(merge(base, cluster.to_resources(found)), settings)
+    return prepare_model(merge(base, cluster.to_resources(found)), settings), found
 
 
 async def _updates(
@@ -146,14 +139,18 @@ async def _updates(
     settings: Settings,
     cluster: Cluster | None,
     specs: list[CollectSpec],
+    found: list[Exported],
 ) -> AsyncIterator[GraphModel]:
     """Graphs to swap in: on every saved change of the file, and (with a World) on every
-    change of the exports it collects. Each is merged, then prepared."""
+    change of the exports it collects. Each is merged, then prepared.
+
+    `found`: the exports the running graph was built with (the collector reports
+    only a difference from them)."""
     queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
-    collected: list[Resource] = []
+    collected: list[Resource] = cluster.to_resources(found) if cluster is not None else []
     collector: asyncio.Task[None] | None = None
 
-    def restart_collector(new_specs: list[CollectSpec]) -> None:
+    def restart_collector(new_specs: list[CollectSpec], known: list[Exported] | None) -> None:
         nonlocal collector, specs
         if collector is not None and new_specs == specs:
             return
@@ -163,18 +160,16 @@ async def _updates(
             collector = None
         if cluster is not None and specs:
             collector = asyncio.create_task(
-                cluster.watch_collected(specs, lambda ex: queue.put_nowait(("collected", ex)))
+                cluster.watch_collected(
+                    specs, lambda ex: queue.put_nowait(("collected", ex)), known
+                )
             )
 
     async def pump() -> None:
         async for raw in frontend.updates(engine.watcher):
             await queue.put(("graph", raw))
 
-    if cluster is not None and specs:
-        found, _ = await cluster.collected(specs)
-        collected = cluster.to_resources(found)
-        restart_collector(list(specs))
-        specs = list(specs)
+    restart_collector(list(specs), found)
     pumper = asyncio.create_task(pump())
     try:
         while True:
@@ -187,7 +182,7 @@ async def _updates(
                         await cluster.publish(exports_of(raw))
                     except WorldError as e:
                         log.error("world: cannot publish exports: %s", e)
-                    restart_collector(raw.collect)
+                    restart_collector(raw.collect, None)  # new specs: report what they find
             else:
                 assert cluster is not None
                 collected = cluster.to_resources(payload)  # type: ignore[arg-type]

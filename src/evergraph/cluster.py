@@ -178,17 +178,21 @@ class Cluster:
         return out, rev
 
     async def watch_collected(
-        self, specs: list[CollectSpec], on_change: Callable[[list[Exported]], None]
+        self,
+        specs: list[CollectSpec],
+        on_change: Callable[[list[Exported]], None],
+        known: list[Exported] | None = None,
     ) -> None:
-        """Call `on_change(exports)` whenever the collected set changes; runs until cancelled."""
-        last: list[Exported] | None = None
+        """Call `on_change(exports)` whenever the collected set differs from the last one
+        reported (`known`: what the caller has already; None = report the first read).
+        Runs until cancelled."""
+        last = known
         while True:
             try:
                 current, rev = await self.collected(specs)
                 if current != last:
-                    if last is not None:
-                        on_change(current)
                     last = current
+                    on_change(current)
                 async for _batch in self.kv.watch(EXPORTED, rev + 1):
                     current, _ = await self.collected(specs)
                     if current != last:

@@ -133,9 +133,9 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             except ValueError as e:
                 raise self.bad("mode", str(e)) from None
         is_dir = path.endswith("/")
-        given = [f for f in ("content", "source", "fragments") if getattr(self, f)]
-        if self.content == "":
-            given.insert(0, "content")
+        given = [
+            f for f in ("content", "source", "fragments") if getattr(self, f) not in (None, [])
+        ]
         if len(given) > 1:
             raise self.bad(given[1], f"cannot be combined with {given[0]}: pick one")
         for f in ("source", *(["fragments"] if self.fragments else [])):

@@ -73,6 +73,17 @@ class _Backoff:
         self.delay = BACKOFF_FIRST
 
 
+async def _read(kv: KV, prefix: str, backoff: _Backoff, what: str) -> tuple[list[KeyValue], int]:
+    """`kv.range(prefix)`, retried with backoff until the World answers."""
+    while True:
+        try:
+            return await kv.range(prefix)
+        except WorldError as e:
+            delay = backoff.next()
+            log.warning("world: %s %s: %s; retrying in %.2fs", what, prefix, e, delay)
+            await asyncio.sleep(delay)
+
+
 async def _aclose(it: AsyncIterator[Any]) -> None:
     # a watch is an async generator in every backend; close it at once rather than
     # leaving it to the garbage collector (which warns, and holds the backend's state)
@@ -109,14 +120,8 @@ async def watch_one(kv: KV, key: str) -> AsyncGenerator[KeyValue | Tombstone, No
     last: KeyValue | Tombstone | None = None
     backoff = _Backoff()
     while True:
-        try:
-            # range, not get: it also tells the revision to watch from
-            items, rev = await kv.range(key)
-        except WorldError as e:
-            delay = backoff.next()
-            log.warning("world: watch %s: %s; retrying in %.2fs", key, e, delay)
-            await asyncio.sleep(delay)
-            continue
+        # range, not get: it also tells the revision to watch from
+        items, rev = await _read(kv, key, backoff, "watch")
         found = [i for i in items if i.key == key]  # the range also holds keys key+"…"
         cur: KeyValue | Tombstone = found[0] if found else Tombstone(key, rev)
         if _changed(last, cur):
@@ -338,13 +343,7 @@ async def follow(kv: KV, prefix: str, follower: Follower[T]) -> None:
     is_synced = False
     while True:
         if need_read:
-            try:
-                items, read_rev = await kv.range(prefix)
-            except WorldError as e:
-                delay = backoff.next()
-                log.warning("world: follow %s: %s; retrying in %.2fs", prefix, e, delay)
-                await asyncio.sleep(delay)
-                continue
+            items, read_rev = await _read(kv, prefix, backoff, "follow")
             await state.resync(items)
             rev, need_read = read_rev, False
             if not is_synced:

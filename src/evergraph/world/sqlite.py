@@ -95,7 +95,7 @@ class SQLiteKV(KV):
             raise WorldError(f"world {self.path}: {e}") from None
 
     def _read(self) -> sqlite3.Connection:
-        if getattr(self, "_closed", None) is not None and self._closed.is_set():
+        if self._closed.is_set():
             raise WorldError("the World connection is closed")
         return self._db
 
