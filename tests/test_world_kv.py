@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -160,3 +163,29 @@ def test_closed_client_ends_its_watch(factory: Factory) -> None:
             await asyncio.wait_for(task, 10)
 
     run(factory, body)
+
+
+def _open_and_put(path: str, barrier: Any) -> None:
+    from evergraph.world.sqlite import SQLiteKV
+
+    barrier.wait()  # every process creates the file at the same moment
+
+    async def main() -> None:
+        kv = SQLiteKV(path)
+        await kv.put(f"p/{os.getpid()}", b"v")
+        await kv.close()
+
+    asyncio.run(main())
+
+
+def test_sqlite_world_created_by_several_processes_at_once(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("fork")
+    for i in range(40):  # the race is rare: many rounds
+        path = str(tmp_path / f"w{i}.sqlite")
+        barrier = ctx.Barrier(4)
+        procs = [ctx.Process(target=_open_and_put, args=(path, barrier)) for _ in range(4)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(30)
+        assert [p.exitcode for p in procs] == [0, 0, 0, 0]

@@ -65,9 +65,8 @@ class SQLiteKV(KV):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA busy_timeout = 5000")
-            self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = NORMAL")
-            self._db.executescript(_SCHEMA)  # idempotent; runs in its own transaction
+            self._setup()
         except sqlite3.Error as e:
             raise WorldError(f"world {self.path}: {e}") from None
         except OSError as e:
@@ -76,6 +75,23 @@ class SQLiteKV(KV):
         self._changed = asyncio.Event()
         self._notifier: asyncio.Task[None] | None = None
         self._writes = 0
+
+    def _setup(self) -> None:
+        """WAL mode and the schema. When several processes create the file at once,
+        switching to WAL can answer "database is locked" without waiting on
+        busy_timeout: retry for as long as busy_timeout would have waited."""
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                self._db.execute("PRAGMA journal_mode = WAL")
+                self._db.executescript(_SCHEMA)  # idempotent; its own transaction
+                return
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                time.sleep(0.01)  # a start-up race, before any event loop work
 
     # -- plumbing ---------------------------------------------------------------
     @contextlib.contextmanager
