@@ -184,8 +184,9 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
 
     def cmp(self, other: Resource) -> bool:
         # a purge must learn about a new managed path: restart it when the set changes
-        return super().cmp(other) and getattr(self, "_others", None) == getattr(
-            other, "_others", None
+        # (init sets an empty set where prepare told nothing: the same thing)
+        return super().cmp(other) and getattr(self, "_others", frozenset()) == getattr(
+            other, "_others", frozenset()
         )
 
     def reversal(self) -> File | None:
