@@ -45,7 +45,7 @@ def run_cli(*args: str | Path, timeout: float = 60) -> subprocess.CompletedProce
 class Agent:
     """A background `evergraph run` whose convergence we can await."""
 
-    def __init__(self, graph: Path, state: Path, *extra: str) -> None:
+    def __init__(self, graph: Path | None, state: Path, *extra: str) -> None:
         self.status = state / "converged.status"
         self.log = state / "agent.log"
         state.mkdir(parents=True, exist_ok=True)
@@ -54,7 +54,7 @@ class Agent:
             [
                 *EVERGRAPH,
                 "run",
-                str(graph),
+                *([str(graph)] if graph is not None else []),  # none: follow deploys
                 "--state-dir",
                 str(state),
                 "--converged-timeout",
@@ -97,7 +97,7 @@ class Agent:
 def agents() -> Iterator[Callable[..., Agent]]:
     started: list[Agent] = []
 
-    def start(graph: Path, state: Path, *extra: str) -> Agent:
+    def start(graph: Path | None, state: Path, *extra: str) -> Agent:
         a = Agent(graph, state, *extra)
         started.append(a)
         return a

@@ -7,39 +7,30 @@ import contextlib
 import gc
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
-from evergraph.cluster import Cluster, ExportItem, exports_of, merge
-from evergraph.engine.contract import Registry, Resource, default_registry
+from evergraph.cluster import Cluster, exports_of
+from evergraph.engine.contract import Registry, default_registry
 from evergraph.engine.engine import Engine
-from evergraph.engine.model import CollectSpec, GraphModel
+from evergraph.engine.model import GraphModel
 from evergraph.engine.prepare import prepare
 from evergraph.engine.settings import Settings, default_state_dir
 from evergraph.errors import InputError
-from evergraph.frontends.yaml import YamlFrontend
-from evergraph.world.exports import Exported
+from evergraph.frontends.base import Context, Frontend
 from evergraph.world.kv import WorldError
 from evergraph.world.open import OpenWorld, WorldOptions, open_world
 
-GRAPH_SUFFIXES = (".yaml", ".yml")
-
 log = logging.getLogger("evergraph.agent")
+
+T = TypeVar("T")
 
 
 def builtin_registry() -> Registry:
     import evergraph.resources  # noqa: F401  (registers the built-in kinds)
 
     return default_registry
-
-
-def open_frontend(path: str | Path, registry: Registry) -> YamlFrontend:
-    p = Path(path)
-    if p.suffix not in GRAPH_SUFFIXES:
-        raise InputError(
-            f"unsupported graph file type {p.suffix or '(none)'!r}: expected .yaml or .yml", str(p)
-        )
-    return YamlFrontend(p, registry)
 
 
 def prepare_state_dir(state_dir: Path | None) -> Path:
@@ -58,148 +49,131 @@ def prepare_model(model: GraphModel, settings: Settings) -> GraphModel:
 
 async def run_agent(
     settings: Settings,
-    model: GraphModel,
-    frontend: YamlFrontend | None = None,
+    frontend: Frontend,
     handle_signals: bool = True,
     flush: tuple[Callable[[], None], float] | None = None,
     world: WorldOptions | None = None,
-    exports: list[ExportItem] | None = None,
 ) -> int:
-    """Converge `model`, follow the frontend's changes, stop on signals; the exit status.
+    """Converge the frontend's first graph, swap in each later one, stop on signals;
+    the exit status.
 
     `flush`: (function, seconds) called periodically while running (log buffers).
-    `world`: join this World: register as a member, publish `exports` (what the
-    unprepared model exports), and collect what other hosts export to us.
+    `world`: join this World: register as a member, publish what each graph
+    exports, and let the frontend collect what other hosts export to us.
     """
     # The graph lives as long as the agent: move it out of the cyclic GC's
     # generations so collections do not keep re-walking 10k+ long-lived objects.
     gc.freeze()
     engine = Engine(settings)
+    # from the start: a deploy follower may wait long for its first graph
+    flusher = asyncio.create_task(_every(*flush)) if flush is not None else None
+    try:
+        return await _run(engine, settings, frontend, handle_signals, world)
+    finally:
+        if flusher is not None:
+            flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flusher
+
+
+async def _run(
+    engine: Engine,
+    settings: Settings,
+    frontend: Frontend,
+    handle_signals: bool,
+    world: WorldOptions | None,
+) -> int:
     loop = asyncio.get_running_loop()
     opened: OpenWorld | None = None
     cluster: Cluster | None = None
-    found: list[Exported] = []
-    if world is not None:
+    stop = asyncio.Event()
+
+    def on_signal() -> None:
+        stop.set()
+        engine.request_stop()
+
+    if handle_signals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+    try:
         try:
-            opened = await open_world(world, settings.state_dir)
-            engine.world = opened.kv
-            cluster = Cluster(opened.kv, engine.keys(), engine.hostname, builtin_registry())
-            await cluster.start()
-            await cluster.publish(exports or [])
-            if model.collect and frontend is not None:
-                model, found = await _with_collected(cluster, frontend, settings)
+            if world is not None:
+                opened = await open_world(world, settings.state_dir)
+                engine.world = opened.kv
+                cluster = Cluster(opened.kv, engine.keys(), engine.hostname, builtin_registry())
+                await cluster.start()
+            ctx = Context(
+                registry=builtin_registry(),
+                hostname=engine.hostname,
+                state_dir=settings.state_dir,
+                watcher=engine.watcher if settings.watch else None,
+                cluster=cluster,
+            )
+            raw = await _unless_stopped(frontend.first(ctx), stop, settings.max_runtime)
+            if raw is None:
+                return 0  # stopped while waiting for a first graph (a deploy)
+            if cluster is not None:
+                await cluster.publish(exports_of(raw))
+                path = frontend.graph_file()
+                if world is not None and world.is_etcd and path is not None:
+                    from evergraph.frontends.deploy import publish_file
+
+                    await publish_file(cluster.kv, path)
+            model = prepare_model(raw, settings)
         except WorldError as e:
             log.error("world: %s", e)
-            if opened is not None:
-                await opened.close()
             return 1
         except InputError as e:
             log.error("%s", e)
             return 2
-    if handle_signals:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, engine.request_stop)
-    try:
-        updates = (
-            _updates(frontend, engine, settings, cluster, model.collect, found)
-            if frontend and settings.watch
-            else None
-        )
-        if flush is None:
-            return await engine.run(model, updates)
-        flusher = asyncio.create_task(_every(*flush))
-        try:
-            return await engine.run(model, updates)
-        finally:
-            flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await flusher
+        updates = _prepared(frontend.updates(ctx), cluster, settings) if settings.watch else None
+        return await engine.run(model, updates)
     finally:
         if handle_signals:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
-        if cluster is not None:
-            await cluster.stop()
-        if opened is not None:
-            await opened.close()
+        await _close(cluster, opened)
 
 
-async def _with_collected(
-    cluster: Cluster, frontend: YamlFrontend, settings: Settings
-) -> tuple[GraphModel, list[Exported]]:
-    """The first graph: the file plus what it collects now (and those exports)."""
-    base = frontend.load()
-    found, _ = await cluster.collected(base.collect)
-    return prepare_model(merge(base, cluster.to_resources(found)), settings), found
-
-
-async def _updates(
-    frontend: YamlFrontend,
-    engine: Engine,
-    settings: Settings,
-    cluster: Cluster | None,
-    specs: list[CollectSpec],
-    found: list[Exported],
-) -> AsyncIterator[GraphModel]:
-    """Graphs to swap in: on every saved change of the file, and (with a World) on every
-    change of the exports it collects. Each is merged, then prepared.
-
-    `found`: the exports the running graph was built with (the collector reports
-    only a difference from them)."""
-    queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
-    collected: list[Resource] = cluster.to_resources(found) if cluster is not None else []
-    collector: asyncio.Task[None] | None = None
-
-    def restart_collector(new_specs: list[CollectSpec], known: list[Exported] | None) -> None:
-        nonlocal collector, specs
-        if collector is not None and new_specs == specs:
-            return
-        specs = new_specs
-        if collector is not None:
-            collector.cancel()
-            collector = None
-        if cluster is not None and specs:
-            collector = asyncio.create_task(
-                cluster.watch_collected(
-                    specs, lambda ex: queue.put_nowait(("collected", ex)), known
-                )
-            )
-
-    async def pump() -> None:
-        async for raw in frontend.updates(engine.watcher):
-            await queue.put(("graph", raw))
-
-    restart_collector(list(specs), found)
-    pumper = asyncio.create_task(pump())
+async def _unless_stopped(
+    work: Awaitable[T], stop: asyncio.Event, timeout: float | None
+) -> T | None:
+    """`work`'s result, or None (work cancelled) if `stop` is set or `timeout`
+    passes first."""
+    task = asyncio.ensure_future(work)
+    stopper = asyncio.create_task(stop.wait())
     try:
-        while True:
-            what, payload = await queue.get()
-            if what == "graph":
-                assert isinstance(payload, GraphModel)
-                raw = payload
-                if cluster is not None:
-                    try:
-                        await cluster.publish(exports_of(raw))
-                    except WorldError as e:
-                        log.error("world: cannot publish exports: %s", e)
-                    restart_collector(raw.collect, None)  # new specs: report what they find
-            else:
-                assert cluster is not None
-                collected = cluster.to_resources(payload)  # type: ignore[arg-type]
-                try:
-                    raw = frontend.load()
-                except InputError as e:
-                    log.error("%s (the running graph is kept)", e)
-                    continue
-                log.info("collected exports changed: swapping the graph live")
-            try:
-                yield prepare_model(merge(raw, collected), settings)
-            except InputError as e:
-                log.error("%s (the running graph is kept)", e)
+        await asyncio.wait({task, stopper}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        pumper.cancel()
-        if collector is not None:
-            collector.cancel()
+        stopper.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return None if task.cancelled() else task.result()
+
+
+async def _close(cluster: Cluster | None, opened: OpenWorld | None) -> None:
+    if cluster is not None:
+        await cluster.stop()
+    if opened is not None:
+        await opened.close()
+
+
+async def _prepared(
+    graphs: AsyncIterator[GraphModel], cluster: Cluster | None, settings: Settings
+) -> AsyncIterator[GraphModel]:
+    """The frontend's later graphs, their exports published, prepared for the engine."""
+    async for raw in graphs:
+        if cluster is not None:
+            try:
+                await cluster.publish(exports_of(raw))
+            except WorldError as e:
+                log.error("world: cannot publish exports: %s", e)
+        try:
+            yield prepare_model(raw, settings)
+        except InputError as e:
+            log.error("%s (the running graph is kept)", e)
 
 
 async def _every(fn: Callable[[], None], seconds: float) -> None:

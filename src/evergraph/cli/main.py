@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -137,7 +135,7 @@ def _world_opts(world: dict[str, object]) -> WorldOptions:
 
 
 @cli.command(context_settings=CONTEXT)
-@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path), required=False)
 @click.option(
     "--state-dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -200,7 +198,7 @@ def _world_opts(world: dict[str, object]) -> WorldOptions:
 @world_options
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 def run(
-    file: Path,
+    file: Path | None,
     state_dir: Path | None,
     hostname: str,
     noop: bool,
@@ -219,35 +217,37 @@ def run(
 ) -> None:
     """Converge the graph in FILE, then keep it converged.
 
-    FILE is a YAML graph (.yaml/.yml). Saving FILE while the agent runs swaps
-    the graph live: unchanged resources keep running untouched.
+    FILE is a YAML graph (.yaml/.yml) or a Python module (.py) defining
+    `def graph(g, world)`. Saving FILE while the agent runs swaps the graph
+    live: unchanged resources keep running untouched. A Python graph also runs
+    again when a World value it read changes. Without FILE the agent follows
+    the newest deploy in the World (see `evergraph deploy`).
 
     \b
     Exit status: 0 all clean, 1 a resource failed, 2 bad input.
     \b
     Examples:
       evergraph run examples/hello.yaml
+      evergraph run examples/motd.py
+      evergraph run --seeds http://10.0.0.1:2379                # follow deploys
       evergraph run site.yaml --noop --converged-exit       # what would change?
       evergraph run site.yaml --converged-timeout 5 --converged-status-file /run/eg.status
     """
-    from evergraph.agent import (
-        builtin_registry,
-        open_frontend,
-        prepare_model,
-        prepare_state_dir,
-        run_agent,
-    )
-    from evergraph.cli.logs import setup_logging
-    from evergraph.engine.settings import Settings
+    from evergraph.api import frontend_for
+    from evergraph.api import run as run_graph
+    from evergraph.cli.logs import FLUSH_INTERVAL, flush_logs, setup_logging
 
     setup_logging(log_format, verbose)
-    if converged_exit and converged_timeout is None:
-        converged_timeout = 0.0
     try:
-        frontend = open_frontend(file, builtin_registry())
-        model = frontend.load()
-        settings = Settings(
-            state_dir=state_dir or Path(),
+        frontend = frontend_for(file)
+        frontend.preload()
+        world_opts = _world_opts(world)
+    except InputError as e:
+        _die(e)
+    try:
+        status = run_graph(
+            frontend,
+            state_dir=state_dir,
             hostname=hostname,
             noop=noop,
             sema=sema,
@@ -259,27 +259,8 @@ def run(
             converged_status_file=converged_status_file,
             max_runtime=max_runtime,
             graphviz=graphviz,
-        )
-        from evergraph.cluster import exports_of
-
-        exports = exports_of(model)
-        model = prepare_model(model, settings)
-        settings = replace(settings, state_dir=prepare_state_dir(state_dir))
-        world_opts = _world_opts(world)
-    except InputError as e:
-        _die(e)
-    from evergraph.cli.logs import FLUSH_INTERVAL, flush_logs
-
-    try:
-        status = asyncio.run(
-            run_agent(
-                settings,
-                model,
-                frontend,
-                flush=(flush_logs, FLUSH_INTERVAL),
-                world=world_opts,
-                exports=exports,
-            )
+            world=world_opts,
+            _flush=(flush_logs, FLUSH_INTERVAL),
         )
     finally:
         flush_logs()
@@ -295,10 +276,10 @@ def check(file: Path) -> None:
     Example:
       evergraph check site.yaml && evergraph run site.yaml
     """
-    from evergraph.agent import builtin_registry, open_frontend
+    from evergraph.api import frontend_for
 
     try:
-        model = open_frontend(file, builtin_registry()).load()
+        model = frontend_for(file).load()
     except InputError as e:
         _die(e)
     kinds = Counter(r.kind for r in model.resources.values())
@@ -330,12 +311,12 @@ def graph(file: Path, fmt: str, no_autoedges: bool, no_autogroup: bool) -> None:
       evergraph graph site.yaml | dot -Tsvg > site.svg
       evergraph graph site.yaml --format json | jq '.edges[] | select(.auto)'
     """
-    from evergraph.agent import builtin_registry, open_frontend
+    from evergraph.api import frontend_for
     from evergraph.engine.prepare import prepare
     from evergraph.engine.render import to_dot, to_json
 
     try:
-        model = open_frontend(file, builtin_registry()).load()
+        model = frontend_for(file).load()
         prepare(model, autoedges=not no_autoedges, autogroup=not no_autogroup)
     except InputError as e:
         _die(e)
@@ -370,6 +351,10 @@ def version() -> None:
 from evergraph.cli import world as _world_cli  # noqa: E402  (needs world_options)
 
 _world_cli.register(cli, world_options)
+
+from evergraph.cli import deploy as _deploy_cli  # noqa: E402  (needs world_options)
+
+_deploy_cli.register(cli, world_options)
 
 
 def main() -> None:

@@ -1,5 +1,2 @@
-"""Graph producers: each turns user input into `GraphModel`s for the engine."""
-
-from evergraph.frontends.yaml import YamlFrontend, load_yaml
-
-__all__ = ["YamlFrontend", "load_yaml"]
+"""Graph producers: each turns user input into a stream of `GraphModel`s for the
+engine (see `frontends.base` for the interface)."""

@@ -16,15 +16,17 @@ import logging
 import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import yaml_rs
 
 from evergraph._gc import gc_paused
+from evergraph.cluster import merge
 from evergraph.engine.contract import Registry, Resource
 from evergraph.engine.model import CollectSpec, Edge, GraphCycleError, GraphModel
 from evergraph.errors import InputError
+from evergraph.frontends.base import Context, Frontend, file_changes, merged, read_graph_file
 
 log = logging.getLogger("evergraph.frontend.yaml")
 
@@ -34,6 +36,9 @@ _END_KEYS = ("kind", "name")
 _MSGSPEC_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 _PATH_PART = re.compile(r"\.(\w+)|\[(\d+)\]")
 _LINE_COL = re.compile(r"line (\d+), column (\d+)")
+
+if TYPE_CHECKING:
+    from evergraph.world.exports import Exported
 
 PathPart = str | int
 
@@ -344,53 +349,94 @@ def _edge(item: object, path: tuple[PathPart, ...], fail: Callable[..., InputErr
 
 
 def load_yaml(path: str | Path, registry: Registry) -> GraphModel:
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise InputError("no such file", str(p)) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read: {e}", str(p)) from None
-    return parse_yaml(text, str(p), registry)
+    return parse_yaml(read_graph_file(Path(path)), str(path), registry)
 
 
-class YamlFrontend:
-    """Loads a YAML graph and, while running, yields a new graph on every saved change."""
-
-    #: wait this long after a change before reloading: editors save in several steps
-    DEBOUNCE = 0.05
+class YamlFrontend(Frontend):
+    """A YAML graph file. While running, a saved change swaps the graph, and (with a
+    World) so does every change in the exports its `collect:` matches."""
 
     def __init__(self, path: str | Path, registry: Registry) -> None:
         self.path = Path(path).absolute()
+        self.label = str(path)
         self.registry = registry
-        self._last_text: str | None = None
+        self._raw: GraphModel | None = None
+        self._text = ""
+        #: the exports the running graph was built with
+        self._found: list[Exported] = []
 
     def load(self) -> GraphModel:
-        model = load_yaml(self.path, self.registry)
-        self._last_text = self.path.read_text()
+        """Parse the file now (InputError)."""
+        text = read_graph_file(self.path)
+        model = parse_yaml(text, str(self.path), self.registry)
+        self._text = text
         return model
 
-    async def updates(self, watcher: Any) -> AsyncIterator[GraphModel]:
-        changed = asyncio.Event()
-        unsubscribe = watcher.subscribe(str(self.path), lambda _mask: changed.set())
-        try:
+    def graph_file(self) -> Path:
+        return self.path
+
+    def preload(self) -> None:
+        if self._raw is None:
+            self._raw = self.load()
+
+    async def first(self, ctx: Context) -> GraphModel:
+        raw, self._raw = self._raw or self.load(), None
+        if raw.collect and ctx.cluster is not None:
+            self._found, _ = await ctx.cluster.collected(raw.collect)
+            return merge(raw, ctx.cluster.to_resources(self._found))
+        return raw
+
+    async def updates(self, ctx: Context) -> AsyncIterator[GraphModel]:
+        cluster = ctx.cluster
+        specs = list(parse_yaml(self._text, str(self.path), self.registry).collect)
+        collected: list[Resource] = cluster.to_resources(self._found) if cluster else []
+        if ctx.watcher is None:
+            return
+        found: asyncio.Queue[list[Exported]] = asyncio.Queue()
+        collector: asyncio.Task[None] | None = None
+
+        def restart_collector(new_specs: list[CollectSpec], known: list[Exported] | None) -> None:
+            nonlocal collector, specs
+            if collector is not None and new_specs == specs:
+                return
+            specs = new_specs
+            if collector is not None:
+                collector.cancel()
+                collector = None
+            if cluster is not None and specs:
+                collector = asyncio.create_task(
+                    cluster.watch_collected(specs, found.put_nowait, known)
+                )
+
+        async def exports() -> AsyncIterator[tuple[str, Any]]:
             while True:
-                await changed.wait()
-                await asyncio.sleep(self.DEBOUNCE)
-                changed.clear()
-                try:
-                    text = self.path.read_text()
-                except OSError:
-                    continue  # mid-save (removed before rename); the next event follows
-                if text == self._last_text:
-                    continue
-                self._last_text = text
-                try:
-                    model = parse_yaml(text, str(self.path), self.registry)
-                except InputError as e:
-                    log.error("%s (the running graph is kept)", e)
-                    continue
-                log.info("%s changed: swapping the graph live", self.path)
-                yield model
+                yield "collected", await found.get()
+
+        async def texts() -> AsyncIterator[tuple[str, Any]]:
+            async for text in file_changes(ctx.watcher, self.path, self._text):
+                yield "file", text
+
+        restart_collector(specs, self._found)
+        try:
+            async for what, payload in merged(texts(), exports()):
+                if what == "file":
+                    self._text = payload
+                    try:
+                        raw = parse_yaml(payload, str(self.path), self.registry)
+                    except InputError as e:
+                        log.error("%s (the running graph is kept)", e)
+                        continue
+                    log.info("%s changed: swapping the graph live", self.path)
+                    restart_collector(raw.collect, None)  # new specs: report what they find
+                else:
+                    assert cluster is not None
+                    collected = cluster.to_resources(payload)
+                    try:
+                        raw = parse_yaml(self._text, str(self.path), self.registry)
+                    except InputError:
+                        continue  # logged when the file changed
+                    log.info("collected exports changed: swapping the graph live")
+                yield merge(raw, collected)
         finally:
-            unsubscribe()
+            if collector is not None:
+                collector.cancel()

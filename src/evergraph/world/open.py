@@ -26,6 +26,11 @@ class WorldOptions:
     user: str | None = None
     password: str | None = field(default=None, repr=False)
 
+    @property
+    def is_etcd(self) -> bool:
+        """A cluster World (`run FILE` then also publishes FILE as a deploy)."""
+        return bool(self.seeds or self.embedded) or self.backend == "etcd"
+
 
 class OpenWorld:
     """The KV plus what must be stopped with it (an embedded etcd)."""

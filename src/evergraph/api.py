@@ -1,0 +1,123 @@
+"""`evergraph.run`: the engine as a function, the one `evergraph run` calls."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from evergraph.errors import InputError
+from evergraph.frontends.base import Frontend
+from evergraph.frontends.python import Graph
+from evergraph.world.open import BACKENDS, WorldOptions
+
+log = logging.getLogger("evergraph")
+
+
+def frontend_for(target: Frontend | Graph | str | os.PathLike[str] | None) -> Frontend:
+    """The frontend for what `run` was given: a Graph, a .yaml/.yml/.py path, or
+    None (follow the newest deploy in the World)."""
+    from evergraph.agent import builtin_registry
+    from evergraph.frontends.base import Static, open_frontend
+
+    if isinstance(target, Frontend):
+        return target
+    if isinstance(target, Graph):
+        return Static(target.model(), label=target.name or "graph")
+    if target is None:
+        from evergraph.frontends.deploy import DeployFrontend
+
+        return DeployFrontend(builtin_registry())
+    if isinstance(target, str | os.PathLike):
+        return open_frontend(target, builtin_registry())
+    raise InputError(f"run() takes a Graph or a path to a graph file, not {type(target).__name__}")
+
+
+def _world(world: WorldOptions | str | None) -> WorldOptions | None:
+    if world is None or isinstance(world, WorldOptions):
+        return world
+    if world not in BACKENDS:
+        raise InputError(
+            f"unknown World {world!r}: give one of {', '.join(BACKENDS)}, a WorldOptions or None",
+            "world",
+        )
+    if world == "etcd":
+        raise InputError("an etcd World needs WorldOptions(seeds=...) or embedded=True", "world")
+    return WorldOptions(backend=world)
+
+
+def run(
+    graph: Graph | str | os.PathLike[str] | Frontend | None,
+    *,
+    state_dir: str | os.PathLike[str] | None = None,
+    hostname: str = "",
+    converged_timeout: float | None = None,
+    converged_exit: bool = False,
+    converged_status_file: str | os.PathLike[str] | None = None,
+    max_runtime: float | None = None,
+    world: WorldOptions | str | None = "sqlite",
+    noop: bool = False,
+    watch: bool = True,
+    sema: int = 0,
+    autoedges: bool = True,
+    autogroup: bool = True,
+    graphviz: str | os.PathLike[str] | None = None,
+    handle_signals: bool = True,
+    _flush: tuple[Callable[[], None], float] | None = None,
+) -> int:
+    """Converge `graph` and keep it converged; returns the CLI's exit status
+    (0 clean, 1 a resource failed, 2 bad input).
+
+    `graph`: an `evergraph.Graph`, the path of a .yaml/.yml/.py graph file, or
+    None to follow the newest deploy in the World (or a `Frontend`).
+    `converged_exit=True`
+    returns once every vertex is clean and idle for `converged_timeout`
+    seconds (default 0). `world`: "sqlite" (default: the state dir's
+    world.sqlite), "memory", a `WorldOptions`, or None (no World: no exports,
+    no collect). Input errors are logged (logger "evergraph") and give 2.
+    Runs its own event loop: call it from synchronous code.
+    """
+    from evergraph.agent import prepare_state_dir, run_agent
+    from evergraph.engine.settings import Settings
+
+    if converged_exit and converged_timeout is None:
+        converged_timeout = 0.0
+    try:
+        frontend = frontend_for(graph)
+        frontend.preload()
+        opts = _world(world)
+        private = opts is None or (opts.backend == "memory" and not opts.is_etcd)
+        if frontend.needs_shared_world and private:
+            raise InputError(
+                "without FILE, `run` follows deploys from a shared World "
+                "(sqlite or etcd), not from a private one",
+                "--world",
+            )
+        settings = Settings(
+            state_dir=prepare_state_dir(Path(state_dir) if state_dir is not None else None),
+            hostname=hostname,
+            noop=noop,
+            sema=sema,
+            watch=watch,
+            autoedges=autoedges,
+            autogroup=autogroup,
+            converged_timeout=converged_timeout,
+            converged_exit=converged_exit,
+            converged_status_file=Path(converged_status_file) if converged_status_file else None,
+            max_runtime=max_runtime,
+            graphviz=Path(graphviz) if graphviz else None,
+        )
+    except InputError as e:
+        log.error("%s", e)
+        return 2
+    return asyncio.run(
+        run_agent(
+            settings,
+            frontend,
+            handle_signals=handle_signals,
+            flush=_flush,
+            world=opts,
+        )
+    )

@@ -1,0 +1,178 @@
+"""The frontend interface: a frontend is a stream of graphs the engine runs.
+
+`first(ctx)` returns the first graph (an `InputError` there is an input error:
+exit 2); `updates(ctx)` then yields each later graph, for as long as the agent
+runs. A later input error is logged by the frontend, which keeps quiet until
+its input changes again: the running graph stays. Graphs are *unprepared*:
+the agent adds automatic edges and grouping, and publishes what they export.
+
+YAML files, Python modules, deploys and embedded `Graph` objects are all
+frontends; `open_frontend` picks one for a path.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from evergraph.engine.contract import Registry
+from evergraph.engine.model import GraphModel
+from evergraph.errors import InputError
+
+if TYPE_CHECKING:
+    from evergraph.cluster import Cluster
+    from evergraph.world.kv import KV
+
+#: file types `open_frontend` knows, by suffix
+SUFFIXES = (".yaml", ".yml", ".py")
+
+
+@dataclass
+class Context:
+    """What a frontend may use while it runs."""
+
+    registry: Registry
+    hostname: str
+    state_dir: Path
+    #: the agent's file watcher (`subscribe(path, cb)`); None with --no-watch
+    watcher: Any = None
+    #: this host in the World; None when the agent runs without one
+    cluster: Cluster | None = None
+
+    @property
+    def kv(self) -> KV | None:
+        return self.cluster.kv if self.cluster is not None else None
+
+
+class Frontend(abc.ABC):
+    #: what to call this frontend in messages (a file name, "deploys", ...)
+    label: str = ""
+    #: reads its graphs from a World other processes write (deploys)
+    needs_shared_world = False
+
+    def graph_file(self) -> Path | None:
+        """The graph file, for frontends that read one."""
+        return None
+
+    def preload(self) -> None:  # noqa: B027  (optional hook)
+        """Check the input before anything is started (a syntax error exits at once)."""
+
+    @abc.abstractmethod
+    def load(self) -> GraphModel:
+        """The graph as it is now, without a World (for `check` and `graph`)."""
+
+    @abc.abstractmethod
+    async def first(self, ctx: Context) -> GraphModel:
+        """The first graph; raises InputError."""
+
+    def updates(self, ctx: Context) -> AsyncIterator[GraphModel]:
+        """Later graphs. The default: none (a graph that never changes)."""
+        return _nothing()
+
+
+async def _nothing() -> AsyncIterator[GraphModel]:
+    return
+    yield  # pragma: no cover  (makes this an async generator)
+
+
+class Static(Frontend):
+    """One graph, built in code (`evergraph.Graph`)."""
+
+    def __init__(self, model: GraphModel, label: str = "graph") -> None:
+        self.model = model
+        self.label = label
+
+    def load(self) -> GraphModel:
+        return self.model
+
+    async def first(self, ctx: Context) -> GraphModel:
+        return self.model
+
+
+def open_frontend(path: str | os.PathLike[str], registry: Registry) -> Frontend:
+    """The frontend for a graph file, by its suffix (InputError for others)."""
+    p = Path(path)
+    if p.suffix in (".yaml", ".yml"):
+        from evergraph.frontends.yaml import YamlFrontend
+
+        return YamlFrontend(p, registry)
+    if p.suffix == ".py":
+        from evergraph.frontends.python import PythonFrontend
+
+        return PythonFrontend(p, registry)
+    raise InputError(
+        f"unsupported graph file type {p.suffix or '(none)'!r}: expected .yaml, .yml or .py",
+        str(p),
+    )
+
+
+async def merged(*streams: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[tuple[str, Any]]:
+    """Items of several async iterators as they come; ends when all have ended."""
+    queue: asyncio.Queue[tuple[str, Any] | None] = asyncio.Queue()
+
+    async def pump(it: AsyncIterator[tuple[str, Any]]) -> None:
+        try:
+            async for item in it:
+                await queue.put(item)
+        except Exception as e:  # handed to the consumer, which raises it
+            await queue.put(("!error", e))
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        live = len(tasks)
+        while live:
+            item = await queue.get()
+            if item is None:
+                live -= 1
+                continue
+            if item[0] == "!error":
+                raise item[1]
+            yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+
+def read_graph_file(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise InputError("no such file", str(path)) from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read: {e}", str(path)) from None
+
+
+#: wait this long after a change of a watched file before reading it: editors
+#: save in several steps
+DEBOUNCE = 0.05
+
+
+async def file_changes(watcher: Any, path: Path, text: str) -> AsyncIterator[str]:
+    """The file's new text after each saved change (`text`: what was read last)."""
+    changed = asyncio.Event()
+    unsubscribe = watcher.subscribe(str(path), lambda _mask: changed.set())
+    try:
+        while True:
+            await changed.wait()
+            await asyncio.sleep(DEBOUNCE)
+            changed.clear()
+            try:
+                new = path.read_text()
+            except OSError:
+                continue  # mid-save (removed before rename); the next event follows
+            if new != text:
+                text = new
+                yield new
+    finally:
+        unsubscribe()

@@ -1,0 +1,503 @@
+"""The Python frontend: a module defining `def graph(g, world)`, re-run reactively.
+
+`graph()` builds the graph with `g.add(kind, name, **params)` and `g.edge(a, b)`
+and may read the World through `world`. Each read is remembered with what it
+returned. When the World changes under one of those reads (or the module file
+is saved), the reads are evaluated again; only if an answer differs does
+`graph()` run again, and the new graph is swapped in live (unchanged
+resources are left alone by the engine). Re-runs are debounced, so a burst of
+World writes costs one run, and never overlap: one loop does them in turn.
+
+`graph()` runs in a worker thread, so a World read can wait on the agent's
+event loop without blocking it. Errors in user code are input errors that
+name the user's `file:line`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+import sys
+import traceback
+import types
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+import evergraph
+from evergraph.cluster import merge
+from evergraph.engine.contract import Registry, Resource, default_registry
+from evergraph.engine.model import CollectSpec, Edge, GraphCycleError, GraphModel
+from evergraph.errors import InputError
+from evergraph.frontends.base import (
+    DEBOUNCE,
+    Context,
+    Frontend,
+    file_changes,
+    merged,
+    read_graph_file,
+)
+from evergraph.world.exports import EVERYONE, EXPORTED, Exported
+from evergraph.world.kv import Compacted, WorldError
+from evergraph.world.members import MEMBERS, Member
+from evergraph.world.members import members as read_members
+
+log = logging.getLogger("evergraph.frontend.python")
+
+T = TypeVar("T")
+
+_OURS = os.path.dirname(os.path.abspath(evergraph.__file__)) + os.sep
+
+
+def _user_frame() -> str:
+    """`file:line` of the nearest caller outside evergraph (the user's code)."""
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith(_OURS):
+        f = f.f_back  # type: ignore[assignment]
+    return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else ""
+
+
+def _user_error(e: BaseException, path: Path) -> InputError:
+    """An exception from user code as an input error at the user's deepest line."""
+    if isinstance(e, InputError):
+        return e
+    where = str(path)
+    home = str(path.parent) + os.sep
+    for fs in traceback.extract_tb(e.__traceback__):
+        name = os.path.abspath(fs.filename)
+        if name.startswith(home) and not name.startswith(_OURS):
+            where = f"{fs.filename}:{fs.lineno}"  # the deepest line of the user's own files
+    return InputError(f"{type(e).__name__}: {e}", where)
+
+
+# --------------------------------------------------------------------------- Graph
+
+
+@dataclass(frozen=True)
+class Ref:
+    """What `Graph.add` returns: names a resource for `Graph.edge`."""
+
+    kind: str
+    name: str
+
+    @property
+    def ident(self) -> str:
+        return f"{self.kind}[{self.name}]"
+
+    def __str__(self) -> str:
+        return self.ident
+
+
+class Graph:
+    """A graph built in Python: `add` resources, connect them with `edge`.
+
+    >>> g = Graph("demo")
+    >>> conf = g.add("file", "conf", path="/tmp/demo.conf", content="x\\n")
+    >>> reload = g.add("exec", "reload", cmd="echo reloaded")
+    >>> g.edge(conf, reload, notify=True)
+
+    Errors (an unknown kind or parameter, a bad value, an edge to nothing) are
+    `InputError`s naming the caller's `file:line` and `kind[name].field`.
+    """
+
+    def __init__(self, name: str = "", *, registry: Registry | None = None) -> None:
+        if registry is None:
+            import evergraph.resources  # noqa: F401  (registers the built-in kinds)
+
+            registry = default_registry
+        self.name = name
+        self.registry = registry
+        self._model = GraphModel(name=name)
+
+    def add(self, kind: str, name: str, /, **params: Any) -> Ref:
+        """Declare resource `kind[name]` with its parameters (as in YAML, `meta={...}`
+        included); returns a reference for `edge`. Adding an equal resource twice is
+        fine; a different one under the same name is an error."""
+        where = _user_frame()
+        if not isinstance(kind, str) or not isinstance(name, str) or not name:
+            raise InputError("add(kind, name, ...) needs two non-empty strings", where)
+        cls = self.registry.get(kind)
+        if cls is None:
+            from evergraph.frontends.yaml import _known_kinds_hint
+
+            raise InputError(
+                f"unknown resource kind {kind!r} {_known_kinds_hint(self.registry.kinds(), kind)}",
+                where,
+            )
+        if "name" in params:
+            raise InputError(
+                f"{kind}[{name}]: give the name once, as add()'s second argument", where
+            )
+        res = _build(cls, kind, {"name": name, **params}, where)
+        try:
+            res.validate()
+            if res.meta.export:
+                res.meta.check(res.ident)
+            self._model.add(res, origin=where)
+        except InputError as e:
+            raise InputError(str(e) if e.where != where else e.message, where) from None
+        return Ref(kind, name)
+
+    def edge(
+        self,
+        a: Ref | str,
+        b: Ref | str,
+        notify: bool = False,
+        send: str | None = None,
+        recv: str | None = None,
+    ) -> None:
+        """`a` before `b`; `notify=True` refreshes `b` when `a` changed something;
+        `send`/`recv` pass `a`'s value `send` into `b`'s parameter `recv`."""
+        where = _user_frame()
+        ends = []
+        for end in (a, b):
+            if isinstance(end, Ref):
+                ends.append(end.ident)
+            elif isinstance(end, str):
+                ends.append(end)
+            else:
+                raise InputError(
+                    f"edge ends are what add() returned or 'kind[name]' strings, not {end!r}",
+                    where,
+                )
+        if (send is None) != (recv is None):
+            raise InputError("an edge that sends a value needs both send= and recv=", where)
+        if not isinstance(notify, bool):
+            raise InputError("edge notify= must be True or False", where)
+        self._model.connect(Edge(ends[0], ends[1], notify=notify, send=send, recv=recv), where)
+
+    def model(self) -> GraphModel:
+        """The checked graph (InputError naming where the bad part was declared)."""
+        m = self._model
+        try:
+            m.check()
+        except GraphCycleError as e:
+            raise InputError(e.message, m.origins.get(e.cycle[0], "")) from None
+        except InputError as e:
+            ident = e.where.split(".", 1)[0]
+            origin = m.origins.get(ident)
+            if origin:
+                raise InputError(str(e), origin) from None
+            raise
+        return m
+
+
+def _build(cls: type[Resource], kind: str, item: dict[str, Any], where: str) -> Resource:
+    from evergraph.frontends.yaml import _build as build_from_data
+
+    def fail(msg: str, *_: object, **__: object) -> InputError:
+        return InputError(msg, where)
+
+    return build_from_data(cls, kind, item, (), fail)
+
+
+# --------------------------------------------------------------------------- World
+
+
+@dataclass(frozen=True)
+class Collected:
+    """A resource another host exported to this one."""
+
+    kind: str
+    name: str
+    #: the exporting host
+    host: str
+    params: dict[str, Any]
+
+
+def _collected(e: Exported) -> Collected:
+    return Collected(e.kind, e.name, e.src, e.params)
+
+
+@dataclass
+class _Read:
+    kind: str  # "get" | "collect" | "members"
+    arg: str
+    answer: object
+
+
+class World:
+    """The World as `graph()` sees it: every read is remembered, so that a change
+    under it runs `graph()` again. Without a World (`evergraph check`), reads
+    give their defaults and empty lists."""
+
+    def __init__(
+        self, ctx: Context | None = None, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
+        self._ctx = ctx
+        self._loop = loop
+        self.reads: list[_Read] = []
+        #: collected exports to add to the graph
+        self.collected: list[Exported] = []
+
+    @property
+    def host(self) -> str:
+        """This host's name."""
+        return self._ctx.hostname if self._ctx is not None else os.uname().nodename
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=60)
+
+    def get(self, key: str, default: str | None = None) -> str | None:
+        """The value at `key` (text), or `default` when there is none."""
+        if not isinstance(key, str) or not key:
+            raise InputError("world.get(key) needs a non-empty string", _user_frame())
+        value: bytes | None = None
+        if self._ctx is not None and self._ctx.kv is not None:
+            value = self._call(_get(self._ctx, key))
+        self.reads.append(_Read("get", key, value))
+        return default if value is None else value.decode("utf-8", "replace")
+
+    def collect(
+        self,
+        kind: str | None = None,
+        where: Callable[[Collected], bool] | None = None,
+        add: bool = True,
+    ) -> list[Collected]:
+        """Resources other hosts export to this one (of `kind`, those `where(r)` is
+        true for), in (kind, name, host) order. With `add` (the default) they also
+        join this graph, as YAML's `collect:` does."""
+        found: list[Exported] = []
+        if self._ctx is not None and self._ctx.cluster is not None:
+            found = self._call(_collect(self._ctx))
+        self.reads.append(_Read("collect", "", found))
+        out = []
+        for e in found:
+            if kind is not None and e.kind != kind:
+                continue
+            if where is not None and not where(_collected(e)):
+                continue
+            out.append(e)
+            if add:
+                self.collected.append(e)
+        return [_collected(e) for e in out]
+
+    def members(self, where: Callable[[Member], bool] | None = None) -> list[Member]:
+        """The live cluster members (host, address, capabilities, groups, state, ...)."""
+        found: list[Member] = []
+        if self._ctx is not None and self._ctx.kv is not None:
+            found = self._call(_members(self._ctx))
+        self.reads.append(_Read("members", "", found))
+        return [m for m in found if where is None or where(m)]
+
+
+async def _get(ctx: Context, key: str) -> bytes | None:
+    assert ctx.kv is not None
+    item = await ctx.kv.get(key)
+    return None if item is None else item.value
+
+
+async def _collect(ctx: Context) -> list[Exported]:
+    assert ctx.cluster is not None
+    kinds = ctx.registry.kinds()
+    found, _ = await ctx.cluster.collected([CollectSpec(kind=k) for k in kinds])
+    return sorted(found, key=lambda e: (e.kind, e.name, e.src))
+
+
+async def _members(ctx: Context) -> list[Member]:
+    assert ctx.kv is not None
+    # the timestamp moves on every lease renewal: not a change anyone reads for
+    return [msgspec.structs.replace(m, timestamp=0.0) for m in await read_members(ctx.kv)]
+
+
+async def _answer(ctx: Context, read: _Read) -> object:
+    if read.kind == "get":
+        return await _get(ctx, read.arg)
+    if read.kind == "collect":
+        return await _collect(ctx)
+    return await _members(ctx)
+
+
+async def _revision(ctx: Context) -> int:
+    return (await ctx.kv.range("\x00"))[1] if ctx.kv is not None else 0
+
+
+def _prefixes(ctx: Context, reads: list[_Read]) -> set[str]:
+    out: set[str] = set()
+    for r in reads:
+        if r.kind == "get":
+            out.add(r.arg)
+        elif r.kind == "collect":
+            out.update((f"{EXPORTED}{ctx.hostname}/", f"{EXPORTED}{EVERYONE}/"))
+        else:
+            out.add(MEMBERS)
+    return out
+
+
+# --------------------------------------------------------------------------- frontend
+
+
+@dataclass
+class _Module:
+    path: Path
+    fn: Callable[..., Any]
+    text: str = field(repr=False)
+
+
+def load_module(path: Path) -> _Module:
+    """Compile and run the module; its `graph` function (InputError otherwise)."""
+    text = read_graph_file(path)
+    try:
+        code = compile(text, str(path), "exec", dont_inherit=True)
+    except SyntaxError as e:
+        where = f"{path}:{e.lineno}" + (f":{e.offset}" if e.offset else "")
+        raise InputError(f"Python syntax error: {e.msg}", where) from None
+    module = types.ModuleType(f"evergraph_graph_{path.stem}")
+    module.__file__ = str(path)
+    # a graph module may import its neighbours
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    try:
+        exec(code, module.__dict__)
+    except Exception as e:
+        raise _user_error(e, path) from None
+    fn = module.__dict__.get("graph")
+    if not callable(fn):
+        raise InputError("the module defines no `def graph(g, world)`", str(path))
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        line = getattr(getattr(fn, "__code__", None), "co_firstlineno", 0)
+        raise InputError(
+            "graph() must take two arguments: (g, world)", f"{path}:{line}" if line else str(path)
+        ) from None
+    except ValueError:
+        pass  # no signature to check (a builtin): let the call tell
+    return _Module(path, fn, text)
+
+
+class PythonFrontend(Frontend):
+    """A Python graph module, re-run when its World reads or its file change."""
+
+    def __init__(self, path: str | Path, registry: Registry) -> None:
+        self.path = Path(path).absolute()
+        self.label = str(path)
+        self.registry = registry
+        self._module: _Module | None = None
+        self._reads: list[_Read] = []
+        self._start = 0
+        #: how many times graph() has run (tests and logs)
+        self.runs = 0
+
+    def _loaded(self) -> _Module:
+        if self._module is None:
+            self._module = load_module(self.path)
+        return self._module
+
+    def graph_file(self) -> Path:
+        return self.path
+
+    def preload(self) -> None:
+        self._loaded()
+
+    def render(self, world: World) -> GraphModel:
+        """Run graph() once against `world`; the graph with what it collected."""
+        mod = self._loaded()
+        g = Graph(self.path.stem, registry=self.registry)
+        self.runs += 1
+        try:
+            mod.fn(g, world)
+        except Exception as e:
+            raise _user_error(e, self.path) from None
+        model = g.model()
+        if world.collected and world._ctx is not None and world._ctx.cluster is not None:
+            model = merge(model, world._ctx.cluster.to_resources(world.collected))
+        return model
+
+    def load(self) -> GraphModel:
+        return self.render(World())
+
+    async def _render(self, ctx: Context) -> GraphModel:
+        # Watch from the revision before the reads: a change made while graph()
+        # runs is then seen (and compared), never lost.
+        self._start = await _revision(ctx) + 1
+        world = World(ctx, asyncio.get_running_loop())
+        model = await asyncio.to_thread(self.render, world)
+        self._reads = world.reads
+        return model
+
+    async def first(self, ctx: Context) -> GraphModel:
+        return await self._render(ctx)
+
+    async def _changed_reads(self, ctx: Context) -> bool:
+        for r in self._reads:
+            if await _answer(ctx, r) != r.answer:
+                return True
+        return False
+
+    async def updates(self, ctx: Context) -> AsyncIterator[GraphModel]:
+        if ctx.watcher is None:
+            return
+        kv = ctx.kv
+        wake: asyncio.Queue[str] = asyncio.Queue()
+        watching: dict[str, asyncio.Task[None]] = {}
+
+        async def watch(prefix: str, start: int) -> None:
+            assert kv is not None
+            while True:
+                try:
+                    async for _ in kv.watch(prefix, start):
+                        wake.put_nowait("world")
+                    return
+                except (Compacted, WorldError) as e:
+                    log.warning("world: watch of %s broke (%s); resyncing", prefix, e)
+                    await asyncio.sleep(0.5)
+                    _, start = await kv.range(prefix)
+                    start += 1
+                    wake.put_nowait("world")  # something may have changed meanwhile
+
+        def rewatch(start: int) -> None:
+            want = _prefixes(ctx, self._reads) if kv is not None else set()
+            for p in set(watching) - want:
+                watching.pop(p).cancel()
+            for p in want - set(watching):
+                watching[p] = asyncio.create_task(watch(p, start))
+
+        async def texts() -> AsyncIterator[tuple[str, Any]]:
+            async for text in file_changes(ctx.watcher, self.path, self._loaded().text):
+                yield "file", text
+
+        async def woken() -> AsyncIterator[tuple[str, Any]]:
+            while True:
+                yield await wake.get(), None
+
+        rewatch(self._start)
+        try:
+            async for what, _ in merged(texts(), woken()):
+                # coalesce a burst: whatever else arrives within the debounce joins this run
+                await asyncio.sleep(DEBOUNCE)
+                kinds = {what}
+                while not wake.empty():
+                    kinds.add(wake.get_nowait())
+                if "file" in kinds:
+                    try:
+                        self._module = load_module(self.path)
+                    except InputError as e:
+                        log.error("%s (the running graph is kept)", e)
+                        continue
+                    log.info("%s changed: running graph() again", self.path)
+                elif not await self._changed_reads(ctx):
+                    continue
+                else:
+                    log.info("the World changed under graph(): running it again")
+                try:
+                    model = await self._render(ctx)
+                except InputError as e:
+                    log.error("%s (the running graph is kept)", e)
+                    continue
+                finally:
+                    rewatch(self._start)
+                yield model
+        finally:
+            for t in watching.values():
+                t.cancel()
+            for t in watching.values():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
