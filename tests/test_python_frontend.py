@@ -314,3 +314,51 @@ def test_example_web_tier_collects_app_exports(
     wait_for(lambda: "server app1:9000;" in conf.read_text(), what="the port change collected")
     assert (root / "app-app1.conf").read_text() == "port=9000\n"
     wait_for(lambda: (root / "reloads").read_text().count("reloaded") >= 3, what="reloads")
+
+
+def test_embedding_a_custom_kind(tmp_path: Path) -> None:
+    """A script defines its own kind with Resource/register/doc and runs it."""
+    import subprocess
+    import sys
+
+    mark = tmp_path / "marked"
+    script = tmp_path / "custom.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import os, sys
+        from typing import Annotated
+        import evergraph
+
+        @evergraph.register("marker")
+        class Marker(evergraph.Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
+            \"\"\"Writes its name into a file once.\"\"\"
+            path: Annotated[str, evergraph.doc("the file")] = ""
+
+            def validate(self):
+                if not self.path.startswith("/"):
+                    raise self.bad("path", "must be absolute")
+
+            async def check_apply(self, apply):
+                if os.path.exists(self.path):
+                    return True
+                if apply:
+                    with open(self.path, "w") as f:
+                        f.write(self.name)
+                return False
+
+        state = {str(tmp_path / "st")!r}
+        g = evergraph.Graph()
+        g.add("marker", "hello", path={str(mark)!r})
+        first = evergraph.run(g, state_dir=state, converged_exit=True, world=None)
+        bad = evergraph.Graph()
+        try:
+            bad.add("marker", "x", path="relative")
+        except evergraph.InputError as e:
+            print("refused:", e)
+        sys.exit(first)
+        """)
+    )
+    r = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert mark.read_text() == "hello"
+    assert f"refused: {script}:29: marker[x].path: must be absolute" in r.stdout
