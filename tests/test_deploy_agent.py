@@ -69,6 +69,10 @@ def test_agent_without_file_follows_deploys_live(tmp_path: Path, agents) -> None
         "3",
         "4",
     ]  # 1 is pruned
+    # deploy 5: deploy 2's code with an edited helper module: imported afresh
+    (src2 / "helper.py").write_text("TEXT = 'five\\n'\n")
+    assert deploy(state, src2 / "site.py").startswith("deploy 5 ")
+    wait_for(lambda: (out / "b").read_text() == "five\n", what="deploy 5's helper used")
     assert a.proc.poll() is None
     assert "Traceback" not in a.log.read_text()
 

@@ -351,9 +351,7 @@ def load_module(path: Path) -> _Module:
         raise InputError(f"Python syntax error: {e.msg}", where) from None
     module = types.ModuleType(f"evergraph_graph_{path.stem}")
     module.__file__ = str(path)
-    # a graph module may import its neighbours
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
+    _fresh_imports(str(path.parent))
     try:
         exec(code, module.__dict__)
     except Exception as e:
@@ -371,6 +369,32 @@ def load_module(path: Path) -> _Module:
     except ValueError:
         pass  # no signature to check (a builtin): let the call tell
     return _Module(path, fn, text)
+
+
+#: directories put on sys.path for graph modules (the current one last)
+_graph_dirs: list[str] = []
+_KEEP = (_OURS, sys.prefix + os.sep, sys.base_prefix + os.sep)
+
+
+def _fresh_imports(directory: str) -> None:
+    """Let a graph module import its neighbours, as they are now: `directory` goes
+    on sys.path (replacing an earlier graph's, e.g. a previous deploy), and modules
+    imported from graph directories before are forgotten, so that an edited or
+    newly deployed helper module is imported afresh rather than from the cache."""
+    gone = [d for d in _graph_dirs if d != directory]
+    for d in gone:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(d)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    if directory not in _graph_dirs:
+        _graph_dirs.append(directory)
+    prefixes = tuple(d.rstrip(os.sep) + os.sep for d in _graph_dirs)
+    _graph_dirs[:] = [directory]
+    for name, mod in list(sys.modules.items()):
+        f = getattr(mod, "__file__", None)
+        if f and f.startswith(prefixes) and not f.startswith(_KEEP):
+            del sys.modules[name]
 
 
 class PythonFrontend(Frontend):
