@@ -30,14 +30,16 @@ def cli() -> None:
     """evergraph keeps machines in their declared state, continuously.
 
     Declare resources (files, commands, ...) and their dependencies as a graph
-    in YAML; evergraph converges the graph in parallel, then watches every
-    resource and repairs drift the moment it happens.
+    in YAML or Python; evergraph converges the graph in parallel, then watches
+    every resource and repairs drift the moment it happens.
 
     \b
     Examples:
       evergraph check site.yaml                      # validate, change nothing
       evergraph run site.yaml                        # converge, then keep watching
       evergraph run site.yaml --converged-timeout 1 --converged-exit   # one-shot
+      evergraph run site.py                          # a reactive Python graph
+      evergraph deploy site.yaml                     # ship it to agents run without FILE
     """
 
 
@@ -229,7 +231,7 @@ def run(
     Examples:
       evergraph run examples/hello.yaml
       evergraph run examples/motd.py
-      evergraph run --seeds http://10.0.0.1:2379                # follow deploys
+      evergraph run --seeds http://10.0.0.1:2379            # follow deploys
       evergraph run site.yaml --noop --converged-exit       # what would change?
       evergraph run site.yaml --converged-timeout 5 --converged-status-file /run/eg.status
     """
