@@ -109,6 +109,15 @@ def test_run_file_on_etcd_publishes_a_deploy_others_follow(
     follower: Agent = agents(None, tmp_path / "s2", "--hostname", "h2", *seeds)
     follower.wait_converged()
     assert (out / "shared").read_text() == "from the first host\n"
+    # saving FILE on the first host publishes deploy 2; the follower swaps to it
+    (src / "site.yaml").write_text(yaml_graph(out, "shared", "edited\n"))
+    wait_for(lambda: "as deploy 2" in first.log.read_text(), what="published as deploy 2")
+    wait_for(lambda: (out / "shared").read_text() == "edited\n", what="follower on deploy 2")
+    wait_for(lambda: "running deploy 2" in follower.log.read_text(), what="follower log")
+    # a restart with the same files publishes nothing new
+    assert first.stop() == 0
+    again: Agent = agents(src / "site.yaml", tmp_path / "s1", "--hostname", "h1", *seeds)
+    again.wait_converged()
     r = run_cli("deploys", *seeds)
     assert r.returncode == 0, r.stderr
-    assert "site.yaml" in r.stdout
+    assert r.stdout.count("site.yaml") == 2, r.stdout

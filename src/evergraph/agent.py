@@ -112,13 +112,12 @@ async def _run(
             raw = await _unless_stopped(frontend.first(ctx), stop, settings.max_runtime)
             if raw is None:
                 return 0  # stopped while waiting for a first graph (a deploy)
+            # `run FILE` on a cluster also publishes FILE as a deploy
+            ship = frontend.graph_file() if world is not None and world.is_etcd else None
             if cluster is not None:
                 await cluster.publish(exports_of(raw))
-                path = frontend.graph_file()
-                if world is not None and world.is_etcd and path is not None:
-                    from evergraph.frontends.deploy import publish_file
-
-                    await publish_file(cluster.kv, path)
+                if ship is not None:
+                    await _ship(cluster, ship)
             model = prepare_model(raw, settings)
         except WorldError as e:
             log.error("world: %s", e)
@@ -126,7 +125,9 @@ async def _run(
         except InputError as e:
             log.error("%s", e)
             return 2
-        updates = _prepared(frontend.updates(ctx), cluster, settings) if settings.watch else None
+        updates = (
+            _prepared(frontend.updates(ctx), cluster, settings, ship) if settings.watch else None
+        )
         return await engine.run(model, updates)
     finally:
         if handle_signals:
@@ -160,16 +161,28 @@ async def _close(cluster: Cluster | None, opened: OpenWorld | None) -> None:
         await opened.close()
 
 
+async def _ship(cluster: Cluster, path: Path) -> None:
+    from evergraph.frontends.deploy import publish_file
+
+    await publish_file(cluster.kv, path)
+
+
 async def _prepared(
-    graphs: AsyncIterator[GraphModel], cluster: Cluster | None, settings: Settings
+    graphs: AsyncIterator[GraphModel],
+    cluster: Cluster | None,
+    settings: Settings,
+    ship: Path | None,
 ) -> AsyncIterator[GraphModel]:
-    """The frontend's later graphs, their exports published, prepared for the engine."""
+    """The frontend's later graphs, their exports published (and with `ship`, the
+    graph file as a deploy), prepared for the engine."""
     async for raw in graphs:
         if cluster is not None:
             try:
                 await cluster.publish(exports_of(raw))
             except WorldError as e:
                 log.error("world: cannot publish exports: %s", e)
+            if ship is not None:
+                await _ship(cluster, ship)
         try:
             yield prepare_model(raw, settings)
         except InputError as e:

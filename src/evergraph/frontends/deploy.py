@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import shutil
 from collections.abc import AsyncIterator
@@ -140,10 +141,16 @@ def _prune(root: Path, keep: int) -> None:
 
 async def publish_file(kv: KV, path: Path) -> deploys.Deploy | None:
     """`run FILE` on a cluster: publish FILE (and its directory) as the next deploy,
-    so agents following deploys run it too. Problems are logged, not fatal: this
-    agent runs FILE either way."""
+    so agents following deploys run it too; unless the newest deploy already holds
+    exactly these files (a restart, or a Python graph re-run by a World change).
+    Problems are logged, not fatal: this agent runs FILE either way."""
     try:
         entry, files = deploys.collect(path)
+        shas = {p: hashlib.sha256(b).hexdigest() for p, b in files.items()}
+        with contextlib.suppress(deploys.DeployError):  # a bad newest record: publish past it
+            newest = await deploys.latest(kv)
+            if newest is not None and newest.entry == entry and newest.files == shas:
+                return newest
         d = await deploys.publish(
             kv, entry, files, git=None, force=True, by=deploys.whoami(), repo=None
         )
