@@ -154,6 +154,10 @@ BAD = {
         r"site\.py:\d: the graph has a cycle",
     ),
     "no-graph": ("def grpah(g, world):\n    pass\n", r"site\.py: the module defines no `def graph"),
+    "sys-exit": (
+        "import sys\n\ndef graph(g, world):\n    sys.exit(3)\n",
+        r"site\.py:4: SystemExit: 3",
+    ),
     "arity": ("def graph(g):\n    pass\n", r"site\.py:1: graph\(\) must take two arguments"),
     "duplicate": (
         "def graph(g, world):\n    g.add('noop', 'a')\n    g.add('print', 'p', msg='x')\n"
@@ -362,3 +366,16 @@ def test_embedding_a_custom_kind(tmp_path: Path) -> None:
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert mark.read_text() == "hello"
     assert f"refused: {script}:29: marker[x].path: must be absolute" in r.stdout
+
+
+def test_a_graph_that_never_returns_does_not_block_stopping(tmp_path: Path, agents) -> None:  # type: ignore[no-untyped-def]
+    started = tmp_path / "started"
+    mod = tmp_path / "site.py"
+    mod.write_text(
+        "import time\n\ndef graph(g, world):\n"
+        f"    open({str(started)!r}, 'w').close()\n"
+        "    while True:\n        time.sleep(0.05)\n"
+    )
+    a: Agent = agents(mod, tmp_path / "st")
+    wait_for(started.exists, what="graph() running")
+    assert a.stop() == 0  # SIGTERM; stop() would SIGKILL (-9) after 10 s

@@ -21,6 +21,7 @@ import inspect
 import logging
 import os
 import sys
+import threading
 import traceback
 import types
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -354,7 +355,7 @@ def load_module(path: Path) -> _Module:
     _fresh_imports(str(path.parent))
     try:
         exec(code, module.__dict__)
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise _user_error(e, path) from None
     fn = module.__dict__.get("graph")
     if not callable(fn):
@@ -369,6 +370,41 @@ def load_module(path: Path) -> _Module:
     except ValueError:
         pass  # no signature to check (a builtin): let the call tell
     return _Module(path, fn, text)
+
+
+#: after this long, say that graph() is still running
+SLOW_RUN = 10.0
+
+
+async def _in_thread(fn: Callable[..., T], *args: Any, what: str) -> T:
+    """`fn(*args)` in a daemon thread: user code that never returns must not keep
+    the agent from stopping (the default executor's threads are joined at exit)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if fut.done():
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def body() -> None:
+        outcome: tuple[bool, Any]
+        try:
+            outcome = (True, fn(*args))
+        except BaseException as e:
+            outcome = (False, e)
+        with contextlib.suppress(RuntimeError):  # the agent stopped meanwhile
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=body, name="graph()", daemon=True).start()
+    while True:
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), SLOW_RUN)
+        except TimeoutError:
+            log.warning("%s has run for %.0f s and has not returned yet", what, SLOW_RUN)
 
 
 #: directories put on sys.path for graph modules (the current one last)
@@ -428,7 +464,7 @@ class PythonFrontend(Frontend):
         self.runs += 1
         try:
             mod.fn(g, world)
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # sys.exit() in graph() is not the agent's
             raise _user_error(e, self.path) from None
         model = g.model()
         if world.collected and world._ctx is not None and world._ctx.cluster is not None:
@@ -443,7 +479,7 @@ class PythonFrontend(Frontend):
         # runs is then seen (and compared), never lost.
         self._start = await _revision(ctx) + 1
         world = World(ctx, asyncio.get_running_loop())
-        model = await asyncio.to_thread(self.render, world)
+        model = await _in_thread(self.render, world, what=f"graph() of {self.path}")
         self._reads = world.reads
         return model
 
