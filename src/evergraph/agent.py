@@ -112,12 +112,16 @@ async def _run(
             raw = await _unless_stopped(frontend.first(ctx), stop, settings.max_runtime)
             if raw is None:
                 return 0  # stopped while waiting for a first graph (a deploy)
-            # `run FILE` on a cluster also publishes FILE as a deploy
-            ship = frontend.graph_file() if world is not None and world.is_etcd else None
+            ship: Callable[[], Awaitable[None]] | None = None
             if cluster is not None:
                 await cluster.publish(exports_of(raw))
-                if ship is not None:
-                    await _ship(cluster, ship)
+                path = frontend.graph_file()
+                if world is not None and world.is_etcd and path is not None:
+                    # `run FILE` on a cluster also publishes FILE as a deploy
+                    from evergraph.frontends.deploy import Publisher
+
+                    ship = Publisher(cluster.kv, path)
+                    await ship()
             model = prepare_model(raw, settings)
         except WorldError as e:
             log.error("world: %s", e)
@@ -161,20 +165,14 @@ async def _close(cluster: Cluster | None, opened: OpenWorld | None) -> None:
         await opened.close()
 
 
-async def _ship(cluster: Cluster, path: Path) -> None:
-    from evergraph.frontends.deploy import publish_file
-
-    await publish_file(cluster.kv, path)
-
-
 async def _prepared(
     graphs: AsyncIterator[GraphModel],
     cluster: Cluster | None,
     settings: Settings,
-    ship: Path | None,
+    ship: Callable[[], Awaitable[None]] | None,
 ) -> AsyncIterator[GraphModel]:
-    """The frontend's later graphs, their exports published (and with `ship`, the
-    graph file as a deploy), prepared for the engine."""
+    """The frontend's later graphs, their exports published (and `ship()`: the graph
+    file as a deploy), prepared for the engine."""
     async for raw in graphs:
         if cluster is not None:
             try:
@@ -182,7 +180,7 @@ async def _prepared(
             except WorldError as e:
                 log.error("world: cannot publish exports: %s", e)
             if ship is not None:
-                await _ship(cluster, ship)
+                await ship()
         try:
             yield prepare_model(raw, settings)
         except InputError as e:

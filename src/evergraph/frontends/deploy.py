@@ -142,7 +142,7 @@ def _prune(root: Path, keep: int) -> None:
 async def publish_file(kv: KV, path: Path) -> deploys.Deploy | None:
     """`run FILE` on a cluster: publish FILE (and its directory) as the next deploy,
     so agents following deploys run it too; unless the newest deploy already holds
-    exactly these files (a restart, or a Python graph re-run by a World change).
+    exactly these files (a restart with nothing edited).
     Problems are logged, not fatal: this agent runs FILE either way."""
     try:
         entry, files = deploys.collect(path)
@@ -159,3 +159,24 @@ async def publish_file(kv: KV, path: Path) -> deploys.Deploy | None:
         return None
     log.info("published %s as deploy %d (%s)", path, d.n, d.hash[:12])
     return d
+
+
+class Publisher:
+    """`run FILE` on a cluster: publish FILE at start, and again after each save of
+    it. A graph re-run for other reasons (a World change under a Python graph) costs
+    one stat, not a read and hash of the whole directory."""
+
+    def __init__(self, kv: KV, path: Path) -> None:
+        self.kv = kv
+        self.path = path
+        self._seen: tuple[int, int] | None = None
+
+    async def __call__(self) -> None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return  # mid-save; the graph that follows the save publishes
+        seen = (st.st_mtime_ns, st.st_size)
+        if seen != self._seen:
+            self._seen = seen
+            await publish_file(self.kv, self.path)

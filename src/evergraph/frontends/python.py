@@ -125,10 +125,10 @@ class Graph:
             raise InputError("add(kind, name, ...) needs two non-empty strings", where)
         cls = self.registry.get(kind)
         if cls is None:
-            from evergraph.frontends.yaml import _known_kinds_hint
+            from evergraph.frontends.yaml import known_kinds_hint
 
             raise InputError(
-                f"unknown resource kind {kind!r} {_known_kinds_hint(self.registry.kinds(), kind)}",
+                f"unknown resource kind {kind!r} {known_kinds_hint(self.registry.kinds(), kind)}",
                 where,
             )
         if "name" in params:
@@ -190,12 +190,12 @@ class Graph:
 
 
 def _build(cls: type[Resource], kind: str, item: dict[str, Any], where: str) -> Resource:
-    from evergraph.frontends.yaml import _build as build_from_data
+    from evergraph.frontends.yaml import build_resource
 
     def fail(msg: str, *_: object, **__: object) -> InputError:
         return InputError(msg, where)
 
-    return build_from_data(cls, kind, item, (), fail)
+    return build_resource(cls, kind, item, (), fail)
 
 
 # --------------------------------------------------------------------------- World
@@ -407,7 +407,7 @@ async def _in_thread(fn: Callable[..., T], *args: Any, what: str) -> T:
             log.warning("%s has run for %.0f s and has not returned yet", what, SLOW_RUN)
 
 
-#: directories put on sys.path for graph modules (the current one last)
+#: the directory put on sys.path for graph modules (a list: at most the current one)
 _graph_dirs: list[str] = []
 _KEEP = (_OURS, sys.prefix + os.sep, sys.base_prefix + os.sep)
 
@@ -417,16 +417,14 @@ def _fresh_imports(directory: str) -> None:
     on sys.path (replacing an earlier graph's, e.g. a previous deploy), and modules
     imported from graph directories before are forgotten, so that an edited or
     newly deployed helper module is imported afresh rather than from the cache."""
-    gone = [d for d in _graph_dirs if d != directory]
-    for d in gone:
-        with contextlib.suppress(ValueError):
-            sys.path.remove(d)
+    prefixes = tuple(d.rstrip(os.sep) + os.sep for d in {*_graph_dirs, directory})
+    for d in _graph_dirs:
+        if d != directory:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(d)
+    _graph_dirs[:] = [directory]
     if directory not in sys.path:
         sys.path.insert(0, directory)
-    if directory not in _graph_dirs:
-        _graph_dirs.append(directory)
-    prefixes = tuple(d.rstrip(os.sep) + os.sep for d in _graph_dirs)
-    _graph_dirs[:] = [directory]
     for name, mod in list(sys.modules.items()):
         f = getattr(mod, "__file__", None)
         if f and f.startswith(prefixes) and not f.startswith(_KEEP):

@@ -120,7 +120,7 @@ def _msgspec_path(message: str) -> tuple[str, tuple[PathPart, ...]]:
     return message[: m.start()], tuple(parts)
 
 
-def _known_kinds_hint(kinds: list[str], word: str) -> str:
+def known_kinds_hint(kinds: list[str], word: str) -> str:
     close = difflib.get_close_matches(word, kinds, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"(known: {', '.join(kinds)}){hint}"
@@ -170,7 +170,7 @@ def _parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
         cls = registry.get(str(kind))
         if cls is None:
             raise fail(
-                f"unknown resource kind {kind!r} {_known_kinds_hint(kinds, str(kind))}",
+                f"unknown resource kind {kind!r} {known_kinds_hint(kinds, str(kind))}",
                 ("resources", kind),
                 key=True,
             )
@@ -184,7 +184,7 @@ def _parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
         except msgspec.ValidationError:
             # find the bad one and say exactly where
             built = [
-                _build(cls, str(kind), it, ("resources", kind, i), fail)
+                build_resource(cls, str(kind), it, ("resources", kind, i), fail)
                 for i, it in enumerate(items)
             ]
         for i, res in enumerate(built):
@@ -270,7 +270,7 @@ def _where_resource(where: str, model: GraphModel, loc: _Locator) -> str:
     return f"{loc.at(path)}: {where}"
 
 
-def _build(
+def build_resource(
     cls: type[Resource],
     kind: str,
     item: object,
@@ -362,8 +362,9 @@ class YamlFrontend(Frontend):
         self.registry = registry
         self._raw: GraphModel | None = None
         self._text = ""
-        #: the exports the running graph was built with
+        #: the exports the running graph was built with, and the specs that found them
         self._found: list[Exported] = []
+        self._specs: list[CollectSpec] = []
 
     def load(self) -> GraphModel:
         """Parse the file now (InputError)."""
@@ -381,6 +382,7 @@ class YamlFrontend(Frontend):
 
     async def first(self, ctx: Context) -> GraphModel:
         raw, self._raw = self._raw or self.load(), None
+        self._specs = list(raw.collect)
         if raw.collect and ctx.cluster is not None:
             self._found, _ = await ctx.cluster.collected(raw.collect)
             return merge(raw, ctx.cluster.to_resources(self._found))
@@ -388,7 +390,7 @@ class YamlFrontend(Frontend):
 
     async def updates(self, ctx: Context) -> AsyncIterator[GraphModel]:
         cluster = ctx.cluster
-        specs = list(parse_yaml(self._text, str(self.path), self.registry).collect)
+        specs = self._specs
         collected: list[Resource] = cluster.to_resources(self._found) if cluster else []
         if ctx.watcher is None:
             return
