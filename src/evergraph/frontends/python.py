@@ -462,6 +462,8 @@ class PythonFrontend(Frontend):
         self.runs += 1
         try:
             mod.fn(g, world)
+        except WorldError:
+            raise  # the World failed, not the user's code
         except (Exception, SystemExit) as e:  # sys.exit() in graph() is not the agent's
             raise _user_error(e, self.path) from None
         model = g.model()
@@ -485,9 +487,12 @@ class PythonFrontend(Frontend):
         return await self._render(ctx)
 
     async def _changed_reads(self, ctx: Context) -> bool:
-        for r in self._reads:
-            if await _answer(ctx, r) != r.answer:
-                return True
+        try:
+            for r in self._reads:
+                if await _answer(ctx, r) != r.answer:
+                    return True
+        except WorldError:
+            return True  # cannot tell: run graph(), which reports the failure
         return False
 
     async def updates(self, ctx: Context) -> AsyncIterator[GraphModel]:
@@ -506,10 +511,10 @@ class PythonFrontend(Frontend):
                     return
                 except (Compacted, WorldError) as e:
                     log.warning("world: watch of %s broke (%s); resyncing", prefix, e)
-                    await asyncio.sleep(0.5)
-                    _, start = await kv.range(prefix)
-                    start += 1
-                    wake.put_nowait("world")  # something may have changed meanwhile
+                await asyncio.sleep(0.5)
+                with contextlib.suppress(WorldError):  # else: the next watch fails and retries
+                    start = (await kv.range(prefix))[1] + 1
+                wake.put_nowait("world")  # something may have changed meanwhile
 
         def rewatch(start: int) -> None:
             want = _prefixes(ctx, self._reads) if kv is not None else set()
@@ -547,7 +552,7 @@ class PythonFrontend(Frontend):
                     log.info("the World changed under graph(): running it again")
                 try:
                     model = await self._render(ctx)
-                except InputError as e:
+                except (InputError, WorldError) as e:
                     log.error("%s (the running graph is kept)", e)
                     continue
                 finally:
