@@ -164,8 +164,8 @@ def _kv_rows(quick: bool) -> tuple[dict[str, Any], list[list[str]]]:
 async def _export_trials(state_a: Path, make_kv: Any, target: Path, trials: int) -> list[float]:
     from asyncinotify import Inotify, Mask
 
-    from evergraph.keys import HostKeys
     from evergraph.world.exports import export_key, make_record
+    from evergraph.world.hostkeys import HostKeys
     from evergraph.world.members import host_keys
 
     keys = HostKeys(state_a)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from evergraph.keys import HostKeys
+from evergraph.world.hostkeys import HostKeys
 
 from .conftest import Agent, run_cli, wait_for
 

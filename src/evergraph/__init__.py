@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from evergraph.api import run
+    from evergraph.agent.api import run
     from evergraph.engine.contract import Meta, Resource, doc, register
     from evergraph.errors import InputError
     from evergraph.frontends.python import Collected, Graph, Ref, World
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from evergraph.world.open import WorldOptions
 
 _WHERE = {
-    "run": "evergraph.api",
+    "run": "evergraph.agent.api",
     "Meta": "evergraph.engine.contract",
     "Resource": "evergraph.engine.contract",
     "doc": "evergraph.engine.contract",

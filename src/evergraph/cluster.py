@@ -19,7 +19,6 @@ from evergraph import __version__
 from evergraph.engine.contract import Registry, Resource
 from evergraph.engine.model import CollectSpec, GraphModel
 from evergraph.errors import InputError
-from evergraph.keys import HostKeys, KeyError_
 from evergraph.world.exports import (
     EVERYONE,
     EXPORTED,
@@ -29,6 +28,7 @@ from evergraph.world.exports import (
     open_record,
     parse_key,
 )
+from evergraph.world.hostkeys import HostKeys, KeyError_
 from evergraph.world.kv import KV, Compacted, WorldError
 from evergraph.world.members import HOSTKEYS, Member, Membership, host_keys
 

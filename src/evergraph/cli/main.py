@@ -235,8 +235,8 @@ def run(
       evergraph run site.yaml --noop --converged-exit       # what would change?
       evergraph run site.yaml --converged-timeout 5 --converged-status-file /run/eg.status
     """
-    from evergraph.api import frontend_for
-    from evergraph.api import run as run_graph
+    from evergraph.agent.api import frontend_for
+    from evergraph.agent.api import run as run_graph
     from evergraph.cli.logs import FLUSH_INTERVAL, flush_logs, setup_logging
 
     setup_logging(log_format, verbose)
@@ -278,7 +278,7 @@ def check(file: Path) -> None:
     Example:
       evergraph check site.yaml && evergraph run site.yaml
     """
-    from evergraph.api import frontend_for
+    from evergraph.agent.api import frontend_for
 
     try:
         model = frontend_for(file).load()
@@ -313,7 +313,7 @@ def graph(file: Path, fmt: str, no_autoedges: bool, no_autogroup: bool) -> None:
       evergraph graph site.yaml | dot -Tsvg > site.svg
       evergraph graph site.yaml --format json | jq '.edges[] | select(.auto)'
     """
-    from evergraph.api import frontend_for
+    from evergraph.agent.api import frontend_for
     from evergraph.engine.prepare import prepare
     from evergraph.engine.render import to_dot, to_json
 
@@ -338,7 +338,7 @@ def docs() -> None:
 @docs.command("resources", context_settings=CONTEXT)
 def docs_resources() -> None:
     """Every resource kind with its parameters, types, defaults and meaning."""
-    from evergraph.agent import builtin_registry
+    from evergraph.agent.run import builtin_registry
     from evergraph.engine.docs import resources_reference
 
     click.echo(resources_reference(builtin_registry()), nl=False)

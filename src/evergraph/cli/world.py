@@ -29,7 +29,7 @@ def with_world(
     state_dir: Path | None, world: dict[str, object], body: Callable[[KV], Awaitable[T]]
 ) -> T:
     """Open the World the options name, run `body(kv)`, close it; errors exit 1 or 2."""
-    from evergraph.agent import prepare_state_dir
+    from evergraph.agent.run import prepare_state_dir
     from evergraph.cli.main import _die, _world_opts
     from evergraph.world.open import open_world
 

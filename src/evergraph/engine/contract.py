@@ -27,7 +27,7 @@ import msgspec
 from evergraph.errors import InputError
 
 if TYPE_CHECKING:
-    from evergraph.keys import HostKeys
+    from evergraph.world.hostkeys import HostKeys
     from evergraph.world.kv import KV
 
 

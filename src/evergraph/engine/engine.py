@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from evergraph._gc import gc_paused
+from evergraph._util.gc import gc_paused
 from evergraph.engine.contract import Registry, Resource, default_registry
 from evergraph.engine.converger import Converger
 from evergraph.engine.model import Edge, GraphModel
@@ -54,7 +54,7 @@ Observer = Callable[[Vertex, str], None]
 
 
 if TYPE_CHECKING:
-    from evergraph.keys import HostKeys
+    from evergraph.world.hostkeys import HostKeys
     from evergraph.world.kv import KV
 
 
@@ -121,7 +121,7 @@ class Engine:
     def keys(self) -> HostKeys:
         """The host's key pairs, loaded (or created) on first use: nacl costs start-up time."""
         if self._keys is None:
-            from evergraph.keys import HostKeys
+            from evergraph.world.hostkeys import HostKeys
 
             self._keys = HostKeys(self.settings.state_dir)
         return self._keys

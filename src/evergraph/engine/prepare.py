@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from evergraph._gc import gc_paused
+from evergraph._util.gc import gc_paused
 from evergraph.engine.autoedge import add_autoedges
 from evergraph.engine.autogroup import group_vertices
 from evergraph.engine.model import GraphModel

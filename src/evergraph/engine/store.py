@@ -25,22 +25,12 @@ from evergraph.engine.vertex import vertex_dir
 if TYPE_CHECKING:
     from evergraph.engine.vertex import Vertex
 
+from evergraph._util.atomic import atomic_write
+
 log = logging.getLogger("evergraph.engine")
 
 REFRESH = "refresh"
 REVERSAL = "reversal.json"
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
 
 
 @dataclass

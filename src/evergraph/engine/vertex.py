@@ -18,7 +18,7 @@ from evergraph.errors import ResourceError
 
 if TYPE_CHECKING:
     from evergraph.engine.engine import Engine
-    from evergraph.keys import HostKeys
+    from evergraph.world.hostkeys import HostKeys
     from evergraph.world.kv import KV
 
 _loggers: dict[str, logging.Logger] = {}

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import yaml_rs
 
-from evergraph._gc import gc_paused
+from evergraph._util.gc import gc_paused
 from evergraph.cluster import merge
 from evergraph.engine.contract import Registry, Resource
 from evergraph.engine.model import CollectSpec, Edge, GraphCycleError, GraphModel

@@ -18,7 +18,7 @@ from urllib.parse import quote, unquote
 
 import msgspec
 
-from evergraph.keys import HostKeys, KeyError_
+from evergraph.world.hostkeys import HostKeys, KeyError_
 from evergraph.world.kv import KeyValue
 
 EXPORTED = "exported/"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import os
-import tempfile
 from pathlib import Path
 
 import nacl.encoding
@@ -23,37 +22,19 @@ import nacl.secret
 import nacl.signing
 import nacl.utils
 
+from evergraph._util.atomic import atomic_write
+
 
 class KeyError_(Exception):
     """A key file is unreadable or a ciphertext does not open with our key."""
-
-
-def _atomic_secret(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, data)
-        os.fsync(fd)
-        os.close(fd)
-        os.link(tmp, path)  # fails if another process created it first: theirs wins
-    except FileExistsError:
-        pass
-    finally:
-        _unlink(tmp)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _load_or_create(path: Path) -> bytes:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        _atomic_secret(path, base64.b64encode(nacl.utils.random(32)) + b"\n")
+        # exclusive: if another process created it first, theirs wins
+        atomic_write(path, base64.b64encode(nacl.utils.random(32)) + b"\n", exclusive=True)
         raw = path.read_bytes()
     try:
         seed = base64.b64decode(raw.strip(), validate=True)

@@ -19,7 +19,7 @@ log = logging.getLogger("evergraph")
 def frontend_for(target: Frontend | Graph | str | os.PathLike[str] | None) -> Frontend:
     """The frontend for what `run` was given: a Graph, a .yaml/.yml/.py path, or
     None (follow the newest deploy in the World)."""
-    from evergraph.agent import builtin_registry
+    from evergraph.agent.run import builtin_registry
     from evergraph.frontends.base import Static, open_frontend
 
     if isinstance(target, Frontend):
@@ -79,7 +79,7 @@ def run(
     no collect). Input errors are logged (logger "evergraph") and give 2.
     Runs its own event loop: call it from synchronous code.
     """
-    from evergraph.agent import prepare_state_dir, run_agent
+    from evergraph.agent.run import prepare_state_dir, run_agent
     from evergraph.engine.settings import Settings
 
     if converged_exit and converged_timeout is None:

@@ -112,16 +112,8 @@ async def _run(
             raw = await _unless_stopped(frontend.first(ctx), stop, settings.max_runtime)
             if raw is None:
                 return 0  # stopped while waiting for a first graph (a deploy)
-            ship: Callable[[], Awaitable[None]] | None = None
             if cluster is not None:
                 await cluster.publish(exports_of(raw))
-                path = frontend.graph_file()
-                if world is not None and world.is_etcd and path is not None:
-                    # `run FILE` on a cluster also publishes FILE as a deploy
-                    from evergraph.frontends.deploy import Publisher
-
-                    ship = Publisher(cluster.kv, path)
-                    await ship()
             model = prepare_model(raw, settings)
         except WorldError as e:
             log.error("world: %s", e)
@@ -129,9 +121,7 @@ async def _run(
         except InputError as e:
             log.error("%s", e)
             return 2
-        updates = (
-            _prepared(frontend.updates(ctx), cluster, settings, ship) if settings.watch else None
-        )
+        updates = _prepared(frontend.updates(ctx), cluster, settings) if settings.watch else None
         return await engine.run(model, updates)
     finally:
         if handle_signals:
@@ -169,18 +159,14 @@ async def _prepared(
     graphs: AsyncIterator[GraphModel],
     cluster: Cluster | None,
     settings: Settings,
-    ship: Callable[[], Awaitable[None]] | None,
 ) -> AsyncIterator[GraphModel]:
-    """The frontend's later graphs, their exports published (and `ship()`: the graph
-    file as a deploy), prepared for the engine."""
+    """The frontend's later graphs, their exports published, prepared for the engine."""
     async for raw in graphs:
         if cluster is not None:
             try:
                 await cluster.publish(exports_of(raw))
             except WorldError as e:
                 log.error("world: cannot publish exports: %s", e)
-            if ship is not None:
-                await ship()
         try:
             yield prepare_model(raw, settings)
         except InputError as e:

@@ -1,0 +1,1 @@
+"""Leaf helpers shared by every layer; they import nothing else of evergraph."""
