@@ -110,3 +110,46 @@ class HostKeys:
         except (ValueError, nacl.exceptions.BadSignatureError, nacl.exceptions.CryptoError):
             return False
         return True
+
+
+def fingerprint(key_b64: str) -> str:
+    """A short, stable name for a public key (as ssh prints them): `SHA256:` and the
+    unpadded base64 of the key bytes' sha256."""
+    try:
+        raw = base64.b64decode(key_b64, validate=True)
+    except ValueError:
+        raw = key_b64.encode()
+    digest = nacl.hash.sha256(raw, encoder=nacl.encoding.RawEncoder)
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+def identity(public: str, verify: str) -> str:
+    """A host's identity as one string, `<box public>:<verify key>` (base64 each):
+    what `evergraph hosts` prints and `hosts trust NAME KEY` takes."""
+    return f"{public}:{verify}"
+
+
+def parse_identity(text: str) -> tuple[str, str]:
+    """(public, verify) of an identity string; ValueError naming what is wrong."""
+    public, sep, verify = text.strip().partition(":")
+    if not sep:
+        raise ValueError("a host key is '<public>:<verify>' (see `evergraph hosts key`)")
+    for what, k in (("public", public), ("verify", verify)):
+        try:
+            raw = base64.b64decode(k, validate=True)
+        except ValueError:
+            raise ValueError(f"the {what} part is not base64") from None
+        if len(raw) != 32:
+            raise ValueError(f"the {what} part is {len(raw)} bytes; a key is 32")
+    return public, verify
+
+
+def check_verify_key(key_b64: str) -> str:
+    """`key_b64` if it is a base64 Ed25519 verify key; ValueError otherwise."""
+    try:
+        raw = base64.b64decode(key_b64.strip(), validate=True)
+    except ValueError:
+        raise ValueError("not base64") from None
+    if len(raw) != 32:
+        raise ValueError(f"{len(raw)} bytes; a key is 32")
+    return key_b64.strip()
