@@ -12,6 +12,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import asyncio
+import asyncio.runners
+
 import pytest
 
 from evergraph.world.etcd_server import EtcdServer
@@ -123,3 +126,55 @@ def servers() -> Iterator[list[EtcdServer]]:
     for s in started:
         s.stop()
     assert not any(s.running for s in started)
+
+
+def _live_children() -> dict[int, str]:
+    """This process's children that are alive (not zombies): pid -> command."""
+    me = os.getpid()
+    out: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        comm_end = stat.rfind(")")
+        fields = stat[comm_end + 2 :].split()
+        if int(fields[1]) == me and fields[0] != "Z":
+            out[int(entry)] = stat[stat.find("(") + 1 : comm_end]
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Fail a test that leaves an asyncio task pending when its `asyncio.run` ends, or
+    a child process running when it ends (those are killed, by PID, first)."""
+    leaked: list[str] = []
+    original = asyncio.runners._cancel_all_tasks  # type: ignore[attr-defined]
+
+    def checking(loop: asyncio.AbstractEventLoop) -> None:
+        for t in asyncio.all_tasks(loop):
+            if not t.done():
+                leaked.append(repr(t.get_coro()))
+        original(loop)
+
+    monkeypatch.setattr(asyncio.runners, "_cancel_all_tasks", checking)
+    before = set(_live_children())
+    yield
+    left = {pid: cmd for pid, cmd in _live_children().items() if pid not in before}
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    problems = []
+    if leaked:
+        problems.append(f"asyncio tasks left pending: {', '.join(sorted(set(leaked)))}")
+    if left:
+        problems.append(f"child processes left running: {left}")
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)

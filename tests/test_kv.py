@@ -65,5 +65,8 @@ def test_bad_kv_params(tmp_path: Path) -> None:
         r = run_cli("run", g, "--state-dir", tmp_path / "s", "--converged-exit")
         assert r.returncode == 2
         assert where in r.stderr
+    # nothing was written: bad input did not even create the state dir (and a
+    # read-only command does not create an empty World to answer from)
     r = run_cli("world", "get", "kv/x", "--state-dir", tmp_path / "s")
-    assert r.returncode == 1  # nothing was written
+    assert r.returncode == 2
+    assert "no such state directory" in r.stderr

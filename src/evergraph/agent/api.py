@@ -20,7 +20,8 @@ def frontend_for(target: Frontend | Graph | str | os.PathLike[str] | None) -> Fr
     """The frontend for what `run` was given: a Graph, a .yaml/.yml/.py path, or
     None (follow the newest deploy in the World)."""
     from evergraph.agent.run import builtin_registry
-    from evergraph.frontends.base import Static, open_frontend
+    from evergraph.frontends.base import Static
+    from evergraph.frontends.open import open_frontend
 
     if isinstance(target, Frontend):
         return target
@@ -65,6 +66,8 @@ def run(
     autogroup: bool = True,
     graphviz: str | os.PathLike[str] | None = None,
     handle_signals: bool = True,
+    replace: bool = False,
+    deployers: list[str] | None = None,
     _flush: tuple[Callable[[], None], float] | None = None,
 ) -> int:
     """Converge `graph` and keep it converged; returns the CLI's exit status
@@ -77,6 +80,7 @@ def run(
     seconds (default 0). `world`: "sqlite" (default: the state dir's
     world.sqlite), "memory", a `WorldOptions`, or None (no World: no exports,
     no collect). Input errors are logged (logger "evergraph") and give 2.
+    `replace=True` takes the hostname over from another live agent in the World.
     Runs its own event loop: call it from synchronous code.
     """
     from evergraph.agent.run import prepare_state_dir, run_agent
@@ -86,6 +90,10 @@ def run(
         converged_timeout = 0.0
     try:
         frontend = frontend_for(graph)
+        if deployers:  # following deploys: only these keys' (base64 verify keys)
+            from evergraph.frontends.deploy import trust_deployers
+
+            trust_deployers(frontend, deployers)
         frontend.preload()
         opts = _world(world)
         private = opts is None or (opts.backend == "memory" and not opts.is_etcd)
@@ -119,5 +127,6 @@ def run(
             handle_signals=handle_signals,
             flush=_flush,
             world=opts,
+            replace=replace,
         )
     )

@@ -1,17 +1,27 @@
-"""Running an agent: the library function behind `evergraph run` (and `evergraph.run`)."""
+"""The agent: the composition root that owns everything one `evergraph run` runs.
+
+One TaskGroup holds every long-running service — the inotify hub, the World's
+membership (lease keep-alive), the host-key book, the export publisher and
+collector, the frontend's updates and the engine (the HTTP server, scheduler and
+farm join it later). Cancellation is the one stop signal; when the engine
+returns, the services are cancelled and the World is closed. Nothing is patched
+into the engine after construction: it receives the watcher, World and keys.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import gc
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from evergraph.cluster import Cluster, exports_of
+from evergraph._version import __version__
 from evergraph.engine.contract import Registry, default_registry
 from evergraph.engine.engine import Engine
 from evergraph.engine.model import GraphModel
@@ -19,8 +29,20 @@ from evergraph.engine.prepare import prepare
 from evergraph.engine.settings import Settings, default_state_dir
 from evergraph.errors import InputError
 from evergraph.frontends.base import Context, Frontend
+from evergraph.frontends.collect import exports_of
+from evergraph.watch import InotifyHub
+from evergraph.world.exports import (
+    Collector,
+    HostKeyBook,
+    Publisher,
+    publish_hostkeys,
+)
+from evergraph.world.hostkeys import HostKeys
 from evergraph.world.kv import WorldError
+from evergraph.world.members import HostnameTaken, Member, Membership
+from evergraph.world.names import hostname_problem
 from evergraph.world.open import OpenWorld, WorldOptions, open_world
+from evergraph.world.pins import Pins, PinsError
 
 log = logging.getLogger("evergraph.agent")
 
@@ -42,9 +64,49 @@ def prepare_state_dir(state_dir: Path | None) -> Path:
     return d
 
 
+def existing_state_dir(state_dir: Path | None) -> Path:
+    """The state dir of a read-only command: it must exist (else it would read, or
+    create, an empty World and answer with nothing)."""
+    d = state_dir or default_state_dir()
+    if not d.is_dir():
+        raise InputError(
+            "no such state directory (no agent has run with it): give the --state-dir of "
+            "an agent, or --seeds for an etcd World",
+            str(d),
+        )
+    return d
+
+
 def prepare_model(model: GraphModel, settings: Settings) -> GraphModel:
     """Automatic edges and grouping, as the settings say; InputError on a cycle."""
     return prepare(model, autoedges=settings.autoedges, autogroup=settings.autogroup)
+
+
+class _StateLock:
+    """One agent per state dir: an flock on STATE/agent.lock (released by the kernel
+    when the process dies, so kill -9 leaves nothing stale)."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = state_dir / "agent.lock"
+        self.fd = -1
+
+    def __enter__(self) -> _StateLock:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise InputError(
+                f"another agent (pid {other}) is running with this state directory",
+                str(self.path.parent),
+            ) from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
 
 
 async def run_agent(
@@ -53,81 +115,199 @@ async def run_agent(
     handle_signals: bool = True,
     flush: tuple[Callable[[], None], float] | None = None,
     world: WorldOptions | None = None,
+    replace: bool = False,
 ) -> int:
     """Converge the frontend's first graph, swap in each later one, stop on signals;
     the exit status.
 
     `flush`: (function, seconds) called periodically while running (log buffers).
-    `world`: join this World: register as a member, publish what each graph
-    exports, and let the frontend collect what other hosts export to us.
+    `world`: join this World: claim the hostname as a member, publish what each
+    graph exports, and let the frontend collect what other hosts export to us.
+    `replace`: take the hostname over from another live agent.
     """
     # The graph lives as long as the agent: move it out of the cyclic GC's
     # generations so collections do not keep re-walking 10k+ long-lived objects.
     gc.freeze()
-    engine = Engine(settings)
-    # from the start: a deploy follower may wait long for its first graph
-    flusher = asyncio.create_task(_every(*flush)) if flush is not None else None
-    try:
-        return await _run(engine, settings, frontend, handle_signals, world)
-    finally:
-        if flusher is not None:
-            flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await flusher
-
-
-async def _run(
-    engine: Engine,
-    settings: Settings,
-    frontend: Frontend,
-    handle_signals: bool,
-    world: WorldOptions | None,
-) -> int:
+    agent = Agent(settings, frontend, world, replace)
     loop = asyncio.get_running_loop()
-    opened: OpenWorld | None = None
-    cluster: Cluster | None = None
-    stop = asyncio.Event()
-
-    def on_signal() -> None:
-        stop.set()
-        engine.request_stop()
-
     if handle_signals:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal)
+            loop.add_signal_handler(sig, agent.request_stop)
     try:
-        try:
-            if world is not None:
-                opened = await open_world(world, settings.state_dir)
-                engine.world = opened.kv
-                cluster = Cluster(opened.kv, engine.keys(), engine.hostname, builtin_registry())
-                await cluster.start()
-            ctx = Context(
-                registry=builtin_registry(),
-                hostname=engine.hostname,
-                state_dir=settings.state_dir,
-                watcher=engine.watcher if settings.watch else None,
-                cluster=cluster,
-            )
-            raw = await _unless_stopped(frontend.first(ctx), stop, settings.max_runtime)
-            if raw is None:
-                return 0  # stopped while waiting for a first graph (a deploy)
-            if cluster is not None:
-                await cluster.publish(exports_of(raw))
-            model = prepare_model(raw, settings)
-        except WorldError as e:
-            log.error("world: %s", e)
-            return 1
-        except InputError as e:
-            log.error("%s", e)
-            return 2
-        updates = _prepared(frontend.updates(ctx), cluster, settings) if settings.watch else None
-        return await engine.run(model, updates)
+        with _StateLock(settings.state_dir):
+            return await agent.run(flush)
+    except InputError as e:
+        log.error("%s", e)
+        return 2
     finally:
         if handle_signals:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
-        await _close(cluster, opened)
+
+
+class Agent:
+    def __init__(
+        self,
+        settings: Settings,
+        frontend: Frontend,
+        world: WorldOptions | None,
+        replace: bool,
+    ) -> None:
+        self.settings = settings
+        self.frontend = frontend
+        self.world_opts = world
+        self.replace = replace
+        self.stop = asyncio.Event()
+        self.engine: Engine | None = None
+        self._keys: HostKeys | None = None
+        self._services: list[asyncio.Task[Any]] = []
+        self._tg: asyncio.TaskGroup | None = None
+        self.publisher: Publisher | None = None
+        self.collector: Collector | None = None
+
+    def request_stop(self) -> None:
+        self.stop.set()
+        if self.engine is not None:
+            self.engine.request_stop()
+
+    def keys(self) -> HostKeys:
+        """Loaded on first use: nacl costs start-up time a World-less run need not pay."""
+        if self._keys is None:
+            self._keys = HostKeys(self.settings.state_dir)
+        return self._keys
+
+    def _service(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
+        assert self._tg is not None
+        task = self._tg.create_task(_logged(coro, name), name=name)
+        self._services.append(task)
+        return task
+
+    async def run(self, flush: tuple[Callable[[], None], float] | None) -> int:
+        opened: OpenWorld | None = None
+        try:
+            async with InotifyHub() as hub, asyncio.TaskGroup() as tg:
+                self._tg = tg
+                self._service(hub.run(), "inotify")
+                if flush is not None:
+                    # from the start: a deploy follower may wait long for its first graph
+                    self._service(_every(*flush), "log-flush")
+                membership: Membership | None = None
+                try:
+                    if self.world_opts is not None:
+                        opened = await open_world(self.world_opts, self.settings.state_dir)
+                        membership = await self._join(opened)
+                    status = await self._converge(hub, opened)
+                    if membership is not None:
+                        await membership.stop()
+                except WorldError as e:
+                    log.error("world: %s", e)
+                    status = 1
+                except (HostnameTaken, PinsError, InputError) as e:
+                    log.error("%s", e)
+                    status = 2
+                finally:
+                    for t in self._services:
+                        t.cancel()
+                return status
+        except BaseExceptionGroup as eg:  # a service failed (logged by _logged)
+            log.error("agent: stopped because a service failed: %s", eg.exceptions[0])
+            return 1
+        finally:
+            self._tg = None
+            if opened is not None:
+                await opened.close()
+
+    async def _join(self, opened: OpenWorld) -> Membership:
+        """Claim the hostname, publish our keys, start the book, publisher, collector."""
+        kv, host = opened.kv, self.settings.host()
+        why = hostname_problem(host)
+        if why:
+            raise InputError(why, "--hostname")
+        keys = self.keys()
+        pins = Pins(self.settings.state_dir)
+        membership = Membership(
+            kv, Member(host=host, public=keys.public, verify=keys.verify, version=__version__)
+        )
+        previous = await membership.claim(replace=self.replace)
+        await publish_hostkeys(kv, keys, host)
+        book = HostKeyBook(kv, pins, host)
+        self.publisher = Publisher(kv, keys, host, book, lambda: membership.lease)
+        self.collector = Collector(kv, keys, host, book)
+        membership.on_regrant(self.publisher.resync)
+        self._service(membership.run(), "membership")
+        self._service(self._on_replaced(membership), "replaced-watch")
+        self._service(book.run(), "hostkeys")
+        await book.ready.wait()
+        self._service(self.publisher.run(), "export-publisher")
+        self._service(self.collector.run(), "export-collector")
+        if previous:
+            self._service(self._retire(opened, previous), "retire-old-lease")
+        return membership
+
+    async def _on_replaced(self, membership: Membership) -> None:
+        await membership.replaced.wait()
+        self.request_stop()
+
+    async def _retire(self, opened: OpenWorld, lease: int) -> None:
+        """Our previous run's lease: once everything is re-published under the new
+        one, end it (what it still carries is what we no longer export)."""
+        assert self.publisher is not None
+        await self.publisher.acknowledged.wait()
+        with contextlib.suppress(WorldError):
+            await opened.kv.revoke(lease)
+
+    async def _converge(self, hub: InotifyHub, opened: OpenWorld | None) -> int:
+        settings = self.settings
+        self.engine = engine = Engine(
+            settings,
+            watcher=hub,
+            world=opened.kv if opened is not None else None,
+            keys=self.keys,
+        )
+        if self.stop.is_set():
+            return 0
+        ctx = Context(
+            registry=builtin_registry(),
+            hostname=engine.hostname,
+            state_dir=settings.state_dir,
+            watcher=hub if settings.watch else None,
+            kv=opened.kv if opened is not None else None,
+            collector=self.collector,
+        )
+        raw = await _unless_stopped(self.frontend.first(ctx), self.stop, settings.max_runtime)
+        if raw is None:
+            return 0  # stopped while waiting for a first graph (a deploy)
+        self._publish(raw)
+        model = prepare_model(raw, settings)
+        updates = self._prepared(self.frontend.updates(ctx)) if settings.watch else None
+        return await engine.run(model, updates)
+
+    def _publish(self, raw: GraphModel) -> None:
+        exports = exports_of(raw)
+        if self.publisher is not None:
+            self.publisher.set(exports)
+        elif exports:
+            log.warning("this graph exports resources, but the agent runs without a World")
+
+    async def _prepared(self, graphs: AsyncIterator[GraphModel]) -> AsyncIterator[GraphModel]:
+        """The frontend's later graphs, their exports published, prepared for the engine."""
+        async for raw in graphs:
+            self._publish(raw)
+            try:
+                yield prepare_model(raw, self.settings)
+            except InputError as e:
+                log.error("%s (the running graph is kept)", e)
+
+
+async def _logged(coro: Awaitable[Any], name: str) -> Any:
+    """A service that fails is logged with its name, then fails the agent."""
+    try:
+        return await coro
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("agent: the %s service failed", name)
+        raise
 
 
 async def _unless_stopped(
@@ -141,36 +321,13 @@ async def _unless_stopped(
         await asyncio.wait({task, stopper}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         stopper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stopper
         if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     return None if task.cancelled() else task.result()
-
-
-async def _close(cluster: Cluster | None, opened: OpenWorld | None) -> None:
-    if cluster is not None:
-        await cluster.stop()
-    if opened is not None:
-        await opened.close()
-
-
-async def _prepared(
-    graphs: AsyncIterator[GraphModel],
-    cluster: Cluster | None,
-    settings: Settings,
-) -> AsyncIterator[GraphModel]:
-    """The frontend's later graphs, their exports published, prepared for the engine."""
-    async for raw in graphs:
-        if cluster is not None:
-            try:
-                await cluster.publish(exports_of(raw))
-            except WorldError as e:
-                log.error("world: cannot publish exports: %s", e)
-        try:
-            yield prepare_model(raw, settings)
-        except InputError as e:
-            log.error("%s (the running graph is kept)", e)
 
 
 async def _every(fn: Callable[[], None], seconds: float) -> None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
-from evergraph import __version__
+from evergraph._version import __version__
 from evergraph.errors import InputError
 
 if TYPE_CHECKING:
@@ -197,7 +197,20 @@ def _world_opts(world: dict[str, object]) -> WorldOptions:
     show_default=True,
     help="Log lines as text or as one JSON object per line.",
 )
+@click.option(
+    "--replace",
+    is_flag=True,
+    help="Take the hostname over from another live agent (which then stops).",
+)
 @world_options
+@click.option(
+    "--deployer",
+    "deployers",
+    multiple=True,
+    metavar="KEY",
+    help="Without FILE: run only deploys signed by this verify key (base64, as `evergraph "
+    "deploy` prints it; repeatable). [default: the first signer seen, pinned]",
+)
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 def run(
     file: Path | None,
@@ -214,7 +227,9 @@ def run(
     max_runtime: float | None,
     graphviz: Path | None,
     log_format: str,
+    replace: bool,
     verbose: int,
+    deployers: tuple[str, ...],
     **world: object,
 ) -> None:
     """Converge the graph in FILE, then keep it converged.
@@ -242,6 +257,10 @@ def run(
     setup_logging(log_format, verbose)
     try:
         frontend = frontend_for(file)
+        if deployers:
+            from evergraph.frontends.deploy import trust_deployers
+
+            trust_deployers(frontend, deployers)
         frontend.preload()
         world_opts = _world_opts(world)
     except InputError as e:
@@ -262,6 +281,8 @@ def run(
             max_runtime=max_runtime,
             graphviz=graphviz,
             world=world_opts,
+            replace=replace,
+            deployers=list(deployers),
             _flush=(flush_logs, FLUSH_INTERVAL),
         )
     finally:
@@ -355,8 +376,10 @@ from evergraph.cli import world as _world_cli  # noqa: E402  (needs world_option
 _world_cli.register(cli, world_options)
 
 from evergraph.cli import deploy as _deploy_cli  # noqa: E402  (needs world_options)
+from evergraph.cli import hosts as _hosts_cli  # noqa: E402  (needs world_options)
 
 _deploy_cli.register(cli, world_options)
+_hosts_cli.register(cli, world_options)
 
 
 def main() -> None:

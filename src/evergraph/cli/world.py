@@ -26,18 +26,37 @@ def state_dir_option(f: Callable[..., None]) -> Callable[..., None]:
 
 
 def with_world(
-    state_dir: Path | None, world: dict[str, object], body: Callable[[KV], Awaitable[T]]
+    state_dir: Path | None,
+    world: dict[str, object],
+    body: Callable[[KV], Awaitable[T]],
+    read_only: bool = False,
 ) -> T:
-    """Open the World the options name, run `body(kv)`, close it; errors exit 1 or 2."""
-    from evergraph.agent.run import prepare_state_dir
+    """Open the World the options name, run `body(kv)`, close it; errors exit 1 or 2.
+    `read_only`: a sqlite World must exist already (never create an empty one)."""
+    from evergraph.agent.run import existing_state_dir, prepare_state_dir
     from evergraph.cli.main import _die, _world_opts
+    from evergraph.engine.settings import default_state_dir
     from evergraph.world.open import open_world
 
     try:
         opts = _world_opts(world)
         if opts.embedded:
             raise InputError("only `run` starts an embedded etcd; use --seeds", "--etcd")
-        sd = prepare_state_dir(state_dir)
+        if read_only and not opts.is_etcd and opts.backend == "sqlite":
+            # never create an empty World just to answer "nothing"
+            if opts.db is not None:
+                sd = state_dir or default_state_dir()
+                if not opts.db.is_file():
+                    raise InputError("no such World file", str(opts.db))
+            else:
+                sd = existing_state_dir(state_dir)
+                if not (sd / "world.sqlite").is_file():
+                    raise InputError(
+                        "no World here (no agent has run with this state dir)",
+                        str(sd / "world.sqlite"),
+                    )
+        else:
+            sd = prepare_state_dir(state_dir)
     except InputError as e:
         _die(e)
 
@@ -100,7 +119,7 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
             click.echo(_show(one.value))
             return 0
 
-        sys.exit(with_world(state_dir, opts, body))
+        sys.exit(with_world(state_dir, opts, body, read_only=True))
 
     @world.command(context_settings=ctx)
     @click.argument("key")
@@ -156,7 +175,7 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
                     click.echo(line)
             return 0
 
-        sys.exit(with_world(state_dir, opts, body))
+        sys.exit(with_world(state_dir, opts, body, read_only=True))
 
     @cli.command(context_settings=ctx)
     @click.option("--json", "as_json", is_flag=True, help="One JSON object per member.")
@@ -173,10 +192,13 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
                 if as_json:
                     click.echo(msgspec.json.encode(m).decode())
                 else:
-                    click.echo(f"{m.host}\t{m.state}\t{m.version}\t{','.join(m.groups) or '-'}")
+                    click.echo(
+                        f"{m.host}\t{m.state}\t{m.version}\t{','.join(m.groups) or '-'}\t"
+                        f"{m.address or '-'}"
+                    )
             return 0
 
-        sys.exit(with_world(state_dir, opts, body))
+        sys.exit(with_world(state_dir, opts, body, read_only=True))
 
     @cli.command(context_settings=ctx)
     @state_dir_option
@@ -201,4 +223,4 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
                 click.echo(f"{to}\t{src}\t{kind}[{name}]\t{how}")
             return 0
 
-        sys.exit(with_world(state_dir, opts, body))
+        sys.exit(with_world(state_dir, opts, body, read_only=True))

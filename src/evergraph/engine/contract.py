@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Protocol, TypeVar
 import msgspec
 
 from evergraph.errors import InputError
+from evergraph.world.names import hostname_problem
 
 if TYPE_CHECKING:
     from evergraph.world.hostkeys import HostKeys
@@ -72,6 +73,10 @@ class Meta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
             raise InputError("must be >= 0", f"{where}.meta.limit")
         if self.limit > 0 and self.burst < 1:
             raise InputError("a finite limit needs burst >= 1", f"{where}.meta.burst")
+        for to in self.export:
+            why = None if to == "*" else hostname_problem(to)
+            if why:
+                raise InputError(f"{why} (or `*` for every host)", f"{where}.meta.export")
         for s in self.sema:
             sid, _, n = s.partition(":")
             if not sid or (n and (not n.isdigit() or int(n) < 1)):

@@ -25,35 +25,33 @@ import asyncio
 import collections
 import contextlib
 import logging
-import time
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from evergraph._util.clock import SYSTEM, Clock
 from evergraph._util.gc import gc_paused
+from evergraph.engine.build import build
 from evergraph.engine.contract import Registry, Resource, default_registry
 from evergraph.engine.converger import Converger
 from evergraph.engine.model import Edge, GraphModel
 from evergraph.engine.settings import Settings
+from evergraph.engine.status import Observer, State, VertexStatus
 from evergraph.engine.store import Owed, VertexStore
 from evergraph.engine.vertex import Vertex
-from evergraph.errors import InputError
+from evergraph.errors import InputError, ResourceError
 from evergraph.graph import diff_keys
-from evergraph.watch import InotifyHub
 
 log = logging.getLogger("evergraph.engine")
 
 #: runs started per event-loop turn before other work (signals, events) gets a turn
 DRAIN_BATCH = 1000
 
-#: hook for observers (HTTP, tests): called with (vertex, state) where state is
-#: "running", "clean", "changed", "failed", "retrying"
-Observer = Callable[[Vertex, str], None]
-
 
 if TYPE_CHECKING:
+    from evergraph.engine.contract import PathWatcher
     from evergraph.world.hostkeys import HostKeys
     from evergraph.world.kv import KV
 
@@ -64,15 +62,23 @@ class Engine:
         settings: Settings,
         observer: Observer | None = None,
         registry: Registry | None = None,
+        *,
+        watcher: PathWatcher | None = None,
+        world: KV | None = None,
+        keys: Callable[[], HostKeys] | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
+        """Everything the resources may use is handed in by the owner (the agent):
+        `watcher` (the running inotify hub; None: file watches are refused),
+        `world`, `keys` (called on first use: loading keys costs start-up time)."""
         self.settings = settings
         self.hostname = settings.host()
         self.observer = observer
         self.vertices: dict[str, Vertex] = {}
-        self.watcher: InotifyHub = InotifyHub()
-        self._keys: HostKeys | None = None
-        #: the World this agent uses (set by the agent before run), for resources
-        self.world: KV | None = None
+        self.watcher = watcher
+        self.world = world
+        self._keys = keys
+        self.clock = clock
         self._tg: asyncio.TaskGroup | None = None
         self._running = 0
         self._retrying = 0
@@ -95,16 +101,16 @@ class Engine:
         self.converger = Converger(
             settings.converged_timeout, settings.converged_status_file, self._on_converged
         )
-        self.started = time.monotonic()
+        self.started = clock.monotonic()
         self.graph_name = ""
 
     # -- public -------------------------------------------------------------
     async def run(self, model: GraphModel, updates: AsyncIterator[GraphModel] | None = None) -> int:
         """Run `model` (then each graph `updates` yields) until stopped; returns the exit status."""
         try:
-            async with self.watcher, asyncio.TaskGroup() as tg:
+            async with asyncio.TaskGroup() as tg:
                 self._tg = tg
-                aux: list[asyncio.Task[Any]] = [tg.create_task(self.watcher.run())]
+                aux: list[asyncio.Task[Any]] = []
                 await self.swap(model)
                 if updates is not None:
                     aux.append(tg.create_task(self._follow(updates)))
@@ -119,12 +125,19 @@ class Engine:
         return self.exit_status()
 
     def keys(self) -> HostKeys:
-        """The host's key pairs, loaded (or created) on first use: nacl costs start-up time."""
+        """The host's key pairs (ResourceError if the owner gave none)."""
         if self._keys is None:
-            from evergraph.world.hostkeys import HostKeys
+            raise ResourceError("this run has no host keys")
+        return self._keys()
 
-            self._keys = HostKeys(self.settings.state_dir)
-        return self._keys
+    def status(self) -> tuple[VertexStatus, ...]:
+        """A snapshot of every vertex, for observers."""
+        return tuple(v.status() for v in self.vertices.values())
+
+    def _observe(self, v: Vertex, state: State) -> None:
+        v.state, v.since = state, self.clock.monotonic()
+        if self.observer is not None:
+            self.observer(v.status())
 
     def request_stop(self) -> None:
         """First call: graceful (finish in-flight applies). Second: cancel them too."""
@@ -389,15 +402,13 @@ class Engine:
 
     async def _reverse(self, ident: str, record: dict[str, Any]) -> None:
         """Apply a persisted reversal once; on success forget it."""
-        kind_name = record.get("kind")
-        cls = self.registry.get(str(kind_name))
-        if cls is None:
+        kind_name = str(record.get("kind"))
+        if self.registry.get(kind_name) is None:
             log.error("%s: reversal of unknown kind %r kept for later", ident, kind_name)
             return
         try:
-            rev = msgspec.convert(record["params"], cls)
-            rev.validate()
-        except (msgspec.ValidationError, InputError) as e:
+            rev = build(self.registry, kind_name, dict(record["params"]), f"reversal of {ident}")
+        except (InputError, TypeError, KeyError, ValueError) as e:
             log.error("%s: invalid reversal record dropped: %s", ident, e)
             kind, _, rest = ident.partition("[")
             self.store.reversal_done(kind, rest[:-1])
@@ -548,8 +559,7 @@ class Engine:
         # no task; if it suspends after all, a task drives the rest.
         apply = not (self.settings.noop or meta.noop)
         v.refresh_now, v.refresh_flag = v.refresh_flag, False
-        if self.observer:
-            self.observer(v, "running")
+        self._observe(v, "running")
         coro = res.check_apply(apply)
         try:
             yielded = coro.send(None)
@@ -580,8 +590,7 @@ class Engine:
         res = v.res
         apply = not (self.settings.noop or res.meta.noop)
         v.refresh_now, v.refresh_flag = v.refresh_flag, False
-        if self.observer:
-            self.observer(v, "running")
+        self._observe(v, "running")
         error: str | None = "cancelled"
         result = True
         try:
@@ -672,8 +681,7 @@ class Engine:
             v.retries_left = v.res.meta.retry
         if was_clean:
             v.clean_count += 1
-            if self.observer:
-                self.observer(v, "clean")
+            self._observe(v, "clean")
         else:
             v.changed_count += 1
             if applied:
@@ -686,8 +694,7 @@ class Engine:
                     c.pending = True
             else:
                 log.info("%s: would change (noop)", v.ident)
-            if self.observer:
-                self.observer(v, "changed")
+            self._observe(v, "changed")
         if v.send_edges:
             self._send(v)
         for c in v.children:
@@ -711,8 +718,7 @@ class Engine:
             v.res.meta.delay,
             "forever" if v.retries_left < 0 else v.retries_left,
         )
-        if self.observer:
-            self.observer(v, "retrying")
+        self._observe(v, "retrying")
         v.retry_wait = True
         self._retrying += 1
         assert self._tg is not None
@@ -736,8 +742,7 @@ class Engine:
         v.pending = False
         v.last_error = error
         log.error("%s: %s", v.ident, error)
-        if self.observer:
-            self.observer(v, "failed")
+        self._observe(v, "failed")
 
     # -- convergence and stopping ------------------------------------------------------
     def _check_idle(self) -> None:
@@ -748,7 +753,7 @@ class Engine:
     def _on_converged(self) -> None:
         failed = [v for v in self.vertices.values() if not v.ok]
         changed = sum(1 for v in self.vertices.values() if v.changed_count)
-        took = time.monotonic() - self.started
+        took = self.clock.monotonic() - self.started
         if failed:
             log.error(
                 "converged with %d of %d vertices not clean (%s) after %.2fs",
@@ -775,7 +780,7 @@ class Engine:
     async def _shutdown(self, aux: list[asyncio.Task[Any]]) -> None:
         self._stopping = True
         self.converger.close()
-        for t in [*aux[1:], *self._timers]:
+        for t in [*aux, *self._timers]:
             t.cancel()
         for v in self.vertices.values():
             self._unsubscribe(v)
@@ -797,7 +802,6 @@ class Engine:
                 hard.cancel()
         for v in self.vertices.values():
             await self._call_cleanup(v)
-        aux[0].cancel()
 
 
 def _carry_retries(prev: Vertex, new: Vertex) -> int:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from evergraph.engine.contract import PathWatcher, Resource
+from evergraph.engine.status import State, VertexStatus
 from evergraph.errors import ResourceError
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ class Vertex:
         "running",
         "secret_fields",
         "send_edges",
+        "since",
+        "state",
         "tokens",
         "unsubscribe",
         "watch_ready",
@@ -104,6 +107,22 @@ class Vertex:
         self.changed_count = 0
         self.clean_count = 0
         self.fail_count = 0
+        #: the state observers last saw, and since when
+        self.state: State = "pending"
+        self.since = 0.0
+
+    def status(self) -> VertexStatus:
+        return VertexStatus(
+            self.ident,
+            self.res.kind,
+            self.res.name,
+            self.state,
+            self.since,
+            self.last_error,
+            self.changed_count,
+            self.clean_count,
+            self.fail_count,
+        )
 
     def __repr__(self) -> str:
         return f"<Vertex {self.ident}>"
@@ -138,6 +157,8 @@ class Vertex:
 
     @property
     def watcher(self) -> PathWatcher:
+        if self.engine.watcher is None:
+            raise ResourceError("this run has no file watcher (the engine's owner gave none)")
         return self.engine.watcher
 
     @property

@@ -7,7 +7,7 @@ its input changes again: the running graph stays. Graphs are *unprepared*:
 the agent adds automatic edges and grouping, and publishes what they export.
 
 YAML files, Python modules, deploys and embedded `Graph` objects are all
-frontends; `open_frontend` picks one for a path.
+frontends; `frontends.open.open_frontend` picks one for a path.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +25,10 @@ from evergraph.engine.model import GraphModel
 from evergraph.errors import InputError
 
 if TYPE_CHECKING:
-    from evergraph.cluster import Cluster
+    from evergraph.world.exports import Collector, Exported
     from evergraph.world.kv import KV
 
-#: file types `open_frontend` knows, by suffix
+#: graph file types, by suffix
 SUFFIXES = (".yaml", ".yml", ".py")
 
 
@@ -42,12 +41,17 @@ class Context:
     state_dir: Path
     #: the agent's file watcher (`subscribe(path, cb)`); None with --no-watch
     watcher: Any = None
-    #: this host in the World; None when the agent runs without one
-    cluster: Cluster | None = None
+    #: the World; None when the agent runs without one
+    kv: KV | None = None
+    #: what other hosts export to this one (checked); None without a World
+    collector: Collector | None = None
 
-    @property
-    def kv(self) -> KV | None:
-        return self.cluster.kv if self.cluster is not None else None
+    async def collected(self) -> list[Exported]:
+        """The exports collected now (after the collector's first full read)."""
+        if self.collector is None:
+            return []
+        await self.collector.ready.wait()
+        return self.collector.current()
 
 
 class Frontend(abc.ABC):
@@ -93,23 +97,6 @@ class Static(Frontend):
 
     async def first(self, ctx: Context) -> GraphModel:
         return self.model
-
-
-def open_frontend(path: str | os.PathLike[str], registry: Registry) -> Frontend:
-    """The frontend for a graph file, by its suffix (InputError for others)."""
-    p = Path(path)
-    if p.suffix in (".yaml", ".yml"):
-        from evergraph.frontends.yaml import YamlFrontend
-
-        return YamlFrontend(p, registry)
-    if p.suffix == ".py":
-        from evergraph.frontends.python import PythonFrontend
-
-        return PythonFrontend(p, registry)
-    raise InputError(
-        f"unsupported graph file type {p.suffix or '(none)'!r}: expected .yaml, .yml or .py",
-        str(p),
-    )
 
 
 async def merged(*streams: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[tuple[str, Any]]:
@@ -159,9 +146,13 @@ DEBOUNCE = 0.05
 
 
 async def file_changes(watcher: Any, path: Path, text: str) -> AsyncIterator[str]:
-    """The file's new text after each saved change (`text`: what was read last)."""
+    """The file's new text after each saved change (`text`: what was read last).
+
+    The file was read before this watch existed: a save in between would be
+    lost, so it is read once more as soon as the watch is armed."""
     changed = asyncio.Event()
     unsubscribe = watcher.subscribe(str(path), lambda _mask: changed.set())
+    changed.set()  # the re-read after arming
     try:
         while True:
             await changed.wait()

@@ -31,10 +31,9 @@ from typing import Any, TypeVar
 
 import msgspec
 
-import evergraph
-from evergraph.cluster import merge
+from evergraph.engine.build import build_resource, known_kinds_hint
 from evergraph.engine.contract import Registry, Resource, default_registry
-from evergraph.engine.model import CollectSpec, Edge, GraphCycleError, GraphModel
+from evergraph.engine.model import Edge, GraphCycleError, GraphModel
 from evergraph.errors import InputError
 from evergraph.frontends.base import (
     DEBOUNCE,
@@ -44,8 +43,10 @@ from evergraph.frontends.base import (
     merged,
     read_graph_file,
 )
-from evergraph.world.exports import EVERYONE, EXPORTED, Exported
-from evergraph.world.kv import Compacted, WorldError
+from evergraph.frontends.collect import merge, to_resources
+from evergraph.world.exports import Exported
+from evergraph.world.follow import SimpleFollower, follow
+from evergraph.world.kv import WorldError
 from evergraph.world.members import MEMBERS, Member
 from evergraph.world.members import members as read_members
 
@@ -53,7 +54,7 @@ log = logging.getLogger("evergraph.frontend.python")
 
 T = TypeVar("T")
 
-_OURS = os.path.dirname(os.path.abspath(evergraph.__file__)) + os.sep
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _user_frame() -> str:
@@ -125,8 +126,6 @@ class Graph:
             raise InputError("add(kind, name, ...) needs two non-empty strings", where)
         cls = self.registry.get(kind)
         if cls is None:
-            from evergraph.frontends.yaml import known_kinds_hint
-
             raise InputError(
                 f"unknown resource kind {kind!r} {known_kinds_hint(self.registry.kinds(), kind)}",
                 where,
@@ -190,8 +189,6 @@ class Graph:
 
 
 def _build(cls: type[Resource], kind: str, item: dict[str, Any], where: str) -> Resource:
-    from evergraph.frontends.yaml import build_resource
-
     def fail(msg: str, *_: object, **__: object) -> InputError:
         return InputError(msg, where)
 
@@ -266,7 +263,7 @@ class World:
         true for), in (kind, name, host) order. With `add` (the default) they also
         join this graph, as YAML's `collect:` does."""
         found: list[Exported] = []
-        if self._ctx is not None and self._ctx.cluster is not None:
+        if self._ctx is not None and self._ctx.collector is not None:
             found = self._call(_collect(self._ctx))
         self.reads.append(_Read("collect", "", found))
         out = []
@@ -296,10 +293,8 @@ async def _get(ctx: Context, key: str) -> bytes | None:
 
 
 async def _collect(ctx: Context) -> list[Exported]:
-    assert ctx.cluster is not None
-    kinds = ctx.registry.kinds()
-    found, _ = await ctx.cluster.collected([CollectSpec(kind=k) for k in kinds])
-    return sorted(found, key=lambda e: (e.kind, e.name, e.src))
+    known = set(ctx.registry.kinds())
+    return [e for e in await ctx.collected() if e.kind in known]
 
 
 async def _members(ctx: Context) -> list[Member]:
@@ -316,17 +311,13 @@ async def _answer(ctx: Context, read: _Read) -> object:
     return await _members(ctx)
 
 
-async def _revision(ctx: Context) -> int:
-    return (await ctx.kv.range("\x00"))[1] if ctx.kv is not None else 0
-
-
 def _prefixes(ctx: Context, reads: list[_Read]) -> set[str]:
     out: set[str] = set()
     for r in reads:
         if r.kind == "get":
             out.add(r.arg)
         elif r.kind == "collect":
-            out.update((f"{EXPORTED}{ctx.hostname}/", f"{EXPORTED}{EVERYONE}/"))
+            continue  # the collector tells (see updates)
         else:
             out.add(MEMBERS)
     return out
@@ -440,7 +431,6 @@ class PythonFrontend(Frontend):
         self.registry = registry
         self._module: _Module | None = None
         self._reads: list[_Read] = []
-        self._start = 0
         #: how many times graph() has run (tests and logs)
         self.runs = 0
 
@@ -467,17 +457,14 @@ class PythonFrontend(Frontend):
         except (Exception, SystemExit) as e:  # sys.exit() in graph() is not the agent's
             raise _user_error(e, self.path) from None
         model = g.model()
-        if world.collected and world._ctx is not None and world._ctx.cluster is not None:
-            model = merge(model, world._ctx.cluster.to_resources(world.collected))
+        if world.collected:
+            model = merge(model, to_resources(self.registry, world.collected))
         return model
 
     def load(self) -> GraphModel:
         return self.render(World())
 
     async def _render(self, ctx: Context) -> GraphModel:
-        # Watch from the revision before the reads: a change made while graph()
-        # runs is then seen (and compared), never lost.
-        self._start = await _revision(ctx) + 1
         world = World(ctx, asyncio.get_running_loop())
         model = await _in_thread(self.render, world, what=f"graph() of {self.path}")
         self._reads = world.reads
@@ -502,26 +489,25 @@ class PythonFrontend(Frontend):
         wake: asyncio.Queue[str] = asyncio.Queue()
         watching: dict[str, asyncio.Task[None]] = {}
 
-        async def watch(prefix: str, start: int) -> None:
+        async def watch(prefix: str) -> None:
+            # follow(): backoff, resume and resync in one place. Its first batch
+            # wakes us once, and the answers are compared: a change made between
+            # graph()'s reads and this watch is never lost.
             assert kv is not None
-            while True:
-                try:
-                    async for _ in kv.watch(prefix, start):
-                        wake.put_nowait("world")
-                    return
-                except (Compacted, WorldError) as e:
-                    log.warning("world: watch of %s broke (%s); resyncing", prefix, e)
-                await asyncio.sleep(0.5)
-                with contextlib.suppress(WorldError):  # else: the next watch fails and retries
-                    start = (await kv.range(prefix))[1] + 1
-                wake.put_nowait("world")  # something may have changed meanwhile
+            await follow(kv, prefix, SimpleFollower(on_batch_done=lambda: wake.put_nowait("world")))
 
-        def rewatch(start: int) -> None:
+        unlisten = (
+            ctx.collector.listen(lambda: wake.put_nowait("world"))
+            if ctx.collector is not None
+            else None
+        )
+
+        def rewatch() -> None:
             want = _prefixes(ctx, self._reads) if kv is not None else set()
             for p in set(watching) - want:
                 watching.pop(p).cancel()
             for p in want - set(watching):
-                watching[p] = asyncio.create_task(watch(p, start))
+                watching[p] = asyncio.create_task(watch(p))
 
         async def texts() -> AsyncIterator[tuple[str, Any]]:
             async for text in file_changes(ctx.watcher, self.path, self._loaded().text):
@@ -531,7 +517,7 @@ class PythonFrontend(Frontend):
             while True:
                 yield await wake.get(), None
 
-        rewatch(self._start)
+        rewatch()
         try:
             async for what, _ in merged(texts(), woken()):
                 # coalesce a burst: whatever else arrives within the debounce joins this run
@@ -556,9 +542,11 @@ class PythonFrontend(Frontend):
                     log.error("%s (the running graph is kept)", e)
                     continue
                 finally:
-                    rewatch(self._start)
+                    rewatch()
                 yield model
         finally:
+            if unlisten is not None:
+                unlisten()
             for t in watching.values():
                 t.cancel()
             for t in watching.values():

@@ -11,7 +11,6 @@ quoted string.
 from __future__ import annotations
 
 import asyncio
-import difflib
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
@@ -22,25 +21,22 @@ import msgspec
 import yaml_rs
 
 from evergraph._util.gc import gc_paused
-from evergraph.cluster import merge
+from evergraph.engine.build import PathPart, build_resource, known_kinds_hint
 from evergraph.engine.contract import Registry, Resource
 from evergraph.engine.model import CollectSpec, Edge, GraphCycleError, GraphModel
 from evergraph.errors import InputError
 from evergraph.frontends.base import Context, Frontend, file_changes, merged, read_graph_file
+from evergraph.frontends.collect import matching, merge, to_resources
 
 log = logging.getLogger("evergraph.frontend.yaml")
 
 _TOP_KEYS = ("graph", "resources", "edges", "collect", "comment")
 _EDGE_KEYS = ("name", "from", "to", "notify")
 _END_KEYS = ("kind", "name")
-_MSGSPEC_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
-_PATH_PART = re.compile(r"\.(\w+)|\[(\d+)\]")
 _LINE_COL = re.compile(r"line (\d+), column (\d+)")
 
 if TYPE_CHECKING:
     from evergraph.world.exports import Exported
-
-PathPart = str | int
 
 
 class _Locator:
@@ -108,22 +104,6 @@ class _Locator:
             elif n.id == "sequence":
                 stack.extend(n.value)
         return self.filename
-
-
-def _msgspec_path(message: str) -> tuple[str, tuple[PathPart, ...]]:
-    m = _MSGSPEC_PATH.search(message)
-    if not m:
-        return message, ()
-    parts: list[PathPart] = []
-    for name, idx in _PATH_PART.findall(m.group("path")):
-        parts.append(int(idx) if idx else name)
-    return message[: m.start()], tuple(parts)
-
-
-def known_kinds_hint(kinds: list[str], word: str) -> str:
-    close = difflib.get_close_matches(word, kinds, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"(known: {', '.join(kinds)}){hint}"
 
 
 def parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
@@ -270,44 +250,6 @@ def _where_resource(where: str, model: GraphModel, loc: _Locator) -> str:
     return f"{loc.at(path)}: {where}"
 
 
-def build_resource(
-    cls: type[Resource],
-    kind: str,
-    item: object,
-    path: tuple[PathPart, ...],
-    fail: Callable[..., InputError],
-) -> Resource:
-    if not isinstance(item, dict):
-        raise fail(f"each {kind} resource must be a mapping with at least `name:`", path)
-    name = item.get("name")
-    if not isinstance(name, str) or not name:
-        raise fail(f"{kind} resource without a `name:` (a non-empty string)", path)
-    ident = f"{kind}[{name}]"
-    try:
-        return msgspec.convert(item, cls, strict=True)
-    except msgspec.ValidationError as e:
-        reason, sub = _msgspec_path(str(e))
-        m = re.match(r"Object contains unknown field `(.+)`$", reason)
-        if m:
-            field = m[1]
-            fields = [f.name for f in msgspec.structs.fields(cls)]
-            if sub == ("meta",):
-                from evergraph.engine.contract import Meta
-
-                fields = [f.name for f in msgspec.structs.fields(Meta)]
-            close = difflib.get_close_matches(field, fields, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            dotted = ".".join(str(p) for p in (*sub, field))
-            raise fail(
-                f"{ident}.{dotted}: unknown parameter{hint}", (*path, *sub, field), key=True
-            ) from None
-        dotted = ".".join(str(p) for p in sub)
-        reason = reason.replace("Expected", "expected").replace("`", "")
-        raise fail(
-            f"{ident}.{dotted}: {reason}" if dotted else f"{ident}: {reason}", (*path, *sub)
-        ) from None
-
-
 def _edge(item: object, path: tuple[PathPart, ...], fail: Callable[..., InputError]) -> Edge:
     if not isinstance(item, dict):
         raise fail("each edge must be a mapping with `from:` and `to:`", path)
@@ -383,32 +325,17 @@ class YamlFrontend(Frontend):
     async def first(self, ctx: Context) -> GraphModel:
         raw, self._raw = self._raw or self.load(), None
         self._specs = list(raw.collect)
-        if raw.collect and ctx.cluster is not None:
-            self._found, _ = await ctx.cluster.collected(raw.collect)
-            return merge(raw, ctx.cluster.to_resources(self._found))
+        if raw.collect and ctx.collector is not None:
+            self._found = matching(await ctx.collected(), raw.collect)
+            return merge(raw, to_resources(self.registry, self._found))
         return raw
 
     async def updates(self, ctx: Context) -> AsyncIterator[GraphModel]:
-        cluster = ctx.cluster
-        specs = self._specs
-        collected: list[Resource] = cluster.to_resources(self._found) if cluster else []
         if ctx.watcher is None:
             return
-        found: asyncio.Queue[list[Exported]] = asyncio.Queue()
-        collector: asyncio.Task[None] | None = None
-
-        def restart_collector(new_specs: list[CollectSpec], known: list[Exported] | None) -> None:
-            nonlocal collector, specs
-            if collector is not None and new_specs == specs:
-                return
-            specs = new_specs
-            if collector is not None:
-                collector.cancel()
-                collector = None
-            if cluster is not None and specs:
-                collector = asyncio.create_task(
-                    cluster.watch_collected(specs, found.put_nowait, known)
-                )
+        collector = ctx.collector
+        found: asyncio.Queue[bool] = asyncio.Queue()
+        unlisten = collector.listen(lambda: found.put_nowait(True)) if collector else None
 
         async def exports() -> AsyncIterator[tuple[str, Any]]:
             while True:
@@ -418,27 +345,25 @@ class YamlFrontend(Frontend):
             async for text in file_changes(ctx.watcher, self.path, self._text):
                 yield "file", text
 
-        restart_collector(specs, self._found)
         try:
             async for what, payload in merged(texts(), exports()):
                 if what == "file":
-                    self._text = payload
                     try:
                         raw = parse_yaml(payload, str(self.path), self.registry)
                     except InputError as e:
                         log.error("%s (the running graph is kept)", e)
                         continue
+                    self._text = payload
                     log.info("%s changed: swapping the graph live", self.path)
-                    restart_collector(raw.collect, None)  # new specs: report what they find
                 else:
-                    assert cluster is not None
-                    collected = cluster.to_resources(payload)
-                    try:
-                        raw = parse_yaml(self._text, str(self.path), self.registry)
-                    except InputError:
-                        continue  # logged when the file changed
+                    raw = parse_yaml(self._text, str(self.path), self.registry)
+                now = matching(collector.current(), raw.collect) if collector else []
+                if what == "collected":
+                    if now == self._found:
+                        continue  # a change this graph does not collect
                     log.info("collected exports changed: swapping the graph live")
-                yield merge(raw, collected)
+                self._found = now
+                yield merge(raw, to_resources(self.registry, now))
         finally:
-            if collector is not None:
-                collector.cancel()
+            if unlisten is not None:
+                unlisten()

@@ -7,22 +7,45 @@ so nobody can forge or alter one. A record that fails any check is rejected
 with a warning naming its key, never applied.
 
 `to` is a hostname or `*` (every host; signed, not encrypted).
+
+Identities come from `hostkeys/<host>` only through a `HostKeyBook`, which
+checks them against this host's pins (world/pins.py): a swapped key in the
+World is refused, never used to seal or to verify.
+
+`Publisher` keeps this host's records level-triggered: it holds the set the
+graph wants and reconciles the World to it until the World acknowledges (a
+change made during an outage is published when the World returns), every
+record under the agent's lease. `Collector` follows `exported/<host>/` and
+`exported/*/` with `follow()`: one change costs one record verified, and no
+record is missed between the first read and the watch.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote
 
 import msgspec
 
-from evergraph.world.hostkeys import HostKeys, KeyError_
-from evergraph.world.kv import KeyValue
+from evergraph.world.follow import Follower, follow
+from evergraph.world.hostkeys import HostKeys, KeyError_, fingerprint
+from evergraph.world.kv import KV, KeyValue, WorldError
+from evergraph.world.pins import IdentityMismatch, Pins, PinsError
+
+log = logging.getLogger("evergraph.exports")
 
 EXPORTED = "exported/"
 EVERYONE = "*"
+HOSTKEYS = "hostkeys/"
+#: seconds between full checks of this host's records in the World (anti-entropy:
+#: a record deleted or altered by someone else is put back)
+RECHECK = 30.0
 
 
 class ExportRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -136,3 +159,352 @@ def open_record(keys: HostKeys, me: str, item: KeyValue, verify_key: str | None)
     if not isinstance(params, dict):
         raise ValueError(f"{item.key}: parameters are not an object")
     return Exported(rec.src, rec.to, rec.kind, rec.name, params)
+
+
+# -- identities ------------------------------------------------------------------------
+
+
+class HostKeyRecord(msgspec.Struct, frozen=True, kw_only=True):
+    host: str
+    public: str
+    verify: str
+
+
+_keys_decoder = msgspec.json.Decoder(HostKeyRecord)
+
+
+def decode_hostkeys(kv: KeyValue) -> HostKeyRecord:
+    """The record at `hostkeys/<host>`; ValueError (naming the key) for a bad one."""
+    try:
+        rec = _keys_decoder.decode(kv.value)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"{kv.key}: not a host key record: {e}") from None
+    if f"{HOSTKEYS}{rec.host}" != kv.key:
+        raise ValueError(f"{kv.key}: record names another host {rec.host!r}")
+    return rec
+
+
+class HostKeyBook(Follower[HostKeyRecord]):
+    """The keys this host may use for others: `hostkeys/<host>` records as the World
+    has them, each checked against the pins. The first key seen for a host is
+    pinned; a different one is refused with one error naming the host and both
+    fingerprints (once per change of the record), and the pinned key stays in use.
+
+    `trusted(host)` is the (public, verify) pair to seal for and verify with, or
+    None. Listeners are called when a host's trusted key may have changed."""
+
+    def __init__(self, kv: KV, pins: Pins, me: str) -> None:
+        self.kv = kv
+        self.pins = pins
+        self.me = me
+        #: host -> the record the World has now
+        self.seen: dict[str, HostKeyRecord] = {}
+        self._listeners: list[Callable[[str], None]] = []
+        self.ready = asyncio.Event()
+
+    def listen(self, fn: Callable[[str], None]) -> Callable[[], None]:
+        self._listeners.append(fn)
+        return lambda: self._listeners.remove(fn)
+
+    async def run(self) -> None:
+        await follow(self.kv, HOSTKEYS, self)
+
+    def trusted(self, host: str) -> tuple[str, str] | None:
+        """The pinned (public, verify) of `host`; pins the World's record on first use."""
+        try:
+            pin = self.pins.get(host)
+            if pin is not None:
+                return pin.public, pin.verify
+            rec = self.seen.get(host)
+            if rec is None:
+                return None
+            pin = self.pins.check(host, rec.public, rec.verify)
+            log.info("pinned the key of host %s: %s", host, fingerprint(rec.verify))
+            return pin.public, pin.verify
+        except PinsError as e:
+            log.error("%s", e)
+            return None
+        except IdentityMismatch:  # a pin appeared meanwhile (another process)
+            return self.trusted(host)
+
+    def _check(self, rec: HostKeyRecord) -> None:
+        try:
+            self.pins.check(rec.host, rec.public, rec.verify)
+        except IdentityMismatch as e:
+            log.error("hostkeys/%s: %s", rec.host, e)
+        except PinsError as e:
+            log.error("%s", e)
+
+    # follower callbacks
+    def decode(self, kv: KeyValue) -> HostKeyRecord:
+        return decode_hostkeys(kv)
+
+    async def new(self, obj: HostKeyRecord) -> None:
+        self.seen[obj.host] = obj
+        if obj.host != self.me:
+            self._check(obj)
+        self._tell(obj.host)
+
+    async def updated(self, prev: HostKeyRecord, new: HostKeyRecord) -> None:
+        await self.new(new)
+
+    async def deleted(self, prev: HostKeyRecord) -> None:
+        self.seen.pop(prev.host, None)
+
+    async def synced(self) -> None:
+        self.ready.set()
+
+    def _tell(self, host: str) -> None:
+        for fn in list(self._listeners):
+            fn(host)
+
+
+async def publish_hostkeys(kv: KV, keys: HostKeys, host: str) -> None:
+    """Write `hostkeys/<host>` (no lease: a down host's exports stay verifiable)."""
+    rec = HostKeyRecord(host=host, public=keys.public, verify=keys.verify)
+    cur = await kv.get(f"{HOSTKEYS}{host}")
+    value = msgspec.json.encode(rec)
+    if cur is None or cur.value != value:
+        await kv.put(f"{HOSTKEYS}{host}", value)
+
+
+# -- publishing ------------------------------------------------------------------------
+
+#: (to, kind, name, params) of one export
+ExportItem = tuple[str, str, str, dict[str, Any]]
+
+
+class Publisher:
+    """Keeps this host's export records in the World equal to the set it is given.
+
+    Level-triggered: `set()` records what is wanted and wakes `run()`, which
+    reconciles until the World acknowledged every put and delete; a World error
+    is retried with backoff, so a change made during an outage is published when
+    the World returns. Records are put under `lease()` (the agent's member
+    lease): an agent that dies has its exports withdrawn within the TTL. After a
+    restart every wanted record is put again under the new lease (collectors see
+    equal parameters: no flap) and stale ones of the previous run are deleted.
+    """
+
+    def __init__(
+        self,
+        kv: KV,
+        keys: HostKeys,
+        host: str,
+        book: HostKeyBook,
+        lease: Callable[[], int],
+    ) -> None:
+        self.kv = kv
+        self.keys = keys
+        self.host = host
+        self.book = book
+        self.lease = lease
+        self._want: dict[str, ExportItem] = {}
+        #: key -> (params, lease, mod revision) as written by us
+        self._written: dict[str, tuple[dict[str, Any], int, int]] = {}
+        self._full = True  # the next pass reads the World (start, errors, regrant)
+        self._wake = asyncio.Event()
+        #: set when the World holds exactly what is wanted (tests, --converged)
+        self.acknowledged = asyncio.Event()
+        #: targets whose key is missing or refused: waiting for the book
+        self._waiting: set[str] = set()
+        book.listen(self._key_changed)
+
+    def set(self, exports: list[ExportItem]) -> None:
+        want: dict[str, ExportItem] = {}
+        for item in exports:
+            to, kind, name, _params = item
+            want[export_key(to, self.host, kind, name)] = item
+        self._want = want
+        self.acknowledged.clear()
+        self._wake.set()
+
+    def resync(self) -> None:
+        """Read the World again on the next pass (after a lease was re-granted)."""
+        self._full = True
+        self.acknowledged.clear()
+        self._wake.set()
+
+    def _key_changed(self, host: str) -> None:
+        if host in self._waiting:
+            self._wake.set()
+
+    async def run(self) -> None:
+        delay = 0.05
+        while True:
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), RECHECK)
+                if not self._wake.is_set():
+                    self._full = True  # periodic anti-entropy pass
+                self._wake.clear()
+                await self._reconcile()
+                delay = 0.05
+            except WorldError as e:
+                log.warning("world: cannot publish exports (%s); retrying in %.2fs", e, delay)
+                self._full = True
+                self._wake.set()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _mine_in_world(self) -> dict[str, KeyValue]:
+        items, _ = await self.kv.range(EXPORTED)
+        return {
+            i.key: i for i in items if (w := parse_key(i.key)) is not None and w[1] == self.host
+        }
+
+    async def _reconcile(self) -> None:
+        want = self._want
+        lease = self.lease()
+        if self._full:
+            world = await self._mine_in_world()
+            written = self._written
+            self._written = {
+                k: v
+                for k, v in written.items()
+                if k in world and world[k].mod_revision == v[2] and world[k].lease == lease
+            }
+            stale = set(world) - want.keys()
+            self._full = False
+        else:
+            stale = set(self._written) - want.keys()
+        for key in sorted(stale):
+            await self.kv.delete(key)
+            self._written.pop(key, None)
+            log.info("export withdrawn: %s", key)
+        waiting: set[str] = set()
+        for key, (to, kind, name, params) in sorted(want.items()):
+            done = self._written.get(key)
+            if done is not None and done[0] == params and done[1] == lease:
+                continue
+            public = None
+            if to != EVERYONE:
+                pair = self.book.trusted(to)
+                if pair is None:
+                    if to not in self._waiting:
+                        log.warning("export %s[%s] to %s waits for that host's key", kind, name, to)
+                    waiting.add(to)
+                    continue
+                public = pair[0]
+            try:
+                value = make_record(self.keys, self.host, to, kind, name, params, public)
+            except KeyError_ as e:
+                log.error("export %s[%s] to %s: %s", kind, name, to, e)
+                continue
+            rev = await self.kv.put(key, value, lease=lease)
+            self._written[key] = (params, lease, rev)
+            log.info("exported %s[%s] to %s", kind, name, to)
+        self._waiting = waiting
+        if not waiting and want is self._want and not self._wake.is_set():
+            self.acknowledged.set()
+
+
+# -- collecting ------------------------------------------------------------------------
+
+
+class Collector(Follower[KeyValue]):
+    """What other hosts export to this one, checked: follows `exported/<me>/` and
+    `exported/*/`. Each changed record is verified (signature by the exporter's
+    pinned key, sealed to us) once; a record that cannot be verified yet (its
+    exporter's key unknown) is kept aside and verified when the key arrives.
+
+    `current()` is the checked set, by World key; listeners are called after each
+    batch that changed it."""
+
+    def __init__(self, kv: KV, keys: HostKeys, host: str, book: HostKeyBook) -> None:
+        self.kv = kv
+        self.keys = keys
+        self.host = host
+        self.book = book
+        self._items: dict[str, Exported] = {}
+        #: records waiting for their exporter's key (by exporter)
+        self._pending: dict[str, dict[str, KeyValue]] = {}
+        self._raw: dict[str, KeyValue] = {}
+        self._listeners: list[Callable[[], None]] = []
+        self._synced = 0
+        self.ready = asyncio.Event()
+        self._dirty = False
+        #: records verified (benchmarks: one change must cost one)
+        self.verified = 0
+        book.listen(self._key_changed)
+
+    def current(self) -> list[Exported]:
+        """The collected exports, in (kind, name, exporter) order."""
+        return sorted(self._items.values(), key=lambda e: (e.kind, e.name, e.src))
+
+    def listen(self, fn: Callable[[], None]) -> Callable[[], None]:
+        self._listeners.append(fn)
+        return lambda: self._listeners.remove(fn)
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(follow(self.kv, f"{EXPORTED}{self.host}/", self))
+            tg.create_task(follow(self.kv, f"{EXPORTED}{EVERYONE}/", self))
+
+    def _open(self, kv: KeyValue) -> None:
+        where = parse_key(kv.key)
+        if where is None or where[1] == self.host:
+            return
+        src = where[1]
+        pair = self.book.trusted(src)
+        if pair is None:
+            self._pending.setdefault(src, {})[kv.key] = kv
+            self._items.pop(kv.key, None)
+            log.warning("export %s waits for the key of its exporter %s", kv.key, src)
+            return
+        self.verified += 1
+        try:
+            exp = open_record(self.keys, self.host, kv, pair[1])
+        except ValueError as e:
+            log.error("rejected export: %s", e)
+            if self._items.pop(kv.key, None) is not None:
+                self._dirty = True
+            return
+        if self._items.get(kv.key) != exp:
+            self._items[kv.key] = exp
+            self._dirty = True
+
+    def _forget(self, key: str) -> None:
+        self._raw.pop(key, None)
+        for waiting in self._pending.values():
+            waiting.pop(key, None)
+        if self._items.pop(key, None) is not None:
+            self._dirty = True
+
+    def _key_changed(self, host: str) -> None:
+        # a key that arrived (or a pin that changed): verify that exporter's records
+        again = dict(self._pending.pop(host, {}))
+        again.update({k: kv for k, kv in self._raw.items() if (w := parse_key(k)) and w[1] == host})
+        for kv in again.values():
+            self._open(kv)
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._dirty and self.ready.is_set():
+            self._dirty = False
+            for fn in list(self._listeners):
+                fn()
+
+    # follower callbacks: the raw record; checks happen here, once per change
+    async def new(self, obj: KeyValue) -> None:
+        self._raw[obj.key] = obj
+        self._open(obj)
+
+    async def updated(self, prev: KeyValue, new: KeyValue) -> None:
+        self._raw[new.key] = new
+        self._open(new)
+
+    def equals(self, a: KeyValue, b: KeyValue) -> bool:
+        return a.value == b.value
+
+    async def deleted(self, prev: KeyValue) -> None:
+        self._forget(prev.key)
+
+    async def batch_done(self) -> None:
+        self._notify()
+
+    async def synced(self) -> None:
+        self._synced += 1
+        if self._synced == 2:  # both prefixes read
+            self.ready.set()
+            self._dirty = False

@@ -2,24 +2,37 @@
 
 A record carries what other hosts need to reach and trust this one: its
 address, its public keys (encryption and signature), capabilities, groups,
-state and version. A dead agent's lease expires and its record vanishes.
-Keys are also published without a lease under `hostkeys/<host>`, so exports
-of a host that is down can still be verified.
+state, version and start time. A dead agent's lease expires and its record
+vanishes. Keys are also published without a lease under `hostkeys/<host>`
+(world/exports.py), so exports of a host that is down can still be verified.
+
+One agent per hostname: `Membership.claim()` refuses a hostname whose record is
+live and belongs to another agent (other keys), naming that agent's address and
+start time; `replace=True` takes it over deliberately, and the agent it replaced
+sees its record taken and stops. The same agent restarting (same state dir, so
+the same keys) takes its own record back without a gap.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 import time
+from collections.abc import Callable
 
 import msgspec
 
-from evergraph.world.kv import KV, KeyValue, LeaseKeeper, WorldError, log
+from evergraph.world.follow import Tombstone, watch_one
+from evergraph.world.kv import KV, KeyValue, LeaseExpired, WorldError, log
 
 MEMBERS = "members/"
-HOSTKEYS = "hostkeys/"
 DEFAULT_TTL = 10.0
+
+
+class HostnameTaken(Exception):
+    """Another live agent holds this hostname (the message names it)."""
 
 
 class Member(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
@@ -34,16 +47,12 @@ class Member(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Fa
     state: str = "running"
     version: str = ""
     timestamp: float = 0.0
-
-
-class HostKeyRecord(msgspec.Struct, frozen=True, kw_only=True):
-    host: str
-    public: str
-    verify: str
+    #: when this agent started (seconds since the epoch), and its process id
+    started: float = 0.0
+    pid: int = 0
 
 
 _member_decoder = msgspec.json.Decoder(Member)
-_keys_decoder = msgspec.json.Decoder(HostKeyRecord)
 
 
 def member_key(host: str) -> str:
@@ -61,13 +70,6 @@ def decode_member(kv: KeyValue) -> Member:
     return m
 
 
-def decode_hostkeys(kv: KeyValue) -> HostKeyRecord:
-    try:
-        return _keys_decoder.decode(kv.value)
-    except msgspec.DecodeError as e:
-        raise ValueError(f"{kv.key}: not a host key record: {e}") from None
-
-
 async def members(kv: KV) -> list[Member]:
     """The live members, in host order; bad records are skipped with a warning."""
     items, _ = await kv.range(MEMBERS)
@@ -80,50 +82,137 @@ async def members(kv: KV) -> list[Member]:
     return out
 
 
-async def host_keys(kv: KV, host: str) -> HostKeyRecord | None:
-    item = await kv.get(f"{HOSTKEYS}{host}")
-    if item is None:
-        return None
+def local_address() -> str:
+    """This host's address as others would see it (best effort, no traffic sent)."""
     try:
-        return decode_hostkeys(item)
-    except ValueError as e:
-        log.warning("world: %s", e)
-        return None
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # TEST-NET: connect() on UDP sends nothing
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "unknown"
 
 
 class Membership:
-    """Registers this host and keeps its record alive until `stop()`."""
+    """Claims `members/<host>` under a lease and keeps it alive (`run()`, owned by
+    the agent). `on_regrant` callbacks run when the lease had expired and was
+    granted anew (whatever it carried must be written again)."""
 
     def __init__(self, kv: KV, member: Member, ttl: float = DEFAULT_TTL) -> None:
         self.kv = kv
-        self.member = member
-        self.keeper = LeaseKeeper(kv, ttl)
-        self._task: asyncio.Task[None] | None = None
+        self.member = msgspec.structs.replace(
+            member,
+            started=member.started or time.time(),
+            pid=member.pid or os.getpid(),
+            address=member.address or local_address(),
+        )
+        self.ttl = ttl
+        self.lease = 0
+        self._regrant: list[Callable[[], None]] = []
+        #: set when another agent took the hostname over (`--replace`)
+        self.replaced = asyncio.Event()
+        self._mod = 0
 
-    async def start(self) -> None:
+    def on_regrant(self, fn: Callable[[], None]) -> None:
+        self._regrant.append(fn)
+
+    async def claim(self, replace: bool = False) -> int | None:
+        """Take the hostname: grant the lease and write the record. Raises
+        HostnameTaken if another live agent has it (unless `replace`). Returns the
+        lease of this agent's previous run, if its record was still live (the
+        caller revokes it once everything is re-published under the new one)."""
         m = self.member
-        keys = HostKeyRecord(host=m.host, public=m.public, verify=m.verify)
-        await self.kv.put(f"{HOSTKEYS}{m.host}", msgspec.json.encode(keys))
-        await self.keeper.start()
-        await self._put()
-        self._task = asyncio.create_task(self._reput(), name="member-reput")
+        self.lease = await self.kv.grant(self.ttl)
+        for _ in range(20):
+            cur = await self.kv.get(member_key(m.host))
+            previous: int | None = None
+            if cur is not None:
+                try:
+                    other = decode_member(cur)
+                except ValueError:
+                    other = None  # garbage: ours to overwrite
+                if other is not None and other.verify != m.verify and not replace:
+                    with contextlib.suppress(WorldError):
+                        await self.kv.revoke(self.lease)
+                    raise HostnameTaken(
+                        f"hostname {m.host!r} is held by another live agent (address "
+                        f"{other.address or '?'}, pid {other.pid or '?'}, started "
+                        f"{_when(other.started)}): stop it, choose another --hostname, "
+                        "or take it over with --replace"
+                    )
+                if other is not None and other.verify == m.verify and cur.lease:
+                    previous = cur.lease  # our own earlier run (killed, or restarting)
+            if await self.kv.cas(
+                member_key(m.host),
+                self._encode(),
+                expect=cur.mod_revision if cur else 0,
+                lease=self.lease,
+            ):
+                got = await self.kv.get(member_key(m.host))
+                self._mod = got.mod_revision if got is not None else 0
+                return previous
+        raise WorldError(f"{member_key(m.host)}: kept changing while it was claimed")
+
+    def _encode(self) -> bytes:
+        return msgspec.json.encode(msgspec.structs.replace(self.member, timestamp=time.time()))
 
     async def _put(self) -> None:
-        m = msgspec.structs.replace(self.member, timestamp=time.time())
-        await self.kv.put(member_key(m.host), msgspec.json.encode(m), lease=self.keeper.lease)
+        self._mod = await self.kv.put(
+            member_key(self.member.host), self._encode(), lease=self.lease
+        )
 
-    async def _reput(self) -> None:
+    async def run(self) -> None:
+        """Keep the lease alive (every ttl/3), re-grant and re-write after an expiry,
+        and watch the record: another agent taking it over sets `replaced`."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._keepalive())
+            tg.create_task(self._watch_record())
+
+    async def _keepalive(self) -> None:
         while True:
-            await self.keeper.regranted.wait()
-            self.keeper.regranted.clear()
+            await asyncio.sleep(self.ttl / 3)
             try:
-                await self._put()
+                await self.kv.keepalive(self.lease)
+            except LeaseExpired:
+                log.warning("world: lease %x expired; granting a new one", self.lease)
+                try:
+                    self.lease = await self.kv.grant(self.ttl)
+                    await self._put()
+                except WorldError as e:
+                    log.warning("world: cannot renew the member record: %s", e)
+                    continue
+                for fn in self._regrant:
+                    fn()
             except WorldError as e:
-                log.warning("world: cannot renew the member record: %s", e)
+                log.warning("world: keep-alive failed: %s", e)
+
+    async def _watch_record(self) -> None:
+        key = member_key(self.member.host)
+        async with contextlib.aclosing(watch_one(self.kv, key)) as snaps:
+            async for snap in snaps:
+                if isinstance(snap, Tombstone):
+                    continue  # expired: the keep-alive loop writes it again
+                try:
+                    m = decode_member(snap)
+                except ValueError:
+                    continue
+                if m.verify != self.member.verify:
+                    log.error(
+                        "hostname %r was taken over by another agent (address %s, started "
+                        "%s): stopping",
+                        m.host,
+                        m.address or "?",
+                        _when(m.started),
+                    )
+                    self.replaced.set()
+                    return
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self.keeper.stop(revoke=True)
+        """Leave: the record and what the lease carries (exports) expire within the
+        TTL, so a restart in between takes them back without a flap."""
+        with contextlib.suppress(WorldError):
+            m = msgspec.structs.replace(self.member, state="stopped", timestamp=time.time())
+            await self.kv.put(member_key(m.host), msgspec.json.encode(m), lease=self.lease)

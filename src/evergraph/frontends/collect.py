@@ -1,0 +1,61 @@
+"""Exports and collected resources, on the frontends' side: what a graph exports
+(published by the agent through `world.exports.Publisher`), and the collected
+exports (checked records from `world.exports.Collector`) turned into resources
+of this host's graph and merged into it."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from evergraph.engine.build import build
+from evergraph.engine.contract import Registry, Resource
+from evergraph.engine.model import CollectSpec, GraphModel
+from evergraph.errors import InputError
+from evergraph.world.exports import Exported, ExportItem
+
+log = logging.getLogger("evergraph.collect")
+
+
+def exports_of(model: GraphModel) -> list[ExportItem]:
+    """What `model` exports: one item per resource and target host (before grouping)."""
+    out: list[ExportItem] = []
+    for res in model.resources.values():
+        targets = res.meta.export
+        if not targets:
+            continue
+        params = msgspec.to_builtins(res)
+        params.pop("meta", None)  # the collecting host decides its own meta
+        for to in targets:
+            out.append((to, res.kind, res.name, params))
+    return out
+
+
+def matching(found: list[Exported], specs: list[CollectSpec]) -> list[Exported]:
+    """The exports that one of `specs` asks for."""
+    return [e for e in found if any(s.matches(e.kind, e.src, e.name, e.params) for s in specs)]
+
+
+def to_resources(registry: Registry, exports: list[Exported]) -> list[Resource]:
+    """Collected exports as resources of this host's graph; bad ones are skipped
+    with one line naming the export."""
+    out = []
+    for exp in exports:
+        where = f"{exp.kind}[{exp.name}] exported by {exp.src}"
+        try:
+            out.append(build(registry, exp.kind, {**exp.params, "name": exp.name}, where))
+        except InputError as e:
+            log.warning("rejected export: %s", e)
+    return out
+
+
+def merge(model: GraphModel, collected: list[Resource]) -> GraphModel:
+    """`model` plus the collected resources; a local resource wins over a collected one."""
+    for res in collected:
+        if res.ident in model.resources:
+            if not model.resources[res.ident].cmp(res):
+                log.warning("collected %s conflicts with a local resource: skipped", res.ident)
+            continue
+        model.add(res, origin="collected")
+    return model
