@@ -26,13 +26,12 @@ prints as `'<secret>'` (in the engine's "received" log line, for example).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import string
-import tempfile
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar
 
+from evergraph._util.atomic import atomic_write
 from evergraph.engine.contract import Handle, PathSubscription, Resource, doc, register
 from evergraph.errors import ResourceError
 
@@ -199,29 +198,11 @@ class Password(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 os.makedirs(directory, mode=0o700, exist_ok=True)
                 if self._sub is not None:
                     self._sub.settle()
-            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
         except OSError as e:
             raise ResourceError(f"saved: cannot write in {directory}: {e.strerror}") from None
         try:
-            try:
-                os.fchmod(fd, 0o600)
-                data = memoryview(token + b"\n")
-                while data:
-                    data = data[os.write(fd, data) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, path)
+            atomic_write(path, token + b"\n", mode=0o600)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
             raise ResourceError(f"saved: cannot write {path}: {e.strerror}") from None
-        # the rename is durable only once the directory is on disk too
-        with contextlib.suppress(OSError):
-            dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
         self._password = password
         self.handle.logger.info("%s: %s", self.ident, what)

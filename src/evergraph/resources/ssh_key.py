@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
+from evergraph._util.atomic import atomic_write
 from evergraph.engine.contract import PathSubscription, Resource, doc, parent_dir_keys, register
 from evergraph.errors import ResourceError
 
@@ -519,27 +520,8 @@ class SshAuthorizedKey(Resource, kw_only=True, dict=True, forbid_unknown_fields=
             mode, owner = stat.S_IMODE(seen.st.st_mode), (seen.st.st_uid, seen.st.st_gid)
         else:
             mode, owner = 0o600, (os.geteuid(), os.getegid())
-        tmp = f".{t.name}.evergraph-{os.getpid()}-{id(self):x}"
-        fd = os.open(tmp, _CREATE, 0o600, dir_fd=dfd)
-        try:
-            try:
-                view = memoryview(content)
-                while view:
-                    view = view[os.write(fd, view) :]
-                if owner != (os.geteuid(), os.getegid()):
-                    os.fchown(fd, *owner)
-                os.fchmod(fd, mode)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, t.name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=dfd)
-            except OSError:
-                pass
-            raise
-        os.fsync(dfd)  # the rename itself survives a crash
+        # relative to the vetted directory fd: no path component is followed
+        atomic_write(t.name, content, mode=mode, owner=owner, dir_fd=dfd)
 
     # -- lines ----------------------------------------------------------------------
     def _line(self) -> str:
