@@ -1,13 +1,17 @@
 """Deploys (SPEC §4.4): `evergraph deploy` / `deploys` on a real sqlite World, real git
-repositories in tmp_path, and the world.deploys library on the memory World."""
+repositories in tmp_path, the bundle rules (frontends/bundle.py) on real directories,
+and the world.deploys library (records, signatures, trust) on the memory World."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import logging
 import os
 import re
+import socket
+import stat
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,18 +19,23 @@ from pathlib import Path
 from typing import TypeVar
 
 import msgspec
+import nacl.signing
 import pytest
 
+from evergraph.frontends import bundle as bd
 from evergraph.world import deploys as dp
+from evergraph.world.hostkeys import HostKeys, fingerprint
 from evergraph.world.kv import KV
 from evergraph.world.memory import MemoryKV, MemoryStore
+from evergraph.world.pins import Pins
 from evergraph.world.sqlite import SQLiteKV
 
 from .conftest import EVERGRAPH, run_cli
 
 T = TypeVar("T")
 LINE = re.compile(
-    r"^deploy (\d+) ([0-9a-f]{12}) \((\d+) files, (\d+) bytes(?:, git ([0-9a-f]{12}))?\)$"
+    r"^deploy (\d+) ([0-9a-f]{12}) \((\d+) files, (\d+) bytes(?:, git ([0-9a-f]{12}))?"
+    r"(?:, (\d+) left out)?\); signed by (\S+) \((SHA256:[A-Za-z0-9+/]+)\)$"
 )
 
 
@@ -62,7 +71,7 @@ def commit_all(repo: Path, msg: str) -> str:
     return git(repo, "rev-parse", "HEAD")
 
 
-def deploy(state: Path, file: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def deploy(state: Path, file: Path, *extra: str | Path) -> subprocess.CompletedProcess[str]:
     return run_cli("deploy", file, "--state-dir", state, *extra)
 
 
@@ -86,9 +95,9 @@ def in_world(state: Path, body: Callable[[KV], Awaitable[T]]) -> T:
     return asyncio.run(main())
 
 
-async def blob_count(kv: KV) -> int:
+async def blobs(kv: KV) -> list[bytes]:
     items, _ = await kv.range(dp.FILES)
-    return len(items)
+    return [i.value for i in items]
 
 
 def site(root: Path, files: dict[str, str | bytes]) -> Path:
@@ -102,13 +111,24 @@ def site(root: Path, files: dict[str, str | bytes]) -> Path:
     return root
 
 
+def new_key(path: Path) -> str:
+    """Write a fresh signing key file (the format of STATE/keys/sign.key); its verify key."""
+    key = nacl.signing.SigningKey.generate()
+    path.write_bytes(base64.b64encode(bytes(key)) + b"\n")
+    return dp.verify_key_of(key)
+
+
+def state_signer(state: Path) -> str:
+    return HostKeys(state).verify
+
+
 GRAPH = "graph: g\nresources:\n  noop:\n  - name: n\n"
 
 
 # -- CLI on the sqlite World -----------------------------------------------------------------
 
 
-def test_deploys_chain_dedup_and_fetch(tmp_path: Path) -> None:
+def test_deploys_chain_dedup_signature_and_fetch(tmp_path: Path) -> None:
     state = tmp_path / "state"
     src = site(
         tmp_path / "site",
@@ -125,24 +145,33 @@ def test_deploys_chain_dedup_and_fetch(tmp_path: Path) -> None:
     first = parse(deploy(state, src / "main.yaml", "--no-git"))
     assert first.group(1, 3, 4) == ("1", "4", str(len(GRAPH) + 26 + 256))
     assert first.group(5) is None
+    assert first.group(6) == "3"  # .secret, __pycache__/, conf/.hidden/
+    # signed by the state dir's key, printed with its fingerprint
+    signer = state_signer(state)
+    assert first.group(7, 8) == (signer, fingerprint(signer))
     (src / "main.yaml").write_text(GRAPH.replace("name: n", "name: m"))
     second = parse(deploy(state, src / "main.yaml", "--no-git"))
     assert second.group(1) == "2"
 
     async def read(kv: KV) -> tuple[list[dp.Deploy], dp.Deploy | None, int]:
-        return await dp.history(kv), await dp.latest(kv), await blob_count(kv)
+        return await dp.history(kv), await dp.latest(kv), len(await blobs(kv))
 
-    hist, newest, blobs = in_world(state, read)
+    hist, newest, nblobs = in_world(state, read)
     d1, d2 = hist
     assert (d1.n, d1.parent, d2.n, d2.parent) == (1, "", 2, d1.hash)
     assert d1.hash.startswith(first.group(2))
     assert d2.hash.startswith(second.group(2))
     assert newest == d2
+    assert (d1.signer, d2.signer) == (signer, signer)
+    assert HostKeys.check_signature(
+        signer, b"evergraph-deploy/2 signature\n" + d1.hash.encode(), base64.b64decode(d1.signature)
+    )
     assert sorted(d1.files) == ["bin/blob", "conf/a.txt", "conf/b.txt", "main.yaml"]
     assert d1.files["conf/a.txt"] == d1.files["conf/b.txt"]
     assert d1.files["bin/blob"] == d2.files["bin/blob"]
+    assert {f.mode for f in d1.files.values()} == {0o644}
     # a.txt = b.txt, bin/blob shared by both deploys: main.yaml twice + 2 = 4 blobs
-    assert blobs == 4
+    assert nblobs == 4
     # the head is the newest record, byte for byte, as `world get` shows
     head = run_cli("world", "get", "--state-dir", state, dp.HEAD)
     rec2 = run_cli("world", "get", "--state-dir", state, dp.record_key(2))
@@ -163,10 +192,35 @@ def test_deploys_chain_dedup_and_fetch(tmp_path: Path) -> None:
     listing = run_cli("deploys", "--state-dir", state)
     assert listing.returncode == 0, listing.stderr
     rows = [line.split("\t") for line in listing.stdout.splitlines()]
-    assert [(r[0], r[1], r[2], r[5]) for r in rows] == [
-        ("1", d1.hash[:12], "-", "main.yaml"),
-        ("2", d2.hash[:12], "-", "main.yaml"),
+    assert [(r[0], r[1], r[2], r[5], r[6]) for r in rows] == [
+        ("1", d1.hash[:12], "-", "main.yaml", fingerprint(signer)),
+        ("2", d2.hash[:12], "-", "main.yaml", fingerprint(signer)),
     ]
+
+
+def test_key_flag_signs_and_a_bad_key_file_exits_2(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    src = site(tmp_path / "site", {"main.yaml": GRAPH})
+    mine = new_key(tmp_path / "deployer.key")
+    m = parse(deploy(state, src / "main.yaml", "--no-git", "--key", tmp_path / "deployer.key"))
+    assert m.group(7, 8) == (mine, fingerprint(mine))
+    assert in_world(state, dp.latest).signer == mine  # type: ignore[union-attr]
+
+    bad = {
+        "missing.key": None,
+        "text.key": b"this is not a key\n",
+        "short.key": base64.b64encode(b"\1" * 31) + b"\n",
+        "long.key": base64.b64encode(b"\1" * 64) + b"\n",
+    }
+    for name, content in bad.items():
+        if content is not None:
+            (tmp_path / name).write_bytes(content)
+        r = deploy(state, src / "main.yaml", "--no-git", "--key", tmp_path / name)
+        assert r.returncode == 2, (name, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert r.stderr.startswith(f"evergraph: deploy: --key: {tmp_path / name}: "), r.stderr
+        assert r.stdout == ""
+    assert [d.n for d in in_world(state, dp.history)] == [1]  # nothing more published
 
 
 def test_git_checks(tmp_path: Path) -> None:
@@ -187,12 +241,14 @@ def test_git_checks(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert "site/main.yaml has uncommitted changes" in r.stderr
     git(repo, "checkout", "-q", "--", ".")
-    # a change outside the deployed directory does not count; an untracked file neither
+    # a change outside the deployed directory does not count; an untracked file neither,
+    # and an untracked file is not sent
     (repo / "README").write_text("changed\n")
     (repo / "site" / "new.txt").write_text("untracked\n")
     one = parse(deploy(state, entry))
-    assert one.group(1) == "1"
+    assert one.group(1, 3) == ("1", "1")
     assert one.group(5) == a[:12]
+    assert list(in_world(state, dp.latest).files) == ["main.yaml"]  # type: ignore[union-attr]
     (repo / "README").write_text("x\n")
 
     (repo / "site" / "more.txt").write_text("b\n")
@@ -228,6 +284,299 @@ def test_git_checks(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert f"deploy 5's commit {b[:12]} is not in the repository" in r.stderr
     assert parse(deploy(state, other / "main.yaml", "--force")).group(1) == "6"
+    # an untracked entry cannot be deployed from git
+    (other / "new.yaml").write_text(GRAPH)
+    r = deploy(state, other / "new.yaml", "--force")
+    assert r.returncode == 2
+    assert "not tracked at HEAD" in r.stderr
+
+
+def test_git_bundle_is_the_tracked_files_at_head(tmp_path: Path) -> None:
+    state = tmp_path / "deployer"
+    repo = site(
+        tmp_path / "repo",
+        {
+            "site/main.yaml": GRAPH,
+            "site/bin/run.sh": "#!/bin/sh\necho hi\n",
+            "site/notes.tmp": "tracked, but ignored\n",
+            "site/.evergraphignore": "*.tmp\n",
+            "site/.gitignore": "state/\n",
+            "site/keys/tracked.key": "a key someone committed\n",
+            "site/conf/app.conf": "x = 1\n",
+        },
+    )
+    (repo / "site" / "bin" / "run.sh").chmod(0o755)
+    (repo / "site" / "link.conf").symlink_to("conf/app.conf")
+    (repo / "site" / "env.conf").symlink_to(".env")  # a link to a left-out file
+    (repo / "site" / ".env").write_text("SECRET=1\n")
+    git(repo, "init", "-q")
+    head = commit_all(repo, "a")
+    # untracked: a state dir next to the graph (an agent's keys and World)
+    HostKeys(repo / "site" / "state")
+    (repo / "site" / "untracked.txt").write_text("not sent\n")
+    # not in the work tree: git says unchanged, so the HEAD version is what is sent
+    git(repo, "update-index", "--assume-unchanged", "site/conf/app.conf")
+    (repo / "site" / "conf" / "app.conf").write_text("x = 2 (work tree only)\n")
+
+    b = bd.collect(repo / "site" / "main.yaml")
+    assert b.git == head
+    assert {p: (c.mode, c.data) for p, c in b.files.items()} == {
+        "main.yaml": (0o644, GRAPH.encode()),
+        "bin/run.sh": (0o755, b"#!/bin/sh\necho hi\n"),
+        "conf/app.conf": (0o644, b"x = 1\n"),
+        "link.conf": (0o644, b"x = 1\n"),
+    }
+    assert {lo.path: lo.notable for lo in b.left_out} == {
+        ".env": False,
+        ".evergraphignore": False,
+        ".gitignore": False,
+        "env.conf": True,
+        "keys/": True,
+        "notes.tmp": False,
+    }
+    assert any("ignored by .evergraphignore:1 (*.tmp)" in lo.why for lo in b.left_out)
+
+    r = deploy(state, repo / "site" / "main.yaml", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "send\t0755\t18\tbin/run.sh" in r.stdout.splitlines()
+    assert "leave out\tkeys/\ta keys/ directory" in r.stdout
+    m = parse(deploy(state, repo / "site" / "main.yaml"))
+    assert m.group(3, 5, 6) == ("4", head[:12], "6")
+    assert "left out keys/: a keys/ directory" in deploy(state, repo / "site" / "main.yaml").stderr
+
+    d = in_world(state, dp.latest)
+    assert d is not None
+    out = in_world(state, lambda kv: dp.fetch(kv, d, tmp_path / "out"))
+    assert stat.S_IMODE((out.parent / "bin" / "run.sh").stat().st_mode) == 0o755
+    assert stat.S_IMODE((out.parent / "main.yaml").stat().st_mode) == 0o644
+    run = subprocess.run([out.parent / "bin" / "run.sh"], capture_output=True, text=True)
+    assert run.stdout == "hi\n"  # the script kept its exec bit
+
+
+def test_no_git_bundle_leaves_out_state_keys_and_specials(tmp_path: Path) -> None:
+    src = site(
+        tmp_path / "site",
+        {
+            "main.py": "def graph(g, world): pass\n",
+            "lib/mod.py": "y = 2\n",
+            "lib/keys/id_ed25519": "private\n",
+            "other/pins.json": "{}\n",
+            "other/x.txt": "in a dir that looks like a state dir\n",
+            "agent2/vertices/v": "vertex state\n",
+            "big.bin": b"\0" * 2000,
+            "run.sh": "#!/bin/sh\n",
+        },
+    )
+    (src / "run.sh").chmod(0o750)
+    keys = HostKeys(src / "state")  # an agent's state dir inside the graph's directory
+    (src / "lib" / "alias.py").symlink_to("mod.py")  # inside the tree: sent as a file
+    (src / "stolen.key").symlink_to("state/keys/sign.key")
+    (src / ".env").write_text("SECRET=1\n")
+    (src / "env").symlink_to(".env")
+    os.mkfifo(src / "fifo")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(src / "sock"))
+    try:
+        b = bd.collect(src / "main.py", use_git=False, max_file_size=1000)
+    finally:
+        sock.close()
+    assert b.git is None
+    assert {p: c.mode for p, c in b.files.items()} == {
+        "main.py": 0o644,
+        "lib/mod.py": 0o644,
+        "lib/alias.py": 0o644,
+        "run.sh": 0o755,
+    }
+    why = {lo.path: lo.why for lo in b.left_out}
+    assert why == {
+        "agent2/": why["agent2/"],
+        ".env": "a dot entry",
+        "big.bin": "2000 bytes, over the 1000-byte limit (--max-file-size)",
+        "env": "a symlink to .env, which is left out: a dot entry",
+        "fifo": "a FIFO",
+        "lib/keys/": "a keys/ directory (private keys are never deployed)",
+        "other/": why["other/"],
+        "sock": "a socket",
+        "state/": why["state/"],
+        "stolen.key": why["stolen.key"],
+    }
+    assert why["state/"].startswith("an evergraph state dir")
+    assert why["other/"].startswith("an evergraph state dir")
+    assert why["agent2/"].startswith("an evergraph state dir")
+    assert why["stolen.key"].startswith("a symlink into an evergraph state dir")
+    assert all(lo.notable for lo in b.left_out if lo.path != ".env")
+    secret = (src / "state" / "keys" / "sign.key").read_bytes()
+    assert keys.verify
+    assert all(secret not in c.data for c in b.files.values())
+
+    # symlinks: a loop and a way out are errors, not silent cuts
+    (src / "lib" / "loop").symlink_to("..")
+    with pytest.raises(dp.DeployError, match="symlink loop"):
+        bd.collect(src / "main.py", use_git=False)
+    (src / "lib" / "loop").unlink()
+    (src / "passwd").symlink_to("/etc/passwd")
+    with pytest.raises(dp.DeployError, match="passwd: a symlink leaving the deployed directory"):
+        bd.collect(src / "main.py", use_git=False)
+    # a dot-named entry is still sent; a directory as entry is not a file
+    hidden = site(tmp_path / "h", {".hidden.yaml": GRAPH, ".env": "z\n"})
+    b = bd.collect(hidden / ".hidden.yaml", use_git=False)
+    assert list(b.files) == [".hidden.yaml"]
+    (tmp_path / "dir.yaml").mkdir()
+    with pytest.raises(dp.DeployError, match="not a regular file"):
+        bd.collect(tmp_path / "dir.yaml", use_git=False)
+    # the graph's own directory being a state dir: refused outright
+    HostKeys(tmp_path / "h")
+    with pytest.raises(dp.DeployError, match="is an evergraph state dir"):
+        bd.collect(hidden / ".hidden.yaml", use_git=False)
+
+
+def test_ignore_patterns() -> None:
+    ig = bd.Ignore()
+    ig.add(
+        "",
+        "# a comment\n"
+        "\n"
+        "*.log\n"
+        "!keep.log\n"
+        "/build\n"
+        "doc/*.txt\n"
+        "**/cache\n"
+        "a/**/b\n"
+        "out/\n"
+        "[ab].dat\n"
+        "[!ab].bin\n"
+        "\\#literal\n"
+        "trail\\ \n"
+        "gone/\n"
+        "!gone/back\n"
+        "!.env\n",
+    )
+    ig.add("sub", "*.dat\n/only-here\n")
+    cases = {
+        ("a.log", False): True,
+        ("x/y/a.log", False): True,
+        ("a.logx", False): False,
+        ("keep.log", False): False,
+        ("x/keep.log", False): False,
+        ("build", True): True,
+        ("build/x", False): True,
+        ("x/build", True): False,
+        ("doc/a.txt", False): True,
+        ("doc/x/a.txt", False): False,
+        ("cache", True): True,
+        ("p/q/cache", False): True,
+        ("a/b", False): True,
+        ("a/x/y/b", False): True,
+        ("out", True): True,
+        ("out/f", False): True,
+        ("out", False): False,
+        ("a.dat", False): True,
+        ("c.dat", False): False,
+        ("c.bin", False): True,
+        ("a.bin", False): False,
+        ("#literal", False): True,
+        ("trail ", False): True,
+        ("trail", False): False,
+        ("gone/back", False): True,  # a file under an excluded directory stays out
+        ("sub/x.dat", False): True,
+        ("sub/only-here", False): True,
+        ("sub/deeper/only-here", False): False,
+        ("only-here", False): False,
+        ("x.txt", False): False,
+        # built-ins: dot entries and __pycache__ (a user pattern re-includes)
+        (".git2", True): True,
+        ("p/.hidden", False): True,
+        (".env", False): False,
+        ("p/__pycache__", True): True,
+        ("p/__pycache__", False): False,
+    }
+    wrong = {k: v for k, v in cases.items() if (ig.why(*k) is not None) != v}
+    assert wrong == {}
+    assert ig.why("x/a.log", False) == "ignored by .evergraphignore:3 (*.log)"
+    assert ig.why("sub/x.dat", False) == "ignored by sub/.evergraphignore:1 (*.dat)"
+    assert ig.why("p/.hidden", False) == "a dot entry"
+
+
+def test_ignore_files_on_disk(tmp_path: Path) -> None:
+    src = site(
+        tmp_path / "s",
+        {
+            "main.yaml": GRAPH,
+            ".evergraphignore": "*.log\ntests/\n!.well-known/\n",
+            "app.log": "x\n",
+            "tests/t.py": "x\n",
+            ".well-known/a": "sent\n",
+            "sub/.evergraphignore": "*.bak\n!important.log\n",
+            "sub/x.bak": "x\n",
+            "sub/important.log": "sent\n",
+            "sub/other.log": "x\n",
+            "x.bak": "sent: the pattern is sub's\n",
+        },
+    )
+    b = bd.collect(src / "main.yaml", use_git=False)
+    assert sorted(b.files) == [
+        ".well-known/a",
+        "main.yaml",
+        "sub/important.log",
+        "x.bak",
+    ]
+    assert sorted(lo.path for lo in b.left_out) == [
+        ".evergraphignore",
+        "app.log",
+        "sub/.evergraphignore",
+        "sub/other.log",
+        "sub/x.bak",
+        "tests/",
+    ]
+    assert not any(lo.notable for lo in b.left_out)
+
+
+def test_dry_run_sends_nothing(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    src = site(
+        tmp_path / "site",
+        {"main.yaml": GRAPH, "run.sh": "#!/bin/sh\n", "big": b"\1" * 5000, ".env": "x\n"},
+    )
+    (src / "run.sh").chmod(0o755)
+    r = deploy(state, src / "main.yaml", "--no-git", "--dry-run", "--max-file-size", "4K")
+    assert r.returncode == 0, r.stderr
+    signer = state_signer(state)
+    assert r.stdout.splitlines() == [
+        f"send\t0644\t{len(GRAPH)}\tmain.yaml",
+        "send\t0755\t10\trun.sh",
+        "leave out\t.env\ta dot entry",
+        "leave out\tbig\t5000 bytes, over the 4096-byte limit (--max-file-size)",
+        f"dry run: would deploy 2 files, {len(GRAPH) + 10} bytes, 2 left out; "
+        f"signed by {signer} ({fingerprint(signer)}); nothing sent",
+    ]
+    assert not (state / "world.sqlite").exists()  # the World was never opened
+
+
+def test_big_files_are_stored_in_parts_or_left_out(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    big = os.urandom(dp.CHUNK_BYTES * 2 + 12345)
+    src = site(tmp_path / "site", {"main.yaml": GRAPH, "big.bin": big})
+    parse(deploy(state, src / "main.yaml", "--no-git"))
+    d = in_world(state, dp.latest)
+    assert d is not None
+    f = d.files["big.bin"]
+    assert (f.size, len(f.chunks), f.sha) == (len(big), 3, dp.file_ref(big, 0o644).sha)
+    assert max(len(v) for v in in_world(state, blobs)) == dp.CHUNK_BYTES  # one World value
+    out = in_world(state, lambda kv: dp.fetch(kv, d, tmp_path / "out"))
+    assert (out.parent / "big.bin").read_bytes() == big
+    # over --max-file-size: left out, and said so on stderr
+    r = deploy(state, src / "main.yaml", "--no-git", "--max-file-size", "1M")
+    m = parse(r)
+    assert m.group(3, 6) == ("1", "1")
+    assert r.stderr == (
+        f"evergraph: deploy: left out big.bin: {len(big)} bytes, over the 1048576-byte "
+        "limit (--max-file-size)\n"
+    )
+    for bad in ("ten", "-1", "1X", ""):
+        r = deploy(state, src / "main.yaml", "--no-git", "--max-file-size", bad)
+        assert r.returncode == 2
+        assert r.stderr.startswith("evergraph: deploy: --max-file-size: "), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
 
 
 #: the real CLI, started once imported: it says "ready" and deploys when told to
@@ -244,6 +593,7 @@ def test_concurrent_deploys_get_consecutive_numbers(tmp_path: Path) -> None:
     state = tmp_path / "state"
     db = state / "world.sqlite"
     in_world(state, dp.latest)  # create the World file before the race
+    HostKeys(state)  # and the signing key
     procs: list[subprocess.Popen[str]] = []
     try:
         for i in range(4):
@@ -257,7 +607,15 @@ def test_concurrent_deploys_get_consecutive_numbers(tmp_path: Path) -> None:
                     "b.bin": os.urandom(1 << 20),
                 },
             )
-            argv = ["deploy", str(src / "main.yaml"), "--no-git", "--world-db", str(db)]
+            argv = [
+                "deploy",
+                str(src / "main.yaml"),
+                "--no-git",
+                "--world-db",
+                str(db),
+                "--state-dir",
+                str(state),
+            ]
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-c", STARTER, *argv],
@@ -291,16 +649,17 @@ def test_concurrent_deploys_get_consecutive_numbers(tmp_path: Path) -> None:
     assert [d.parent for d in hist] == ["", *(d.hash for d in hist[:3])]
     assert in_world(state, dp.latest) == hist[-1]
     # each deploy holds the content of exactly one of the four sites
-    assert len({d.files["main.yaml"] for d in hist}) == 4
+    assert len({d.files["main.yaml"].sha for d in hist}) == 4
 
 
 def test_follow_sees_a_deploy_from_another_process(tmp_path: Path) -> None:
     state = tmp_path / "state"
     src = site(tmp_path / "site", {"main.yaml": GRAPH})
     first = parse(deploy(state, src / "main.yaml", "--no-git"))
+    trust = dp.Trust(keys=[state_signer(state)])
 
     async def body(kv: KV) -> None:
-        it = dp.follow(kv).__aiter__()
+        it = dp.follow(kv, trust).__aiter__()
         try:
             now = await asyncio.wait_for(it.__anext__(), 10)
             assert now.n == 1
@@ -336,9 +695,10 @@ def test_bad_head_and_tampered_blob_are_rejected(
     r = run_cli("world", "put", "--state-dir", state, dp.HEAD, "garbage {")
     assert r.returncode == 0, r.stderr
     caplog.set_level(logging.WARNING, logger="evergraph.deploys")
+    trust = dp.Trust(keys=[state_signer(state)])
 
     async def body(kv: KV) -> None:
-        it = dp.follow(kv).__aiter__()
+        it = dp.follow(kv, trust).__aiter__()
         try:
             # the garbage head is skipped with a warning; the newest record is found
             d1 = await asyncio.wait_for(it.__anext__(), 10)
@@ -366,7 +726,7 @@ def test_bad_head_and_tampered_blob_are_rejected(
         assert dp.decode_record(head.value, "head") == d2
 
         # a tampered blob: fetch refuses, names the key, leaves nothing behind
-        key = dp.blob_key(d2.files["data.txt"])
+        key = dp.blob_key(d2.files["data.txt"].sha)
         await kv.put(key, b"evil\n")
         out = tmp_path / "out"
         with pytest.raises(dp.DeployError, match=f"{key}: its content does not match its hash"):
@@ -393,8 +753,8 @@ def test_bad_inputs_exit_2_and_publish_nothing(tmp_path: Path) -> None:
     for i in range(17):
         (big / f"part{i:02d}").write_bytes(os.urandom(1 << 20))
     cases.append((big / "main.py", f"more than {16 << 20} bytes"))
-    huge = site(tmp_path / "huge", {"main.yml": GRAPH, "one": b"\0" * (dp.MAX_FILE_BYTES + 1)})
-    cases.append((huge / "main.yml", "one file may hold at most"))
+    huge = site(tmp_path / "huge", {"main.yml": GRAPH + "#" * (11 << 20)})
+    cases.append((huge / "main.yml", "over the 10485760-byte limit"))
     link = site(tmp_path / "link", {"main.yaml": GRAPH})
     (link / "passwd").symlink_to("/etc/passwd")
     cases.append((link / "main.yaml", "passwd: a symlink leaving the deployed directory"))
@@ -414,7 +774,15 @@ def test_world_unreachable_exits_1(tmp_path: Path) -> None:
     src = site(tmp_path / "site", {"main.yaml": GRAPH})
     blocker = tmp_path / "file"
     blocker.write_text("")  # a file where the World's directory should be
-    r = run_cli("deploy", src / "main.yaml", "--no-git", "--world-db", blocker / "w.sqlite")
+    r = run_cli(
+        "deploy",
+        src / "main.yaml",
+        "--no-git",
+        "--world-db",
+        blocker / "w.sqlite",
+        "--state-dir",
+        tmp_path / "state",
+    )
     assert r.returncode == 1, r.stderr
     assert r.stderr.startswith("evergraph: world:")
 
@@ -433,43 +801,82 @@ def run_mem(body: Callable[[KV], Awaitable[None]]) -> None:
     asyncio.run(main())
 
 
+KEY = nacl.signing.SigningKey(b"\1" * 32)
+OTHER = nacl.signing.SigningKey(b"\2" * 32)
+ME = dp.verify_key_of(KEY)
 FILES = {"main.yaml": GRAPH.encode(), "lib/x.txt": b"x\n"}
 
 
-async def pub(kv: KV, files: dict[str, bytes] = FILES) -> dp.Deploy:
-    return await dp.publish(kv, "main.yaml", files, git=None, force=False, by="t@h", repo=None)
+async def pub(
+    kv: KV, files: dict[str, bytes] = FILES, key: nacl.signing.SigningKey = KEY
+) -> dp.Deploy:
+    contents = {p: dp.Content(b, 0o644) for p, b in files.items()}
+    return await dp.publish(kv, "main.yaml", contents, key=key, git=None, by="t@h")
+
+
+def record(
+    n: int,
+    parent: str = "",
+    key: nacl.signing.SigningKey = KEY,
+    files: dict[str, dp.File] | None = None,
+    **kw: object,
+) -> dp.Deploy:
+    """A signed record made by hand."""
+    fields: dict[str, object] = {
+        "n": n,
+        "parent": parent,
+        "entry": "main.yaml",
+        "files": files if files is not None else {"main.yaml": dp.file_ref(b"x", 0o644)},
+        "git": None,
+        "by": "u",
+        "time": 1.0,
+        "signer": dp.verify_key_of(key),
+        **kw,
+    }
+    digest = dp.record_hash(**fields)  # type: ignore[arg-type]
+    return dp.Deploy(hash=digest, signature=dp.sign(key, digest), **fields)  # type: ignore[arg-type]
+
+
+def rehashed(d: dp.Deploy) -> dp.Deploy:
+    """`d` with its hash made to match again (the signature left as it was)."""
+    return msgspec.structs.replace(d, hash=dp._hash_of(d))
 
 
 def test_verify_rejects_bad_records() -> None:
-    good = dp.Deploy(
-        n=1,
-        parent="",
-        hash=dp.record_hash(
-            n=1, parent="", entry="a.yaml", files={"a.yaml": "0" * 64}, git=None, by="u", time=1.0
-        ),
-        entry="a.yaml",
-        files={"a.yaml": "0" * 64},
-        git=None,
-        by="u",
-        time=1.0,
-    )
+    good = record(1)
     dp.verify(good, "k")
     assert dp.decode_record(msgspec.json.encode(good), "k") == good
+    f = dp.file_ref(b"x", 0o644)
 
-    def rehashed(**kw: object) -> dp.Deploy:
+    def resigned(**kw: object) -> dp.Deploy:
         d = msgspec.structs.replace(good, **kw)
-        return msgspec.structs.replace(d, hash=dp._hash_of(d))
+        d = msgspec.structs.replace(d, hash=dp._hash_of(d))
+        return msgspec.structs.replace(d, signature=dp.sign(KEY, d.hash))
 
+    raw_sig = base64.b64decode(good.signature)
+    bad_sig = base64.b64encode(bytes([raw_sig[0] ^ 1]) + raw_sig[1:]).decode()
+    rehashed_unsigned = rehashed(msgspec.structs.replace(good, by="other"))
     bad = {
-        "is absolute": rehashed(files={"a.yaml": "0" * 64, "/etc/x": "0" * 64}),
-        "'..' component": rehashed(files={"a.yaml": "0" * 64, "a/../../x": "0" * 64}),
-        "not one of the files": rehashed(entry="b.yaml"),
-        "not a .yaml, .yml or .py": rehashed(entry="x.sh", files={"x.sh": "0" * 64}),
-        "not positive": rehashed(n=0),
-        "deploy 1 names a parent": rehashed(parent="1" * 64),
-        "not a sha256": rehashed(files={"a.yaml": "xyz"}),
-        "both a file and a directory": rehashed(files={"a.yaml": "0" * 64, "a.yaml/b": "0" * 64}),
+        "is absolute": resigned(files={"main.yaml": f, "/etc/x": f}),
+        "'..' component": resigned(files={"main.yaml": f, "a/../../x": f}),
+        "not one of the files": resigned(entry="b.yaml"),
+        "not a .yaml, .yml or .py": resigned(entry="x.sh", files={"x.sh": f}),
+        "not positive": resigned(n=0),
+        "deploy 1 names a parent": resigned(parent="1" * 64),
+        "not a sha256": resigned(files={"main.yaml": msgspec.structs.replace(f, sha="xyz")}),
+        "has mode 4755": resigned(files={"main.yaml": msgspec.structs.replace(f, mode=0o4755)}),
+        "blobs for": resigned(files={"main.yaml": msgspec.structs.replace(f, chunks=())}),
+        "its one blob is not its content": resigned(
+            files={"main.yaml": msgspec.structs.replace(f, chunks=("0" * 64,))}
+        ),
+        "both a file and a directory": resigned(files={"main.yaml": f, "main.yaml/b": f}),
         "hash does not match": msgspec.structs.replace(good, by="other"),
+        # the signature: tampered, over another hash, by another key than named, absent
+        "bad signature": msgspec.structs.replace(good, signature=bad_sig),
+        "bad signature: deploy 1 is not signed": rehashed_unsigned,
+        "not signed by the key it names": resigned(signer=dp.verify_key_of(OTHER)),
+        "signature is not base64": msgspec.structs.replace(good, signature="!!"),
+        "signer is not a verify key": resigned(signer=""),
     }
     for why, d in bad.items():
         with pytest.raises(dp.DeployError, match=why):
@@ -479,22 +886,25 @@ def test_verify_rejects_bad_records() -> None:
         dp.decode_record(extra, "k")
     with pytest.raises(dp.DeployError, match="not a deploy record"):
         dp.decode_record(msgspec.json.encode(good).replace(b'"n":1', b'"n":"1"'), "k")
+    # an unsigned record of the old schema (files as plain hashes, no signer)
+    old = {k: v for k, v in msgspec.to_builtins(good).items() if k not in ("signer", "signature")}
+    old["files"] = {"main.yaml": f.sha}
+    with pytest.raises(dp.DeployError, match="not a deploy record"):
+        dp.decode_record(msgspec.json.encode(old), "k")
+    old["files"] = {"main.yaml": msgspec.to_builtins(f)}
+    with pytest.raises(dp.DeployError, match="missing required field `signer`"):
+        dp.decode_record(msgspec.json.encode(old), "k")
 
 
 def test_lagging_head_and_bad_head_records() -> None:
     async def body(kv: KV) -> None:
         d1 = await pub(kv)
         # a deployer that died after writing record 2 but before moving the head
-        f2 = {"main.yaml": "a" * 64}
-        h2 = dp.record_hash(
-            n=2, parent=d1.hash, entry="main.yaml", files=f2, git=None, by="x", time=2.0
-        )
-        d2 = dp.Deploy(
-            n=2, parent=d1.hash, hash=h2, entry="main.yaml", files=f2, git=None, by="x", time=2.0
-        )
+        f2 = {"main.yaml": dp.file_ref(b"two", 0o644)}
+        d2 = record(2, d1.hash, files=f2, by="x", time=2.0)
         await kv.put(dp.record_key(2), msgspec.json.encode(d2))
         assert await dp.latest(kv) == d2
-        it = dp.follow(kv).__aiter__()
+        it = dp.follow(kv, dp.Trust(keys=[ME])).__aiter__()
         try:  # follow starts from the newest record, not the lagging head
             assert await asyncio.wait_for(it.__anext__(), 5) == d2
         finally:
@@ -502,8 +912,7 @@ def test_lagging_head_and_bad_head_records() -> None:
         d3 = await pub(kv)
         assert (d3.n, d3.parent) == (3, d2.hash)
         # a head forged with a valid-looking record that is not deploys/<n>: ignored
-        fake = msgspec.structs.replace(d3, n=99, parent="b" * 64)
-        fake = msgspec.structs.replace(fake, hash=dp._hash_of(fake))
+        fake = record(99, "b" * 64)
         await kv.put(dp.HEAD, msgspec.json.encode(fake))
         d4 = await pub(kv)
         assert d4.n == 4
@@ -524,7 +933,7 @@ def test_lagging_head_and_bad_head_records() -> None:
     run_mem(body)
 
 
-def test_fetch_refuses_existing_dest_and_follow_skips_older(tmp_path: Path) -> None:
+def test_fetch_modes_refuses_existing_dest_and_follow_skips_older(tmp_path: Path) -> None:
     async def body(kv: KV) -> None:
         d1 = await pub(kv)
         dest = tmp_path / "d"
@@ -534,6 +943,32 @@ def test_fetch_refuses_existing_dest_and_follow_skips_older(tmp_path: Path) -> N
         entry = await dp.fetch(kv, d1, tmp_path / "new" / "d1")
         assert entry.read_bytes() == FILES["main.yaml"]
         assert (entry.parent / "lib/x.txt").read_bytes() == b"x\n"
+        # modes travel: a script keeps its exec bit whatever the umask; empty files too
+        script = b"#!/bin/sh\necho ran\n"
+        files = {
+            "main.yaml": dp.Content(b"graph: s\n", 0o644),
+            "bin/run": dp.Content(script, 0o755),
+            "empty": dp.Content(b"", 0o644),
+        }
+        ds = await dp.publish(kv, "main.yaml", files, key=KEY, git=None, by="t")
+        assert ds.files["bin/run"].mode == 0o755
+        old = os.umask(0o077)
+        try:
+            got = await dp.fetch(kv, ds, tmp_path / "s")
+        finally:
+            os.umask(old)
+        assert stat.S_IMODE((got.parent / "bin/run").stat().st_mode) == 0o755
+        assert stat.S_IMODE(got.stat().st_mode) == 0o644
+        assert (got.parent / "empty").read_bytes() == b""
+        ran = await asyncio.create_subprocess_exec(
+            got.parent / "bin/run", stdout=asyncio.subprocess.PIPE
+        )
+        stdout, _ = await ran.communicate()
+        assert stdout == b"ran\n"
+        with pytest.raises(dp.DeployError, match="mode 600 is not 644 or 755"):
+            await dp.publish(
+                kv, "main.yaml", {"main.yaml": dp.Content(b"", 0o600)}, key=KEY, git=None, by="t"
+            )
 
         seen: list[int] = []
         got_two = asyncio.Event()
@@ -541,20 +976,20 @@ def test_fetch_refuses_existing_dest_and_follow_skips_older(tmp_path: Path) -> N
         async def consume(it: AsyncIterator[dp.Deploy]) -> None:
             async for d in it:
                 seen.append(d.n)
-                if d.n >= 2:
+                if d.n >= 3:
                     got_two.set()
 
-        task = asyncio.create_task(consume(dp.follow(kv)))
+        task = asyncio.create_task(consume(dp.follow(kv, dp.Trust(keys=[ME]))))
         try:
-            await asyncio.wait_for(_until(lambda: seen == [1]), 5)
-            d2 = await pub(kv, {**FILES, "main.yaml": b"graph: two\n"})
+            await asyncio.wait_for(_until(lambda: seen == [2]), 5)
+            d3 = await pub(kv, {**FILES, "main.yaml": b"graph: three\n"})
             await asyncio.wait_for(got_two.wait(), 5)
             # the head moved back to deploy 1 by hand: no rollback is yielded
             await kv.put(dp.HEAD, msgspec.json.encode(d1))
-            await pub(kv, {**FILES, "main.yaml": b"graph: three\n"})
-            await asyncio.wait_for(_until(lambda: seen[-1] == 3), 5)
-            assert seen == [1, 2, 3]
-            assert d2.n == 2
+            await pub(kv, {**FILES, "main.yaml": b"graph: four\n"})
+            await asyncio.wait_for(_until(lambda: seen[-1] == 4), 5)
+            assert seen == [2, 3, 4]
+            assert d3.n == 3
         finally:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -568,22 +1003,127 @@ async def _until(pred: Callable[[], bool]) -> None:
         await asyncio.sleep(0.001)
 
 
-def test_collect(tmp_path: Path) -> None:
-    src = site(tmp_path / "s", {"main.py": "x = 1\n", "pkg/mod.py": "y = 2\n", ".env": "z\n"})
-    (src / "pkg" / "alias.py").symlink_to("mod.py")  # inside the tree: published as a file
-    (src / "pkg" / "loop").symlink_to("..")
-    with pytest.raises(dp.DeployError, match="symlink loop"):
-        dp.collect(src / "main.py")
-    (src / "pkg" / "loop").unlink()
-    entry, files = dp.collect(src / "main.py")
-    assert entry == "main.py"
-    assert files == {"main.py": b"x = 1\n", "pkg/mod.py": b"y = 2\n", "pkg/alias.py": b"y = 2\n"}
-    # a dot-named entry is still published
-    (src / ".hidden.yaml").write_text(GRAPH)
-    entry, files = dp.collect(src / ".hidden.yaml")
-    assert entry == ".hidden.yaml"
-    assert ".env" not in files
-    assert entry in files
-    (tmp_path / "dir.yaml").mkdir()
-    with pytest.raises(dp.DeployError, match="not a regular file"):
-        dp.collect(tmp_path / "dir.yaml")
+class Follower:
+    """`dp.follow` in a task, collecting what it yields."""
+
+    def __init__(self, kv: KV, trust: dp.Trust) -> None:
+        self.seen: list[dp.Deploy] = []
+        self.task = asyncio.create_task(self._run(dp.follow(kv, trust)))
+
+    async def _run(self, it: AsyncIterator[dp.Deploy]) -> None:
+        async for d in it:
+            self.seen.append(d)
+
+    async def until(self, n: int) -> None:
+        await asyncio.wait_for(_until(lambda: bool(self.seen) and self.seen[-1].n == n), 5)
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await self.task
+
+
+@pytest.fixture
+def warnings(caplog: pytest.LogCaptureFixture) -> Callable[[str], int]:
+    caplog.set_level(logging.INFO, logger="evergraph.deploys")
+    return lambda text: sum(text in r.getMessage() for r in caplog.records)
+
+
+def test_trust_pins_the_first_signer_and_refuses_others_once(
+    tmp_path: Path, warnings: Callable[[str], int]
+) -> None:
+    pins = Pins(tmp_path)
+
+    async def body(kv: KV) -> None:
+        d1 = await pub(kv)
+        f = Follower(kv, dp.Trust(pins=pins))
+        try:
+            await f.until(1)
+            assert pins.trusted_deployers() == [ME]  # pinned, and said so
+            assert warnings(f"pinned deployer {ME} ({fingerprint(ME)})") == 1
+            # another key's deploy: refused, logged once however often the head shows it
+            d2 = await pub(kv, key=OTHER)
+            other = fingerprint(dp.verify_key_of(OTHER))
+            await asyncio.wait_for(_until(lambda: warnings(f"signed by {other}") == 1), 5)
+            head = await kv.get(dp.HEAD)
+            assert head is not None
+            for _ in range(3):
+                await kv.put(dp.HEAD, head.value)
+            # forged records: a tampered signature, a tampered field (hash mismatch), a
+            # re-hashed record under the old signature, garbage, an unsigned old-schema one
+            mine = record(3, d2.hash)
+            sig = base64.b64decode(mine.signature)
+            forged = {
+                f"not signed by the key it names ({fingerprint(ME)})": msgspec.structs.replace(
+                    mine, signature=base64.b64encode(sig[:-1] + bytes([sig[-1] ^ 1])).decode()
+                ),
+                "hash does not match": msgspec.structs.replace(mine, by="mallory@x"),
+                # names another key (re-hashed): the signature is not that key's
+                f"not signed by the key it names ({other})": rehashed(
+                    msgspec.structs.replace(mine, signer=dp.verify_key_of(OTHER))
+                ),
+            }
+            for why, d in forged.items():
+                value = msgspec.json.encode(d)
+                await kv.put(dp.record_key(3), value)
+                await kv.put(dp.HEAD, value)
+                await asyncio.wait_for(_until(lambda w=why: warnings(w) == 1), 5)  # type: ignore[misc]
+            await kv.put(dp.record_key(3), b'{"garbage": true')
+            await kv.put(dp.HEAD, b'{"garbage": true')
+            await asyncio.wait_for(_until(lambda: warnings("not a deploy record") == 1), 5)
+            unsigned = {"n": 3, "parent": d2.hash, "hash": "0" * 64, "entry": "main.yaml"}
+            await kv.put(dp.HEAD, msgspec.json.encode(unsigned))
+            await asyncio.wait_for(_until(lambda: warnings("not a deploy record") == 2), 5)
+            await kv.delete(dp.record_key(3))
+            # the pinned key deploys again: run; nothing refused was yielded
+            d3 = await pub(kv)
+            await f.until(3)
+            assert [d.n for d in f.seen] == [1, 3]
+            assert f.seen[-1] == d3
+            assert warnings(f"signed by {other}") == 1
+            for why in forged:
+                assert warnings(why) == 1, why
+        finally:
+            await f.stop()
+        assert d1.signer == ME
+
+        # a restarted follower with the pin: starts from the newest trusted deploy,
+        # passing over a newer untrusted one (logged once)
+        d4 = await pub(kv, key=OTHER)
+        g = Follower(kv, dp.Trust(pins=Pins(tmp_path)))
+        try:
+            await g.until(3)
+            assert [d.n for d in g.seen] == [3]
+            assert d4.n == 4
+            assert warnings("deploys/0000000004: deploy 4 is signed by") == 1
+        finally:
+            await g.stop()
+
+    run_mem(body)
+
+
+def test_trust_with_named_deployers(tmp_path: Path, warnings: Callable[[str], int]) -> None:
+    third = nacl.signing.SigningKey(b"\3" * 32)
+    with pytest.raises(ValueError, match="not base64"):
+        dp.Trust(keys=["not a key!"])
+    with pytest.raises(ValueError, match="give deployer keys"):
+        dp.Trust()
+
+    async def body(kv: KV) -> None:
+        await pub(kv, key=OTHER)  # deploy 1, by a key not named
+        trust = dp.Trust(keys=[ME, dp.verify_key_of(third)])
+        f = Follower(kv, trust)
+        try:
+            await asyncio.wait_for(_until(lambda: warnings("deploy 1 is signed by") == 1), 5)
+            await pub(kv, key=third)
+            await f.until(2)
+            await pub(kv, key=OTHER)
+            await asyncio.wait_for(_until(lambda: warnings("deploy 3 is signed by") == 1), 5)
+            await pub(kv, key=KEY)
+            await f.until(4)
+            assert [d.n for d in f.seen] == [2, 4]
+        finally:
+            await f.stop()
+        assert not (tmp_path / "pins.json").exists()
+
+    run_mem(body)

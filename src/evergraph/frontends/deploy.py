@@ -1,5 +1,11 @@
 """The deploy frontend: `evergraph run` without FILE follows the newest deploy.
 
+Only deploys signed by a trusted deployer run: the keys given with `run
+--deployer KEY` (and no other), or else the deployers pinned in the state
+dir's pins.json, the first signer seen being pinned (trust on first use). An
+unsigned, wrongly signed, malformed or untrusted deploy is logged once and
+refused; the running graph stays.
+
 Each deploy (`evergraph deploy FILE`) is materialised under
 `STATE/deploys/<n>/` (checked against its hashes, written to a temporary
 directory and renamed, so a directory that exists is complete) and run by the
@@ -13,19 +19,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from evergraph.engine.contract import Registry
 from evergraph.engine.model import GraphModel
 from evergraph.errors import InputError
-from evergraph.frontends.base import Context, Frontend, open_frontend
+from evergraph.frontends.base import Context, Frontend
+from evergraph.frontends.open import open_frontend
 from evergraph.world import deploys
-from evergraph.world.kv import KV, WorldError
+from evergraph.world.hostkeys import fingerprint
+from evergraph.world.kv import WorldError
+from evergraph.world.pins import Pins, PinsError
 
 log = logging.getLogger("evergraph.frontend.deploy")
 
@@ -37,8 +45,10 @@ class DeployFrontend(Frontend):
     label = "deploys"
     needs_shared_world = True
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, deployers: Sequence[str] = ()) -> None:
         self.registry = registry
+        #: the trusted deployers' verify keys (base64); empty: the pinned ones
+        self.deployers = check_deployers(deployers)
         self._stream: AsyncIterator[deploys.Deploy] | None = None
         self._inner: Frontend | None = None
         #: the deploy running now
@@ -78,12 +88,32 @@ class DeployFrontend(Frontend):
     async def first(self, ctx: Context) -> GraphModel:
         if ctx.kv is None:
             raise InputError("without FILE, `run` follows deploys, and that needs a World")
-        self._stream = deploys.follow(ctx.kv)
+        self._stream = deploys.follow(ctx.kv, self._trust(ctx))
         with contextlib.suppress(deploys.DeployError):  # follow() skips a bad one, warning
             if await deploys.latest(ctx.kv) is None:
                 log.info("no deploy in the World yet: waiting for `evergraph deploy FILE`")
         self._inner, model = await self._next(ctx)
         return model
+
+    def _trust(self, ctx: Context) -> deploys.Trust:
+        if self.deployers:
+            names = ", ".join(fingerprint(k) for k in self.deployers)
+            log.info("following deploys signed by %s (--deployer)", names)
+            return deploys.Trust(keys=self.deployers)
+        try:
+            pins = Pins(ctx.state_dir)
+            pinned = pins.trusted_deployers()
+        except PinsError as e:
+            raise InputError(str(e)) from None
+        if pinned:
+            names = ", ".join(fingerprint(k) for k in pinned)
+            log.info("following deploys signed by %s (pinned in %s)", names, pins.path)
+        else:
+            log.info(
+                "no deployer pinned yet: the first deploy's signer will be "
+                "(`run --deployer KEY` names deployers instead)"
+            )
+        return deploys.Trust(pins=pins)
 
     async def updates(self, ctx: Context) -> AsyncIterator[GraphModel]:
         assert self._inner is not None
@@ -139,44 +169,33 @@ def _prune(root: Path, keep: int) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-async def publish_file(kv: KV, path: Path) -> deploys.Deploy | None:
-    """`run FILE` on a cluster: publish FILE (and its directory) as the next deploy,
-    so agents following deploys run it too; unless the newest deploy already holds
-    exactly these files (a restart with nothing edited).
-    Problems are logged, not fatal: this agent runs FILE either way."""
-    try:
-        entry, files = deploys.collect(path)
-        shas = {p: hashlib.sha256(b).hexdigest() for p, b in files.items()}
-        with contextlib.suppress(deploys.DeployError):  # a bad newest record: publish past it
-            newest = await deploys.latest(kv)
-            if newest is not None and newest.entry == entry and newest.files == shas:
-                return newest
-        d = await deploys.publish(
-            kv, entry, files, git=None, force=True, by=deploys.whoami(), repo=None
-        )
-    except (deploys.DeployError, WorldError) as e:
-        log.error("could not publish %s as a deploy: %s", path, e)
-        return None
-    log.info("published %s as deploy %d (%s)", path, d.n, d.hash[:12])
-    return d
-
-
-class Publisher:
-    """`run FILE` on a cluster: publish FILE at start, and again after each save of
-    it. A graph re-run for other reasons (a World change under a Python graph) costs
-    one stat, not a read and hash of the whole directory."""
-
-    def __init__(self, kv: KV, path: Path) -> None:
-        self.kv = kv
-        self.path = path
-        self._seen: tuple[int, int] | None = None
-
-    async def __call__(self) -> None:
+def check_deployers(keys: Sequence[str]) -> list[str]:
+    """The deployer keys, each a base64 Ed25519 verify key in canonical form;
+    InputError naming --deployer for a bad one."""
+    out: list[str] = []
+    for k in keys:
         try:
-            st = self.path.stat()
-        except OSError:
-            return  # mid-save; the graph that follows the save publishes
-        seen = (st.st_mtime_ns, st.st_size)
-        if seen != self._seen:
-            self._seen = seen
-            await publish_file(self.kv, self.path)
+            key = deploys.canonical_key(k)
+        except ValueError as e:
+            raise InputError(
+                f"{k!r} is not a deployer's verify key ({e}; `evergraph deploy` prints the key "
+                "that signed a deploy)",
+                "--deployer",
+            ) from None
+        if key not in out:
+            out.append(key)
+    return out
+
+
+def trust_deployers(frontend: Frontend, keys: Sequence[str]) -> None:
+    """Make an agent following deploys run only those signed by `keys` (`run
+    --deployer`); InputError for a bad key or a frontend that does not follow deploys."""
+    checked = check_deployers(keys)
+    if not checked:
+        return
+    if not isinstance(frontend, DeployFrontend):
+        raise InputError(
+            "names who may deploy to an agent following deploys: give no FILE with it",
+            "--deployer",
+        )
+    frontend.deployers = checked

@@ -1,9 +1,12 @@
-"""Deploys: code published to the World as numbered, hash-chained records (SPEC §4.4).
+"""Deploys: code published to the World as numbered, hash-chained, signed records
+(SPEC §4.4).
 
 World layout:
 
-- `deploys/files/<sha256hex>`: the raw bytes of one file, content-addressed and
-  write-once (identical content in any deploy is stored once);
+- `deploys/files/<sha256hex>`: the raw bytes of one blob, content-addressed and
+  write-once (identical content in any deploy is stored once). A file is one
+  blob, or several of at most `CHUNK_BYTES` each: a blob is one World value,
+  and etcd refuses requests over 1.5 MiB;
 - `deploys/<n>` (`n` zero-padded to 10 digits): the JSON `Deploy` record. It is
   what makes deploy `n` exist: it is created with `cas(expect=0)`, so of two
   deployers that both computed `n`, exactly one gets it; the other re-reads,
@@ -14,30 +17,36 @@ World layout:
   between); readers take it as a hint and look for newer records after it.
 
 A record holds `n`, `parent` (the previous record's hash, "" for deploy 1),
-`hash` (sha256 over a canonical encoding of every other field), `entry` (the
-graph file, relative to the deploy's root), `files` (relative path -> blob
-sha256), `git` (the HEAD commit deployed, or None), `by` (user@host), `time`.
-The hash is a checksum, not a signature: whoever may write the World may
-deploy; it catches damaged and hand-edited records.
+`hash` (sha256 over a canonical encoding of every other field but the
+signature), `entry` (the graph file, relative to the deploy's root), `files`
+(relative path -> `File`: sha256, size, mode 0644/0755, blob keys), `git` (the
+commit deployed, or None), `by` (user@host), `time`, `signer` (the deployer's
+Ed25519 verify key, base64) and `signature` (base64, by `signer` over the hash).
+A record that does not decode, verify or carry a good signature is refused
+everywhere. Whose signature a follower accepts is its `Trust`: deployers named
+explicitly, or the first signer seen, pinned in the state dir's pins.json.
+
+What goes into a deploy (git, the filesystem walk, ignore patterns) is decided
+by `evergraph.frontends.bundle`; this module only stores and reads records.
 
 Public API (DeployError is the one error for bad input or a bad World record;
 the World's own failures are `WorldError`):
 
-- `collect(path) -> (entry, {relative path: bytes})`: what `deploy FILE` publishes;
-- `git_head(path) -> commit`: HEAD of the repository holding `path`, which must
-  have no uncommitted changes to tracked files under `path`'s directory;
-- `await publish(kv, entry, files, git=, force=, by=, repo=) -> Deploy`;
+- `await publish(kv, entry, files, key=, git=, by=, check_parent=) -> Deploy`;
 - `await latest(kv)`, `await get(kv, n)`, `await history(kv)`;
-- `await fetch(kv, deploy, dest) -> dest / entry`: materialise a deploy;
-- `follow(kv)`: async iterator of the newest deploy and each newer one;
+- `await fetch(kv, deploy, dest) -> dest / entry`: materialise a deploy, modes too;
+- `follow(kv, trust)`: async iterator of the newest trusted deploy and each newer one;
+- `Trust(keys=, pins=)`: whose deploys a follower runs;
 - `decode_record(value, where) -> Deploy`: decode and verify one record;
-  `verify(deploy, where)`, `record_hash(n=, parent=, entry=, files=, git=, by=, time=)`;
+  `verify(deploy, where)`, `record_hash(...)`, `file_ref(data, mode)`;
+- `read_signing_key(path)`, `verify_key_of(key)`, `mode_of(st_mode)`;
 - `whoami() -> "user@host"`, `record_key(n)`, `blob_key(sha)`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import getpass
 import hashlib
@@ -47,17 +56,19 @@ import os
 import re
 import shutil
 import socket
-import stat
-import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
+from typing import NamedTuple
 
 import msgspec
+import nacl.signing
 
 from evergraph.world.follow import Tombstone, watch_one
+from evergraph.world.hostkeys import HostKeys, check_verify_key, fingerprint
 from evergraph.world.kv import KV, KeyValue, WorldError
+from evergraph.world.pins import Pins, PinsError
 
 log = logging.getLogger("evergraph.deploys")
 
@@ -67,12 +78,19 @@ FILES = "deploys/files/"
 SUFFIXES = (".yaml", ".yml", ".py")
 MAX_FILES = 1000
 MAX_BYTES = 16 << 20
-#: one file's limit: a blob is one World value, and etcd refuses requests over
-#: 1.5 MiB by default (--max-request-bytes)
-MAX_FILE_BYTES = 1 << 20
+#: one blob's size: a blob is one World value, and etcd refuses requests over
+#: 1.5 MiB by default (--max-request-bytes); larger files are stored in parts
+CHUNK_BYTES = 1 << 20
+#: the modes a deployed file may have: the exec bits travel, nothing else
+MODES = (0o644, 0o755)
 #: how many lost races (another deployer took the number) before giving up
 MAX_ATTEMPTS = 50
-_HASH_TAG = "evergraph-deploy/1"
+#: at start, how many records before the newest a follower looks through for a
+#: trusted one (the newest may be refused)
+LOOKBACK = 100
+_HASH_TAG = "evergraph-deploy/2"
+#: what is signed: this tag and the record's hash (never valid as an export's signature)
+_SIG_TAG = b"evergraph-deploy/2 signature\n"
 _SHA = re.compile(r"[0-9a-f]{64}")
 _COMMIT = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
@@ -82,22 +100,44 @@ class DeployError(Exception):
     The message is one line; the CLI prints it and exits with status 2."""
 
 
+class Content(NamedTuple):
+    """One file to publish: its bytes and its mode (0644 or 0755)."""
+
+    data: bytes
+    mode: int
+
+
+class File(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    #: sha256 (hex) of the whole content
+    sha: str
+    size: int
+    #: 0o644 or 0o755 (JSON: 420 or 493)
+    mode: int
+    #: the blobs holding the content, in order: `[sha]` for a file up to
+    #: CHUNK_BYTES, none for an empty file, else one per CHUNK_BYTES part
+    chunks: tuple[str, ...]
+
+
 class Deploy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     n: int
     #: hash of deploy n-1's record; "" for deploy 1
     parent: str
-    #: sha256 (hex) over the canonical encoding of every other field
+    #: sha256 (hex) over the canonical encoding of every other field but `signature`
     hash: str
     #: the graph file, relative to the deploy's root
     entry: str
-    #: relative path -> sha256 (hex) of its content (the blob's key)
-    files: dict[str, str]
+    #: relative path -> its content (sha256, size, mode, blobs)
+    files: dict[str, File]
     #: the git commit deployed, if checked
     git: str | None
     #: user@host
     by: str
     #: seconds since the epoch
     time: float
+    #: the deployer's Ed25519 verify key (base64)
+    signer: str
+    #: base64 Ed25519 signature by `signer` over the tag and `hash`
+    signature: str
 
 
 _decoder = msgspec.json.Decoder(Deploy)  # strict: no type coercion, no unknown fields
@@ -124,26 +164,104 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def mode_of(st_mode: int) -> int:
+    """The mode a file is deployed with: 0755 if any exec bit is set, else 0644."""
+    return 0o755 if st_mode & 0o111 else 0o644
+
+
+def file_ref(data: bytes, mode: int) -> File:
+    """The record entry for `data` (mode must be one of MODES)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode:o} is not 644 or 755")
+    chunks = tuple(sha for sha, _ in _chunked(data))
+    return File(sha=_sha256(data), size=len(data), mode=mode, chunks=chunks)
+
+
+def _chunked(data: bytes) -> list[tuple[str, bytes]]:
+    """(sha256, bytes) of each CHUNK_BYTES part of `data` (none if it is empty)."""
+    parts = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
+    return [(_sha256(p), p) for p in parts]
+
+
+def canonical_key(key_b64: str) -> str:
+    """A base64 verify key in its one canonical spelling; ValueError if it is not one."""
+    raw = base64.b64decode(check_verify_key(key_b64), validate=True)
+    return base64.b64encode(raw).decode()
+
+
 def record_hash(
     *,
     n: int,
     parent: str,
     entry: str,
-    files: dict[str, str],
+    files: Mapping[str, File],
     git: str | None,
     by: str,
     time: float,
+    signer: str,
 ) -> str:
-    """The sha256 of a record's other fields: a JSON array in a fixed order (files
-    sorted by path), so the same record always hashes the same."""
-    canon = [_HASH_TAG, n, parent, entry, sorted(files.items()), git, by, time]
+    """The sha256 of a record's fields but `hash` and `signature`: a JSON array in a
+    fixed order (files sorted by path), so the same record always hashes the same."""
+    canon = [
+        _HASH_TAG,
+        n,
+        parent,
+        entry,
+        [[p, f.sha, f.size, f.mode, list(f.chunks)] for p, f in sorted(files.items())],
+        git,
+        by,
+        time,
+        signer,
+    ]
     return _sha256(msgspec.json.encode(canon))
 
 
 def _hash_of(d: Deploy) -> str:
     return record_hash(
-        n=d.n, parent=d.parent, entry=d.entry, files=d.files, git=d.git, by=d.by, time=d.time
+        n=d.n,
+        parent=d.parent,
+        entry=d.entry,
+        files=d.files,
+        git=d.git,
+        by=d.by,
+        time=d.time,
+        signer=d.signer,
     )
+
+
+def _signed_bytes(digest: str) -> bytes:
+    return _SIG_TAG + digest.encode()
+
+
+def sign(key: nacl.signing.SigningKey, digest: str) -> str:
+    """The base64 signature of a record hash."""
+    return base64.b64encode(key.sign(_signed_bytes(digest)).signature).decode()
+
+
+def verify_key_of(key: nacl.signing.SigningKey) -> str:
+    """The base64 verify key of a signing key (what records name as `signer`)."""
+    return base64.b64encode(bytes(key.verify_key)).decode()
+
+
+def read_signing_key(path: Path) -> nacl.signing.SigningKey:
+    """The signing key in `path`: a base64 32-byte Ed25519 seed, the format of
+    STATE/keys/sign.key. DeployError naming the file if it is not one."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DeployError(f"{path}: cannot read the key: {e.strerror}") from None
+    try:
+        seed = base64.b64decode(raw.strip(), validate=True)
+    except ValueError:
+        raise DeployError(
+            f"{path}: not a signing key (a base64 32-byte Ed25519 seed, as STATE/keys/sign.key)"
+        ) from None
+    if len(seed) != 32:
+        raise DeployError(
+            f"{path}: not a signing key: {len(seed)} bytes where a seed has 32 "
+            "(the format of STATE/keys/sign.key)"
+        )
+    return nacl.signing.SigningKey(seed)
 
 
 def _path_problem(p: str) -> str | None:
@@ -177,9 +295,23 @@ def _check_files(entry: str, paths: list[str], where: str) -> None:
                 raise DeployError(f"{where}: {parent!s} is both a file and a directory")
 
 
+def _check_file(p: str, f: File, where: str) -> None:
+    for sha in (f.sha, *f.chunks):
+        if not _SHA.fullmatch(sha):
+            raise DeployError(f"{where}: file {p!r} names {sha!r}, not a sha256")
+    if f.mode not in MODES:
+        raise DeployError(f"{where}: file {p!r} has mode {f.mode:o}, not 644 or 755")
+    if f.size < 0 or f.size > MAX_BYTES:
+        raise DeployError(f"{where}: file {p!r} has size {f.size}")
+    if len(f.chunks) != -(-f.size // CHUNK_BYTES):
+        raise DeployError(f"{where}: file {p!r}: {len(f.chunks)} blobs for {f.size} bytes")
+    if len(f.chunks) == 1 and f.chunks[0] != f.sha:
+        raise DeployError(f"{where}: file {p!r}: its one blob is not its content")
+
+
 def verify(d: Deploy, where: str) -> None:
-    """Raise DeployError (naming `where`) unless the record is well-formed and its
-    hash matches."""
+    """Raise DeployError (naming `where`) unless the record is well-formed, its hash
+    matches and `signer` signed it. (Whether the signer is trusted is `Trust`'s call.)"""
     if d.n <= 0:
         raise DeployError(f"{where}: deploy number {d.n} is not positive")
     if d.n == 1 and d.parent != "":
@@ -190,12 +322,27 @@ def verify(d: Deploy, where: str) -> None:
         raise DeployError(f"{where}: git {d.git!r} is not a commit id")
     if not math.isfinite(d.time):
         raise DeployError(f"{where}: time is not a finite number")
-    for p, sha in d.files.items():
-        if not _SHA.fullmatch(sha):
-            raise DeployError(f"{where}: file {p!r} names {sha!r}, not a sha256")
+    for p, f in d.files.items():
+        _check_file(p, f, where)
+    if sum(f.size for f in d.files.values()) > MAX_BYTES:
+        raise DeployError(f"{where}: more than {MAX_BYTES} bytes of files")
     _check_files(d.entry, list(d.files), where)
     if _hash_of(d) != d.hash:
         raise DeployError(f"{where}: the record's hash does not match its content")
+    try:
+        if canonical_key(d.signer) != d.signer:
+            raise ValueError("not in canonical base64")
+    except ValueError as e:
+        raise DeployError(f"{where}: signer is not a verify key ({e})") from None
+    try:
+        sig = base64.b64decode(d.signature, validate=True)
+    except ValueError:
+        raise DeployError(f"{where}: the signature is not base64") from None
+    if not HostKeys.check_signature(d.signer, _signed_bytes(d.hash), sig):
+        raise DeployError(
+            f"{where}: bad signature: deploy {d.n} is not signed by the key it names "
+            f"({fingerprint(d.signer)})"
+        )
 
 
 def decode_record(value: bytes, where: str) -> Deploy:
@@ -208,178 +355,69 @@ def decode_record(value: bytes, where: str) -> Deploy:
     return d
 
 
-# -- collecting files -----------------------------------------------------------------
+# -- trust --------------------------------------------------------------------------------
 
 
-def collect(path: Path) -> tuple[str, dict[str, bytes]]:
-    """The entry's name and every file to publish with it: each regular file under
-    `path`'s directory, except dot-entries (.git, .venv, ...) and `__pycache__`.
-    A symlink is published as the file it names, which must be inside the tree."""
-    if not path.name.endswith(SUFFIXES):
-        raise DeployError(f"{path}: a deploy's entry must be a .yaml, .yml or .py file")
-    try:
-        st = path.stat()
-    except OSError as e:
-        raise DeployError(f"{path}: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise DeployError(f"{path}: not a regular file")
-    root_link = path.absolute().parent
-    root = root_link.resolve()
-    out: dict[str, bytes] = {}
-    total = 0
+class Trust:
+    """Whose deploys a follower runs: only the `keys` given (base64 verify keys), or
+    else the deployers pinned in `pins`; with none pinned yet, the signer of the
+    first deploy checked is pinned (trust on first use) and logged.
 
-    def inside(real: Path) -> bool:
-        return real == root or root in real.parents
+    Also remembers what it refused, so that each refused record is logged once
+    however often the World shows it again (`refuse`)."""
 
-    def add(rel: str, real: Path, size: int) -> None:
-        nonlocal total
-        if len(out) >= MAX_FILES:
-            raise DeployError(
-                f"{root_link}: more than {MAX_FILES} files to deploy; "
-                "deploy from a directory holding only the graph and its files"
-            )
-        if size > MAX_FILE_BYTES:
-            raise DeployError(f"{rel}: {size} bytes; one file may hold at most {MAX_FILE_BYTES}")
-        total += size
-        if total > MAX_BYTES:
-            raise DeployError(
-                f"{root_link}: more than {MAX_BYTES} bytes to deploy (at {rel}); "
-                "deploy from a directory holding only the graph and its files"
-            )
+    #: refused records remembered (then forgotten all at once: logged again, rarely)
+    _REMEMBER = 4096
+
+    def __init__(self, keys: Sequence[str] = (), pins: Pins | None = None) -> None:
+        self.keys = [canonical_key(k) for k in keys]
+        if not self.keys and pins is None:
+            raise ValueError("Trust: give deployer keys, or pins to pin the first one")
+        self.pins = None if self.keys else pins
+        self._refused: set[str] = set()
+
+    def trusted(self) -> list[str]:
+        """The keys trusted now (PinsError if the pins file went bad)."""
+        if self.pins is None:
+            return list(self.keys)
+        return [canonical_key(k) for k in self.pins.trusted_deployers()]
+
+    def check(self, d: Deploy, where: str) -> Deploy:
+        """`d` if its (verified) signer is trusted, pinning it if nobody is yet;
+        DeployError naming `where` otherwise."""
         try:
-            data = real.read_bytes()
-        except OSError as e:
-            raise DeployError(f"{rel}: cannot read: {e.strerror}") from None
-        out[rel] = data
-
-    def walk(real_dir: Path, rel_dir: str, stack: frozenset[Path]) -> None:
-        try:
-            entries = sorted(os.scandir(real_dir), key=lambda e: e.name)
-        except OSError as e:
-            raise DeployError(f"{rel_dir or '.'}: cannot list: {e.strerror}") from None
-        for ent in entries:
-            name = ent.name
-            if name.startswith(".") or name == "__pycache__":
-                continue
-            rel = f"{rel_dir}{name}"
-            try:
-                rel.encode()
-            except UnicodeEncodeError:
-                raise DeployError(f"{rel_dir or '.'}: a file name is not UTF-8") from None
-            real = Path(ent.path)
-            if ent.is_symlink():
-                target = real.resolve()
-                if not inside(target):
-                    raise DeployError(
-                        f"{rel}: a symlink leaving the deployed directory (to {target})"
-                    )
-                real = target
-            try:
-                st = real.stat()
-            except OSError as e:
-                raise DeployError(f"{rel}: {e.strerror}") from None
-            if stat.S_ISDIR(st.st_mode):
-                if real in stack:  # a symlink to an ancestor
-                    raise DeployError(f"{rel}: a symlink loop")
-                walk(real, rel + "/", stack | {real})
-            elif stat.S_ISREG(st.st_mode):
-                add(rel, real, st.st_size)
-            # sockets, fifos, devices: not code, skipped
-
-    walk(root, "", frozenset({root}))
-    entry = path.name
-    if entry not in out:  # a dot-named entry, skipped by the walk
-        real = path.resolve()
-        if not inside(real):
-            raise DeployError(f"{entry}: a symlink leaving the deployed directory (to {real})")
-        add(entry, real, real.stat().st_size)
-    _check_files(entry, list(out), str(root_link))
-    return entry, out
-
-
-# -- git ---------------------------------------------------------------------------------
-
-
-def _git(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(
-            ["git", *args],
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=60,
-            check=False,
-        )
-    except FileNotFoundError:
-        raise DeployError("git is not installed (install it, or deploy with --no-git)") from None
-    except subprocess.TimeoutExpired:
-        raise DeployError(f"git {args[0]} in {cwd} took over 60 s") from None
-
-
-def _first_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[0].strip() if lines else "failed"
-
-
-def git_head(path: Path) -> str:
-    """The HEAD commit of the git repository holding `path`. DeployError when
-    `path` is not in a repository or a tracked file under its directory has
-    uncommitted (staged or unstaged) changes."""
-    d = path.absolute().parent
-    if not d.is_dir():
-        raise DeployError(f"{d}: no such directory")
-    r = _git(d, "rev-parse", "--show-toplevel")
-    if r.returncode != 0:
-        if "not a git repository" in r.stderr:
+            keys = self.trusted()
+            if not keys and self.pins is not None:
+                self.pins.add_deployer(d.signer)
+                log.warning(
+                    "deploys: pinned deployer %s (%s), the signer of deploy %d: from now on "
+                    "only its deploys run here (trust on first use; kept in %s; "
+                    "`run --deployer KEY` names deployers instead)",
+                    d.signer,
+                    fingerprint(d.signer),
+                    d.n,
+                    self.pins.path,
+                )
+                return d
+        except (PinsError, ValueError) as e:
+            raise DeployError(f"{where}: cannot check the deployer: {e}") from None
+        if d.signer not in keys:
             raise DeployError(
-                f"{d} is not in a git repository (deploy with --no-git to skip the git check)"
+                f"{where}: deploy {d.n} is signed by {fingerprint(d.signer)} ({d.signer}), "
+                f"not by a trusted deployer ({', '.join(fingerprint(k) for k in keys)}): refused"
             )
-        raise DeployError(f"git in {d}: {_first_line(r.stderr)}")
-    r = _git(d, "rev-parse", "--verify", "--quiet", "HEAD^{commit}")
-    if r.returncode != 0:
-        raise DeployError(f"the git repository holding {d} has no commit yet")
-    head = r.stdout.strip()
-    # `-- .`: only files under the deployed directory count
-    r = _git(d, "status", "--porcelain=v1", "-z", "--untracked-files=no", "--", ".")
-    if r.returncode != 0:
-        raise DeployError(f"git status in {d}: {_first_line(r.stderr)}")
-    changed = [e for e in r.stdout.split("\0") if len(e) > 3]
-    if changed:
-        name = changed[0][3:]
-        more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
-        raise DeployError(
-            f"{name} has uncommitted changes{more}: commit them first "
-            "(or deploy with --no-git to skip the git check)"
-        )
-    return head
+        return d
 
-
-async def _is_ancestor(repo: Path, old: str, new: str) -> bool | None:
-    """Whether commit `old` is an ancestor of (or equal to) `new`; None if `old`
-    is not in the repository."""
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            "git",
-            "merge-base",
-            "--is-ancestor",
-            old,
-            new,
-            cwd=repo,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
-    except FileNotFoundError:
-        raise DeployError("git is not installed (install it, or deploy with --no-git)") from None
-    _, err = await proc.communicate()
-    if proc.returncode == 0:
-        return True
-    if proc.returncode == 1:
-        return False
-    if b"not a valid commit" in err or b"bad object" in err or b"Not a valid" in err:
-        return None
-    raise DeployError(f"git merge-base in {repo}: {_first_line(err.decode(errors='replace'))}")
+    def refuse(self, message: str, record: bytes | None) -> None:
+        """Log `message` about `record` (its bytes), unless this record was refused
+        before."""
+        seen = _sha256(record if record is not None else message.encode())
+        if seen in self._refused:
+            return
+        if len(self._refused) >= self._REMEMBER:
+            self._refused.clear()
+        self._refused.add(seen)
+        log.warning("deploys: %s; skipped", message)
 
 
 # -- reading ------------------------------------------------------------------------------
@@ -430,6 +468,25 @@ async def _newest_n(kv: KV) -> int:
     while await kv.get(record_key(n + 1)) is not None:
         n += 1
     return n
+
+
+async def _newest_trusted(kv: KV, trust: Trust) -> Deploy | None:
+    """The newest deploy `trust` accepts among the newest LOOKBACK records (None if
+    there is none); each refused record is logged through `trust.refuse`."""
+    n = await _newest_n(kv)
+    for i in range(n, max(0, n - LOOKBACK), -1):
+        key = record_key(i)
+        item = await kv.get(key)
+        if item is None:
+            continue
+        try:
+            d = decode_record(item.value, key)
+            if d.n != i:
+                raise DeployError(f"{key}: the record says it is deploy {d.n}")
+            return trust.check(d, key)
+        except DeployError as e:
+            trust.refuse(str(e), item.value)
+    return None
 
 
 async def latest(kv: KV) -> Deploy | None:
@@ -497,25 +554,31 @@ async def _advance_head(kv: KV, d: Deploy, value: bytes) -> None:
 async def publish(
     kv: KV,
     entry: str,
-    files: dict[str, bytes],
+    files: Mapping[str, Content],
     *,
+    key: nacl.signing.SigningKey,
     git: str | None,
-    force: bool,
     by: str,
-    repo: Path | None,
+    check_parent: Callable[[Deploy | None], Awaitable[None]] | None = None,
 ) -> Deploy:
-    """Publish `files` (from `collect`) as the next deploy and return its record.
+    """Publish `files` as the next deploy, signed by `key`, and return its record.
 
-    With `git` (the commit being deployed; `repo` is a directory of its
-    repository), the previous deploy's commit, if it has one, must be an
-    ancestor of `git`, unless `force`. Blobs are written first, then the record
-    (which claims the number), then the head."""
+    `check_parent(previous deploy or None)` runs before each attempt to claim a
+    number and may refuse with DeployError (the CLI's git ancestry check).
+    Blobs are written first, then the record (which claims the number), then
+    the head."""
     if git is not None and not _COMMIT.fullmatch(git):
         raise DeployError(f"git {git!r} is not a commit id")
-    if git is not None and repo is None:
-        raise ValueError("publish: `repo` is needed with `git`")
     _check_files(entry, list(files), "deploy")
-    shas = {p: _sha256(data) for p, data in files.items()}
+    refs: dict[str, File] = {}
+    for p, c in sorted(files.items()):
+        try:
+            refs[p] = file_ref(c.data, c.mode)
+        except ValueError as e:
+            raise DeployError(f"{p}: {e}") from None
+    if sum(f.size for f in refs.values()) > MAX_BYTES:
+        raise DeployError(f"deploy: more than {MAX_BYTES} bytes of files")
+    signer = verify_key_of(key)
     blobs_written = False
     for _ in range(MAX_ATTEMPTS):
         n = await _newest_n(kv)
@@ -526,38 +589,39 @@ async def publish(
                 f"{e}; the next deploy cannot chain to it (delete it by hand to deploy "
                 f"after deploy {n - 1})"
             ) from None
-        if prev is not None and prev.git and git and not force:
-            assert repo is not None
-            ok = await _is_ancestor(repo, prev.git, git)
-            if ok is False:
-                raise DeployError(
-                    f"commit {git[:12]} is not a descendant of deploy {prev.n}'s commit "
-                    f"{prev.git[:12]}; use --force to deploy it anyway"
-                )
-            if ok is None:
-                raise DeployError(
-                    f"deploy {prev.n}'s commit {prev.git[:12]} is not in the repository at "
-                    f"{repo}, so {git[:12]} cannot be checked to descend from it; "
-                    "use --force to deploy it anyway"
-                )
+        if check_parent is not None:
+            await check_parent(prev)
         if not blobs_written:
-            for p, sha in shas.items():
-                await _put_blob(kv, sha, files[p])
+            written: set[str] = set()
+            for p in refs:
+                for sha, part in _chunked(files[p].data):
+                    if sha not in written:
+                        await _put_blob(kv, sha, part)
+                        written.add(sha)
             blobs_written = True
         parent = prev.hash if prev else ""
         now = time.time()
         digest = record_hash(
-            n=n + 1, parent=parent, entry=entry, files=shas, git=git, by=by, time=now
+            n=n + 1,
+            parent=parent,
+            entry=entry,
+            files=refs,
+            git=git,
+            by=by,
+            time=now,
+            signer=signer,
         )
         d = Deploy(
             n=n + 1,
             parent=parent,
             hash=digest,
             entry=entry,
-            files=dict(sorted(shas.items())),
+            files=refs,
             git=git,
             by=by,
             time=now,
+            signer=signer,
+            signature=sign(key, digest),
         )
         value = msgspec.json.encode(d)
         if await kv.cas(record_key(d.n), value, expect=0):
@@ -572,39 +636,49 @@ async def publish(
 # -- fetching -----------------------------------------------------------------------------
 
 
+async def _blob(kv: KV, sha: str, what: str) -> bytes:
+    item = await kv.get(blob_key(sha))
+    if item is None:
+        raise DeployError(f"{blob_key(sha)}: missing ({what})")
+    if _sha256(item.value) != sha:
+        raise DeployError(f"{blob_key(sha)}: its content does not match its hash ({what})")
+    return item.value
+
+
 async def fetch(kv: KV, deploy: Deploy, dest: Path) -> Path:
     """Write the deploy's files under `dest` (which must not exist; made at once,
-    by renaming a finished temporary sibling) and return the entry's path.
-    Every blob and the record's hash are checked first."""
+    by renaming a finished temporary sibling), each with its mode, and return the
+    entry's path. The record (hash, signature) and every blob are checked first."""
     verify(deploy, record_key(deploy.n))
     if dest.exists() or dest.is_symlink():
         raise DeployError(f"{dest}: already exists")
-    blobs: dict[str, bytes] = {}
-    for p, sha in sorted(deploy.files.items()):
-        if sha in blobs:
+    parts: dict[str, bytes] = {}
+    contents: dict[str, bytes] = {}
+    for p, f in sorted(deploy.files.items()):
+        if f.sha in contents:
             continue
-        item = await kv.get(blob_key(sha))
-        if item is None:
-            raise DeployError(f"{blob_key(sha)}: missing (file {p} of deploy {deploy.n})")
-        if _sha256(item.value) != sha:
-            raise DeployError(
-                f"{blob_key(sha)}: its content does not match its hash (file {p} of deploy "
-                f"{deploy.n})"
-            )
-        blobs[sha] = item.value
+        what = f"file {p} of deploy {deploy.n}"
+        for sha in f.chunks:
+            if sha not in parts:
+                parts[sha] = await _blob(kv, sha, what)
+        data = b"".join(parts[sha] for sha in f.chunks)
+        if len(data) != f.size or _sha256(data) != f.sha:
+            raise DeployError(f"{p}: its blobs do not make its content (deploy {deploy.n})")
+        contents[f.sha] = data
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
     except OSError as e:
         raise DeployError(f"{dest}: {e.strerror}") from None
     try:
-        for p, sha in deploy.files.items():
+        for p, f in deploy.files.items():
             target = tmp / p
             target.parent.mkdir(parents=True, exist_ok=True)
             # O_EXCL|O_NOFOLLOW: the names were checked, but never write through a link
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-            with os.fdopen(fd, "wb") as f:
-                f.write(blobs[sha])
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                out.write(contents[f.sha])
+                os.fchmod(out.fileno(), f.mode)  # exactly the mode, whatever the umask
         os.rename(tmp, dest)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -621,17 +695,18 @@ async def fetch(kv: KV, deploy: Deploy, dest: Path) -> Path:
 _FOLLOW_RETRIES = 5
 
 
-async def _checked(kv: KV, value: bytes | None) -> Deploy | None:
+async def _checked(kv: KV, value: bytes | None, trust: Trust) -> Deploy | None:
     """The deploy a head snapshot names (None: no head, or fall back to the newest
-    record), retrying World errors a few times; bad records are logged, not raised."""
+    trusted record), retrying World errors a few times; bad and untrusted records
+    are logged (once each, by `trust`), not raised."""
     delay = 0.05
     for attempt in range(_FOLLOW_RETRIES + 1):
         try:
             if value is None:
-                return await latest(kv)
-            return await _head_deploy(kv, value)
+                return await _newest_trusted(kv, trust)
+            return trust.check(await _head_deploy(kv, value), HEAD)
         except DeployError as e:
-            log.warning("deploys: %s; skipped", e)
+            trust.refuse(str(e), value)
             return None
         except WorldError as e:
             if attempt == _FOLLOW_RETRIES:
@@ -642,8 +717,10 @@ async def _checked(kv: KV, value: bytes | None) -> Deploy | None:
     return None  # unreachable
 
 
-async def follow(kv: KV) -> AsyncIterator[Deploy]:
-    """The newest deploy now (if any), then each newer one as it is published.
+async def follow(kv: KV, trust: Trust) -> AsyncIterator[Deploy]:
+    """The newest deploy `trust` accepts now (if any), then each newer one as it is
+    published. A record that is unsigned, wrongly signed, malformed or signed by an
+    untrusted key is logged once and skipped.
 
     First looks for the newest record (the head may lag it), then watches
     `deploys/head` (resuming after a broken watch, re-reading after a
@@ -658,10 +735,10 @@ async def follow(kv: KV) -> AsyncIterator[Deploy]:
             d = None
             if first:
                 # the newest record, even if the head lags it or is bad
-                d = await _checked(kv, None)
+                d = await _checked(kv, None, trust)
                 first = False
             if d is None and value is not None:
-                d = await _checked(kv, value)
+                d = await _checked(kv, value, trust)
             if d is not None and d.n > last:
                 last = d.n
                 yield d
