@@ -14,10 +14,11 @@ import asyncio
 import contextlib
 import fcntl
 import gc
+import inspect
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -160,7 +161,8 @@ class Agent:
         self.stop = asyncio.Event()
         self.engine: Engine | None = None
         self._keys: HostKeys | None = None
-        self._services: list[asyncio.Task[Any]] = []
+        #: each service's task, and the coroutine it runs
+        self._services: list[tuple[asyncio.Task[Any], Coroutine[Any, Any, Any]]] = []
         self._tg: asyncio.TaskGroup | None = None
         self.publisher: Publisher | None = None
         self.collector: Collector | None = None
@@ -176,10 +178,10 @@ class Agent:
             self._keys = HostKeys(self.settings.state_dir)
         return self._keys
 
-    def _service(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
+    def _service(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         assert self._tg is not None
         task = self._tg.create_task(_logged(coro, name), name=name)
-        self._services.append(task)
+        self._services.append((task, coro))
         return task
 
     async def run(self, flush: tuple[Callable[[], None], float] | None) -> int:
@@ -206,8 +208,12 @@ class Agent:
                     log.error("%s", e)
                     status = 2
                 finally:
-                    for t in self._services:
+                    for t, coro in self._services:
                         t.cancel()
+                        if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+                            # cancelled before it ever ran (a refused start):
+                            # close it, or Python warns it "was never awaited"
+                            coro.close()
                 return status
         except BaseExceptionGroup as eg:  # a service failed (logged by _logged)
             log.error("agent: stopped because a service failed: %s", eg.exceptions[0])

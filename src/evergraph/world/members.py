@@ -212,7 +212,12 @@ class Membership:
 
     async def stop(self) -> None:
         """Leave: the record and what the lease carries (exports) expire within the
-        TTL, so a restart in between takes them back without a flap."""
+        TTL, so a restart in between takes them back without a flap. Only a record
+        still ours is marked: an agent that took the hostname over keeps its own."""
+        if self.replaced.is_set():
+            return
         with contextlib.suppress(WorldError):
             m = msgspec.structs.replace(self.member, state="stopped", timestamp=time.time())
-            await self.kv.put(member_key(m.host), msgspec.json.encode(m), lease=self.lease)
+            await self.kv.cas(
+                member_key(m.host), msgspec.json.encode(m), expect=self._mod, lease=self.lease
+            )
