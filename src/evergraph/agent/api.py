@@ -85,6 +85,7 @@ def run(
     """
     from evergraph.agent.run import prepare_state_dir, run_agent
     from evergraph.engine.settings import Settings
+    from evergraph.world.names import hostname_problem
 
     if converged_exit and converged_timeout is None:
         converged_timeout = 0.0
@@ -103,6 +104,11 @@ def run(
                 "(sqlite or etcd), not from a private one",
                 "--world",
             )
+        if opts is not None and hostname:
+            # before anything is created: the hostname is part of World keys
+            why = hostname_problem(hostname)
+            if why:
+                raise InputError(why, "--hostname")
         settings = Settings(
             state_dir=prepare_state_dir(Path(state_dir) if state_dir is not None else None),
             hostname=hostname,
