@@ -20,8 +20,10 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+from aetcd import rpc
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -128,6 +130,37 @@ def test_bad_endpoints_and_options_are_refused_at_once(tmp_path: Path) -> None:
             EtcdKV(["https://h:1"], cert=tmp_path / "c.pem")
         with pytest.raises(WorldError, match=r"cannot read the etcd CA certificate .*nope"):
             EtcdKV(["https://h:1"], ca=tmp_path / "nope")
+
+    run(body)
+
+
+def test_replacement_is_judged_against_what_was_seen_before_the_call() -> None:
+    """Answers' headers (real protobuf headers, no server needed): concurrent calls
+    may answer out of order, so only a revision lower than what was seen before a
+    call started means a replaced World; answers to calls of an older epoch
+    (the old World's) count for nothing."""
+
+    async def body() -> None:
+        kv = EtcdKV(["http://127.0.0.1:1"])
+        ep = kv._endpoints[0]
+
+        def header(cluster_id: int, revision: int) -> Any:
+            return rpc.ResponseHeader(cluster_id=cluster_id, revision=revision)
+
+        assert (kv.world_id, kv.epoch) == ("", 0)
+        kv._observe(ep, header(0xAB, 10), 0, 0)
+        assert (kv.world_id, kv.epoch) == ("ab", 0)
+        kv._observe(ep, header(0xAB, 9), 0, 0)  # asked before revision 10 was seen
+        kv._observe(ep, header(0xAB, 9), 10, 0, revision=False)  # not linearizable
+        assert kv.epoch == 0
+        kv._observe(ep, header(0xAB, 3), 10, 0)  # asked after: the World went back
+        assert (kv.world_id, kv.epoch) == ("ab", 1)
+        kv._observe(ep, header(0xCD, 50), 3, 0)  # an answer from before that: ignored
+        assert (kv.world_id, kv.epoch) == ("ab", 1)
+        kv._observe(ep, header(0xCD, 50), 3, 1)  # another cluster now
+        assert (kv.world_id, kv.epoch) == ("cd", 2)
+        assert kv._why == f"etcd at {ep.url}: cluster id ab -> cd"
+        await kv.close()
 
     run(body)
 

@@ -20,6 +20,7 @@ import pytest
 
 from evergraph.world.follow import Follower, SimpleFollower, Tombstone, follow, watch_one
 from evergraph.world.kv import KV, Compacted, Event, KeyValue, WorldError
+from evergraph.world.memory import MemoryKV, MemoryStore
 
 from .worlds import Factory, run_pair, world_factory
 
@@ -55,12 +56,14 @@ class FlakyKV(KV):
     raises, as when a connection drops. `fail_ranges` makes the next reads fail.
 
     `held()` waits until a batch is waiting at the switch: the backend's watch is
-    then parked at its yield, and only the switch decides what happens next."""
+    then parked at its yield, and only the switch decides what happens next.
+    `blind`: hide the backend's epoch (a KV that does not notice a replaced World)."""
 
     name = "flaky"
 
-    def __init__(self, inner: KV) -> None:
+    def __init__(self, inner: KV, blind: bool = False) -> None:
         self.inner = inner
+        self.blind = blind
         self.flowing = asyncio.Event()
         self.flowing.set()
         self.waiting = asyncio.Event()
@@ -70,6 +73,14 @@ class FlakyKV(KV):
         self._read = asyncio.Condition()
         self._reads_ok = 0
         self.watch_starts: list[int] = []
+
+    @property
+    def epoch(self) -> int:
+        return 0 if self.blind else self.inner.epoch
+
+    @property
+    def world_id(self) -> str:
+        return "" if self.blind else self.inner.world_id
 
     def hold(self) -> None:
         self.waiting.clear()
@@ -509,6 +520,60 @@ def test_simple_follower(factory: Factory) -> None:
             assert await take(1) == [("raw", "s/a", rec(2, up=False))]
 
     run(factory, body)
+
+
+# -- a replaced World (more in test_world_replaced.py) -------------------------------
+
+
+def test_follow_resyncs_when_another_call_noticed_the_world_replaced() -> None:
+    """The stream breaks while the World is replaced, and the KV already knows
+    (a new epoch): the follow reads the new World rather than wait in it for the
+    old World's next revision."""
+
+    async def body() -> None:
+        store = MemoryStore()
+        a, flaky = MemoryKV(store), FlakyKV(MemoryKV(store))
+        await a.put("p/a", rec(1))
+        r = Recorder()
+        async with following(flaky, "p/", r):
+            assert await r.take(3) == [("new", "p/a", 1), ("done",), ("synced",)]
+            flaky.hold()
+            await a.put("p/x", rec(1))
+            await flaky.held()
+            store.reset()
+            await a.put("p/b", rec(2))
+            assert flaky.epoch == 1
+            flaky.cut()  # a WorldError: the follow resumes, and sees the new epoch
+            assert await r.take(3) == [("new", "p/b", 2), ("deleted", "p/a"), ("done",)]
+            assert flaky.ranges == 2
+            await a.put("p/b", rec(3))
+            assert await r.take(2) == [("updated", "p/b", 2, 3), ("done",)]
+
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_follow_resyncs_when_a_read_goes_back_in_revisions() -> None:
+    """A KV that does not notice replacements (no epoch): a resync that reads an
+    older revision than the follow reported is a replaced World all the same, so
+    p/a, at the same mod revision with another value, is an update."""
+
+    async def body() -> None:
+        store = MemoryStore()
+        a, flaky = MemoryKV(store), FlakyKV(MemoryKV(store), blind=True)
+        r1 = await a.put("p/a", rec(1))
+        await a.put("p/c", rec(1))
+        r = Recorder()
+        async with following(flaky, "p/", r):
+            assert (await r.take(4))[-1] == ("synced",)
+            flaky.hold()
+            await a.put("p/x", rec(1))
+            await flaky.held()
+            store.reset()
+            assert await a.put("p/a", rec(5)) == r1
+            flaky.cut(Compacted(0, 0))
+            assert await r.take(3) == [("updated", "p/a", 1, 5), ("deleted", "p/c"), ("done",)]
+
+    asyncio.run(asyncio.wait_for(body(), 30))
 
 
 # -- watch_one --------------------------------------------------------------------------

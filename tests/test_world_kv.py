@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from evergraph.world.kv import KV, Compacted, Event, LeaseExpired
+from evergraph.world.kv import KV, Compacted, Event, LeaseExpired, WorldReplaced
 
 from .worlds import BACKENDS, Factory, run_pair, world_factory
 
@@ -116,6 +116,23 @@ def test_compacted_history_raises(factory: Factory) -> None:
             await next_batch(b.watch("c/", r1))
         it = b.watch("c/", r2 + 1)  # still in history
         assert (await next_batch(it))[0].key == "c/3"
+
+    run(factory, body)
+
+
+def test_world_identity(factory: Factory) -> None:
+    """Clients of one World agree on its id and have seen no replacement (what
+    happens when there is one: test_world_replaced.py)."""
+
+    async def body(a: KV, b: KV) -> None:
+        await a.put("x", b"1")
+        assert await b.get("x") is not None  # etcd learns the id from an answer
+        assert a.world_id == b.world_id != ""
+        assert (a.epoch, b.epoch) == (0, 0)
+        # code that re-reads after a Compacted re-reads after a replacement too
+        assert issubclass(WorldReplaced, Compacted)
+        e = WorldReplaced("cluster id 1 -> 2")
+        assert str(e) == "the World was replaced (cluster id 1 -> 2): resyncing"
 
     run(factory, body)
 

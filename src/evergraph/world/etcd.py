@@ -20,7 +20,17 @@ module adds what the World contract asks on top:
   and the reason (`etcd at http://h:2379 is not reachable: connection
   refused`), never grpc's multi-line debug strings;
 - **auth**: user/password give a token per endpoint, fetched again when etcd
-  says it expired.
+  says it expired;
+- **a replaced World**: every answer's header carries the cluster id and the
+  revision. The client remembers the first cluster id and the highest revision
+  it saw (from linearizable answers: reads, writes, watch events); an answer
+  from another cluster id (a new cluster at the same address), or a revision
+  lower than one seen before the call started (restored data), starts a new
+  `epoch`: reads return the new World's data, watches raise `WorldReplaced`.
+  A watch's first answer is not linearizable (a lagging member may be behind),
+  so a revision that went back there is confirmed with a read first. A new
+  cluster with the same id (same member names, peer URLs and token) whose
+  revision is already past ours cannot be told apart.
 
 Revisions are etcd's own (header and mod revisions), so they match what
 `etcdctl` shows.
@@ -45,7 +55,16 @@ import grpc  # type: ignore[import-untyped]
 import grpc.aio  # type: ignore[import-untyped]
 from aetcd import rpc
 
-from evergraph.world.kv import KV, Compacted, Event, KeyValue, LeaseExpired, WorldError, log
+from evergraph.world.kv import (
+    KV,
+    Compacted,
+    Event,
+    KeyValue,
+    LeaseExpired,
+    WorldError,
+    WorldReplaced,
+    log,
+)
 
 T = TypeVar("T")
 
@@ -65,6 +84,8 @@ _CHANNEL_OPTIONS = [
 _ATTEMPT_MIN = 0.5
 #: seconds between watch reconnect attempts: doubles from min up to max
 _BACKOFF_MIN, _BACKOFF_MAX = 0.05, 1.0
+#: seconds close() waits for gRPC to finish cancelled calls (a millisecond, usually)
+_SETTLE = 1.0
 #: cancel a member's watch streams when it loses its leader, so we fail over
 _REQUIRE_LEADER = ("hasleader", "true")
 
@@ -185,6 +206,11 @@ def _hint(details: str) -> str:
     return ""
 
 
+#: answers whose header revision is at least every revision committed before the
+#: call (lease answers come from the leader's applied state, not a read index)
+_LINEARIZABLE = (rpc.RangeResponse, rpc.PutResponse, rpc.DeleteRangeResponse, rpc.TxnResponse)
+
+
 class _StreamEnded(Exception):
     """The server closed a watch stream without an error."""
 
@@ -273,8 +299,64 @@ class EtcdKV(KV):
         #: unfinished streaming calls and the steps awaiting them, cancelled by close()
         self._calls: set[Any] = set()
         self._steps: set[asyncio.Future[Any]] = set()
-        #: waits for gRPC to finish cancelled calls (see _cancel)
-        self._settling: set[asyncio.Task[None]] = set()
+        #: gRPC's tasks awaiting our streaming calls' final status (see _track)
+        self._status: set[asyncio.Task[Any]] = set()
+        #: the World we talk to: its cluster id (0: none seen yet), the highest
+        #: revision seen in it, how many times it was replaced, and why lately
+        self._cluster_id = 0
+        self._seen_rev = 0
+        self._epoch = 0
+        self._why = ""
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def world_id(self) -> str:
+        return f"{self._cluster_id:x}" if self._cluster_id else ""
+
+    # -- a replaced World ---------------------------------------------------------
+    def _observe(
+        self, ep: _Endpoint, header: Any, floor: int, epoch: int, revision: bool = True
+    ) -> None:
+        """Check an answer's header against the World we know. `floor` and `epoch`:
+        the highest revision seen and the epoch when the call started (an answer
+        cannot be older than what was seen before it was asked, unless the World
+        is another; an answer to a call from an older epoch says nothing).
+        `revision`: whether the header's revision is linearizable."""
+        cid, rev = int(header.cluster_id), int(header.revision)
+        if not cid or epoch != self._epoch:
+            return
+        if not self._cluster_id:
+            self._cluster_id = cid
+        elif cid != self._cluster_id:
+            self._replace(f"etcd at {ep.url}: cluster id {self._cluster_id:x} -> {cid:x}", cid, rev)
+            return
+        if not revision:
+            return
+        if rev < floor:
+            self._replace(f"etcd at {ep.url}: revision went back from {floor} to {rev}", cid, rev)
+        elif rev > self._seen_rev:
+            self._seen_rev = rev
+
+    def _replace(self, why: str, cid: int, rev: int) -> None:
+        self._cluster_id, self._seen_rev = cid, rev
+        self._epoch += 1
+        self._why = why
+        log.warning("world: %s", WorldReplaced(why))
+
+    async def _confirm_revision(self, ep: _Endpoint, floor: int, epoch: int) -> None:
+        """A watch's first answer said the revision went back below `floor`: ask
+        again with a linearizable read (a lagging member has caught up by then)."""
+        now = await self._step(
+            ep.kv.Range(
+                rpc.RangeRequest(key=b"\0", count_only=True),
+                timeout=self.timeout,
+                metadata=ep.metadata(),
+            )
+        )
+        self._observe(ep, now.header, floor, epoch)
 
     # -- plumbing ---------------------------------------------------------------
     def _endpoint(self) -> _Endpoint:
@@ -364,9 +446,14 @@ class EtcdKV(KV):
             if left <= 0:
                 raise self._unreachable(failures or {ep.url: "no answer in time"})
             budget = min(left, attempt) if idempotent else left
+            floor, epoch = self._seen_rev, self._epoch
             try:
                 await self._authenticate(ep, budget)
-                return await op(ep, budget)
+                answer = await op(ep, budget)
+                header = getattr(answer, "header", None)
+                if header is not None:
+                    self._observe(ep, header, floor, epoch, isinstance(answer, _LINEARIZABLE))
+                return answer
             except grpc.aio.AioRpcError as e:
                 kind = _classify(e)
                 if kind == _REAUTH and not reauthed:
@@ -545,9 +632,11 @@ class EtcdKV(KV):
         nxt = max(start, 1)  # etcd reads 0 as "from now"; the contract means from the start
         delay = _BACKOFF_MIN
         lost: str | None = None  # why the stream broke, until it is back
+        mine = self._epoch  # the World this watch follows
         while not self._closed:
             ep = self._endpoint()
             call = None
+            floor, epoch = self._seen_rev, self._epoch
             try:
                 await self._authenticate(ep, self.timeout)
                 call = self._track(ep.watch.Watch(metadata=ep.metadata(_REQUIRE_LEADER)))
@@ -557,6 +646,11 @@ class EtcdKV(KV):
                     resp = await self._step(call.read())
                     if resp is grpc.aio.EOF:
                         raise _StreamEnded
+                    self._observe(ep, resp.header, floor, epoch, revision=False)
+                    if resp.created and int(resp.header.revision) < floor:
+                        await self._confirm_revision(ep, floor, epoch)
+                    if self._epoch != mine:
+                        raise WorldReplaced(self._why)
                     if resp.compact_revision:
                         # etcd's compact_revision is the oldest revision it still has
                         raise Compacted(nxt, int(resp.compact_revision) - 1)
@@ -574,6 +668,7 @@ class EtcdKV(KV):
                         e = _event(ev)
                         if e.revision < nxt:
                             continue  # already delivered before a reconnect
+                        self._seen_rev = max(self._seen_rev, e.revision)
                         if batch and e.revision != batch[0].revision:
                             nxt = batch[0].revision + 1
                             yield batch
@@ -619,32 +714,31 @@ class EtcdKV(KV):
             delay = min(delay * 2, _BACKOFF_MAX)
 
     def _cancel(self, calls: list[Any]) -> None:
-        """Cancel streaming calls; close() waits until gRPC has finished them.
-
-        gRPC completes a cancelled call in a task of its own, about a millisecond
-        later. Were the event loop closed before (the end of `asyncio.run`), the
-        next loop of the process would receive that completion, log "Event loop
-        is closed" and hold back completions of its own calls."""
-        live = [c for c in calls if not c.done()]
-        if not live:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # finalised after the loop ended: nothing to wait in
-            loop = None
-        # other calls may start or end meanwhile: the count is a hint, the wait bounded
-        target = _grpc_status_tasks() - len(live) if loop is not None else 0
-        for c in live:
-            c.cancel()
-        if loop is not None:
-            task = loop.create_task(_settle(target), name="etcd-cancel")
-            self._settling.add(task)
-            task.add_done_callback(self._settling.discard)
+        """Cancel streaming calls; close() waits until gRPC has finished them."""
+        for c in calls:
+            if not c.done():
+                c.cancel()
 
     def _track(self, call: Any) -> Any:
-        """Remember a streaming call until gRPC has finished it, so close() can wait."""
+        """Remember a streaming call until it ends, and gRPC's task that awaits its
+        final status until that task ends, so close() can cancel and wait.
+
+        gRPC finishes a call (even a cancelled one, which says it is done at once)
+        in a task of its own, a moment later. Were the event loop closed before
+        (the end of `asyncio.run`), the task would be left pending, the next loop
+        of the process would receive that completion, log "Event loop is closed"
+        and hold back completions of its own calls. The task is made in the
+        call's first step, on the loop's next turn: it is adopted then."""
         self._calls.add(call)
         call.add_done_callback(self._calls.discard)
+        before = _grpc_status_tasks_set()
+
+        def adopt() -> None:
+            for t in _grpc_status_tasks_set() - before:
+                self._status.add(t)
+                t.add_done_callback(self._status.discard)
+
+        asyncio.get_running_loop().call_soon(adopt)
         return call
 
     async def _step(self, aw: Awaitable[T]) -> T:
@@ -672,29 +766,27 @@ class EtcdKV(KV):
         for step in list(self._steps):
             step.cancel()
         self._cancel(list(self._calls))
-        if self._settling:
-            await asyncio.wait(list(self._settling))
+        await asyncio.sleep(0)  # calls made this turn: their status tasks are adopted
+        if self._status:
+            await asyncio.wait(list(self._status), timeout=_SETTLE)
         for ep in self._endpoints:
             if ep.channel is not None:
                 await ep.channel.close()
                 ep.channel = None
 
 
-def _grpc_status_tasks() -> int:
-    """How many gRPC calls of this loop still wait for their final status."""
-    return sum(
-        1
+def _grpc_status_tasks_set() -> set[asyncio.Task[Any]]:
+    """gRPC's tasks of this loop that wait for a call's final status."""
+    return {
+        t
         for t in asyncio.all_tasks()
         if getattr(t.get_coro(), "__qualname__", "") == "_AioCall._handle_status_once_received"
-    )
+    }
 
 
-async def _settle(target: int, within: float = 0.1) -> None:
-    """Wait until at most `target` gRPC calls wait for their status (or `within` s)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while _grpc_status_tasks() > target and loop.time() < deadline:
-        await asyncio.sleep(0.001)
+def _grpc_status_tasks() -> int:
+    """How many gRPC calls of this loop still wait for their final status."""
+    return len(_grpc_status_tasks_set())
 
 
 def _cancelling() -> bool:

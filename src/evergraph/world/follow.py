@@ -5,7 +5,12 @@ backend, and both survive what a long-lived watch meets in practice:
 
 - a broken stream (`WorldError`): retry with backoff;
 - compacted history (`Compacted`): the revision we would resume from is gone,
-  so re-read the current state and report the difference.
+  so re-read the current state and report the difference;
+- a replaced World (`WorldReplaced`, the KV's `epoch` changed, or a read at a
+  revision lower than one already reported): as after a compaction, except
+  that revisions kept from the old World are forgotten (equal mod revisions
+  of two Worlds are not equal records), so records are compared by content
+  (`equals`; for `watch_one`, value and existence).
 
 `follow(kv, prefix, follower)` keeps, for every key under the prefix, the
 decoded object that passed the follower's filter, and turns the World's
@@ -39,7 +44,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
-from evergraph.world.kv import KV, Compacted, Event, KeyValue, WorldError, log
+from evergraph.world.kv import KV, Compacted, Event, KeyValue, WorldError, WorldReplaced, log
 
 T = TypeVar("T")
 
@@ -101,13 +106,19 @@ def _kv_of(ev: Event) -> KeyValue | None:
 # -- one key ------------------------------------------------------------------------
 
 
-def _changed(last: KeyValue | Tombstone | None, cur: KeyValue | Tombstone) -> bool:
+def _changed(
+    last: KeyValue | Tombstone | None, cur: KeyValue | Tombstone, by_value: bool = False
+) -> bool:
+    """Whether `cur` is news after `last`; `by_value`: ignore revisions (after
+    the World was replaced they belong to another World)."""
     if last is None:
         return True
     if isinstance(cur, Tombstone):
         return not isinstance(last, Tombstone)
     if isinstance(last, Tombstone):
         return True
+    if by_value:
+        return cur.value != last.value
     return (cur.mod_revision, cur.value) != (last.mod_revision, last.value)
 
 
@@ -116,17 +127,29 @@ async def watch_one(kv: KV, key: str) -> AsyncGenerator[KeyValue | Tombstone, No
     one per change; a deletion yields a Tombstone. After a broken stream or a
     compaction the key is read again and yielded only if it changed meanwhile
     (intermediate values may be skipped: a snapshot stream only promises the
-    latest). Ends when `kv` is closed."""
+    latest); after the World was replaced, only if its value (or existence)
+    differs from the last snapshot yielded. Ends when `kv` is closed."""
     last: KeyValue | Tombstone | None = None
     backoff = _Backoff()
+    seen = 0  # the highest revision read or watched
+    epoch = kv.epoch
+    replaced = False
     while True:
         # range, not get: it also tells the revision to watch from
         items, rev = await _read(kv, key, backoff, "watch")
+        if kv.epoch != epoch or rev < seen:
+            replaced = True
+        epoch, seen = kv.epoch, rev
         found = [i for i in items if i.key == key]  # the range also holds keys key+"…"
         cur: KeyValue | Tombstone = found[0] if found else Tombstone(key, rev)
-        if _changed(last, cur):
+        if _changed(last, cur, by_value=replaced):
             last = cur
             yield cur
+        elif replaced:
+            last = cur  # the same value: compare with the new World's revisions from now on
+        replaced = False
+        if kv.epoch != epoch:
+            continue  # replaced meanwhile (another call noticed): read again
         it: AsyncIterator[list[Event]] | None = None
         try:
             it = kv.watch(key, rev + 1)
@@ -136,6 +159,7 @@ async def watch_one(kv: KV, key: str) -> AsyncGenerator[KeyValue | Tombstone, No
                 except StopAsyncIteration:
                     return  # the KV was closed
                 backoff.reset()
+                seen = max(seen, batch[-1].revision) if batch else seen
                 mine = [e for e in batch if e.key == key]
                 if not mine:
                     continue
@@ -145,6 +169,9 @@ async def watch_one(kv: KV, key: str) -> AsyncGenerator[KeyValue | Tombstone, No
                 if _changed(last, cur):
                     last = cur
                     yield cur
+        except WorldReplaced as e:
+            log.warning("world: watch %s: %s", key, e)
+            replaced = True
         except Compacted as e:
             log.info("world: watch %s: %s; reading it again", key, e)
         except WorldError as e:
@@ -285,7 +312,7 @@ class _State(Generic[T]):
         for key in sorted(latest):
             kv = latest[key]
             if kv is None:
-                if self.revs.pop(key, None) is None:
+                if self.revs.pop(key, None) is None and key not in self.known:
                     continue  # never seen, nothing to report
                 passes, obj = False, None
             else:
@@ -322,11 +349,16 @@ class _State(Generic[T]):
         if calls or gone:
             await f.batch_done()
 
-    async def resync(self, items: list[KeyValue]) -> None:
-        """Diff a fresh read against what we know: what vanished is reported too."""
+    async def resync(self, items: list[KeyValue], replaced: bool = False) -> None:
+        """Diff a fresh read against what we know: what vanished is reported too.
+        `replaced`: the read is of another World; its mod revisions say nothing
+        about ours, so every record is decoded and compared (`equals`) again."""
         present = {i.key for i in items}
+        before = set(self.revs) | set(self.known)
+        if replaced:
+            self.revs.clear()
         changes: list[tuple[str, KeyValue | None]] = [(i.key, i) for i in items]
-        changes += [(k, None) for k in self.revs if k not in present]
+        changes += [(k, None) for k in sorted(before - present)]
         await self.apply(changes)
 
 
@@ -335,17 +367,33 @@ async def follow(kv: KV, prefix: str, follower: Follower[T]) -> None:
     cancelled. A broken stream is resumed from the last revision reported (every
     change is then reported as it happened); if that revision is compacted, the
     prefix is read again and the difference reported as one batch, deletions
-    included. Returns only if `kv` is closed; a callback's error is raised."""
+    included. The same after the World was replaced (WorldReplaced, a new
+    `kv.epoch`, or a read older than what was reported), comparing records by
+    content. Returns only if `kv` is closed; a callback's error is raised."""
     state = _State(prefix, follower)
     backoff = _Backoff()
     rev = 0
+    epoch = kv.epoch
     need_read = True
+    replaced = False
     is_synced = False
     while True:
         if need_read:
             items, read_rev = await _read(kv, prefix, backoff, "follow")
-            await state.resync(items)
-            rev, need_read = read_rev, False
+            if kv.epoch != epoch or read_rev < rev:
+                if not replaced:
+                    log.warning(
+                        "world: follow %s: the World was replaced (epoch %d -> %d, read at"
+                        " revision %d after %d); resyncing",
+                        prefix,
+                        epoch,
+                        kv.epoch,
+                        read_rev,
+                        rev,
+                    )
+                replaced = True
+            await state.resync(items, replaced)
+            rev, epoch, need_read, replaced = read_rev, kv.epoch, False, False
             if not is_synced:
                 is_synced = True
                 await follower.synced()
@@ -356,10 +404,18 @@ async def follow(kv: KV, prefix: str, follower: Follower[T]) -> None:
                 # outside the try, so their errors (even a WorldError) end the follow
                 try:
                     if it is None:
+                        if kv.epoch != epoch:  # noticed by another call meanwhile
+                            raise WorldReplaced(
+                                f"noticed by another call: epoch {epoch} -> {kv.epoch}"
+                            )
                         it = kv.watch(prefix, rev + 1)
                     batch = await it.__anext__()
                 except StopAsyncIteration:
                     return  # the KV was closed
+                except WorldReplaced as e:
+                    log.warning("world: follow %s: %s", prefix, e)
+                    need_read = replaced = True
+                    break
                 except Compacted as e:
                     log.info("world: follow %s: %s; reading it again", prefix, e)
                     need_read = True

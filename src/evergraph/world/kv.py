@@ -11,7 +11,13 @@ strict subsets of its behaviour:
   with it (deletions that watchers see);
 - `watch(prefix, start)` yields batches of events, one batch per revision, from
   `start` on (so a watcher resumes where it stopped); history older than the
-  compaction point raises `Compacted`, and the caller re-lists.
+  compaction point raises `Compacted`, and the caller re-lists;
+- the World itself may be replaced under a client (etcd's data restored or a
+  new cluster at the same URL, `world.sqlite` recreated, `MemoryStore.reset()`):
+  its revisions start again and say nothing about the old ones. A backend that
+  notices raises `WorldReplaced` (a `Compacted`: the caller re-lists) from its
+  watches and bumps `epoch`; reads return the new World's data, so a caller
+  that keeps revisions across calls compares `epoch` before and after.
 
 Keys are `str`, values `bytes`. World features (members, follow, exports,
 deploys) are written once on top of this protocol.
@@ -45,6 +51,21 @@ class Compacted(WorldError):
         self.compact_revision = compact_revision
 
 
+class WorldReplaced(Compacted):
+    """The World behind the client is not the one it was: a new etcd cluster at the
+    same address or restored data (cluster id changed, revision went backwards), a
+    recreated `world.sqlite`, a reset memory World. Revisions seen before mean
+    nothing now; like `Compacted`, the caller reads everything again (and, unlike
+    after a compaction, must not trust mod revisions it kept: equal revisions of
+    two Worlds are not equal records)."""
+
+    def __init__(self, why: str) -> None:
+        WorldError.__init__(self, f"the World was replaced ({why}): resyncing")
+        self.why = why
+        self.revision = 0
+        self.compact_revision = 0
+
+
 class LeaseExpired(WorldError):
     """A keep-alive came too late: the lease and its keys are gone."""
 
@@ -75,6 +96,19 @@ class KV(abc.ABC):
 
     #: shown in messages and benchmark tables
     name: str = "kv"
+
+    @property
+    def epoch(self) -> int:
+        """How many times this client found the World replaced (0: never). Reads
+        return the current World's data; compare `epoch` before and after to know
+        whether revisions kept from earlier calls still mean anything."""
+        return 0
+
+    @property
+    def world_id(self) -> str:
+        """An identity of the World this client talks to now (etcd: the cluster id;
+        sqlite and memory: a random id made with the World); "" if unknown."""
+        return ""
 
     # -- reads ------------------------------------------------------------------
     @abc.abstractmethod

@@ -2,6 +2,8 @@
 
 It passes the same contract tests as sqlite and etcd. Several `MemoryKV`
 clients may share one `MemoryStore`, standing in for several hosts.
+`MemoryStore.reset()` replaces the World under its clients (as a restored etcd
+or a recreated `world.sqlite` would): their watches raise `WorldReplaced`.
 """
 
 from __future__ import annotations
@@ -9,9 +11,21 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
+import secrets
 from collections.abc import AsyncIterator
 
-from evergraph.world.kv import KV, Compacted, Event, KeyValue, LeaseExpired, WorldError
+from evergraph.world.kv import (
+    KV,
+    Compacted,
+    Event,
+    KeyValue,
+    LeaseExpired,
+    WorldError,
+    WorldReplaced,
+    log,
+)
+
+_RESET = "the memory World was reset"
 
 
 class MemoryStore:
@@ -23,6 +37,26 @@ class MemoryStore:
         self.history: list[tuple[int, list[Event]]] = []
         self.leases: dict[int, tuple[float, set[str], asyncio.TimerHandle | None]] = {}
         self._ids = itertools.count(0x1000)
+        self._changed = asyncio.Event()
+        #: a new one for each World this store holds (see reset)
+        self.world_id = secrets.token_hex(8)
+        #: how many times the World was replaced (reset)
+        self.epoch = 0
+
+    def reset(self) -> None:
+        """Replace the World: no keys, no leases, no history, revisions from 0 again,
+        a new `world_id`. Clients' watches raise WorldReplaced."""
+        for _, _, timer in self.leases.values():
+            if timer is not None:
+                timer.cancel()
+        self.leases.clear()
+        self.data.clear()
+        self.history.clear()
+        self.revision = self.compacted = 0
+        self.world_id = secrets.token_hex(8)
+        self.epoch += 1
+        log.warning("world: %s", WorldReplaced(_RESET))
+        self._changed.set()
         self._changed = asyncio.Event()
 
     def commit(self, events: list[Event]) -> None:
@@ -80,6 +114,14 @@ class MemoryKV(KV):
     def __init__(self, store: MemoryStore | None = None) -> None:
         self.store = store if store is not None else MemoryStore()
         self._closed = asyncio.Event()
+
+    @property
+    def epoch(self) -> int:
+        return self.store.epoch
+
+    @property
+    def world_id(self) -> str:
+        return self.store.world_id
 
     def _check(self) -> MemoryStore:
         if self._closed.is_set():
@@ -154,7 +196,10 @@ class MemoryKV(KV):
     async def watch(self, prefix: str, start: int) -> AsyncIterator[list[Event]]:
         st = self._check()
         nxt = start
+        epoch = st.epoch
         while not self._closed.is_set():
+            if st.epoch != epoch:
+                raise WorldReplaced(_RESET)
             if nxt <= st.compacted and nxt <= st.revision:
                 # also when a live watch fell behind a compaction
                 raise Compacted(nxt, st.compacted)

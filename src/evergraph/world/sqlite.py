@@ -17,6 +17,17 @@ the TTL as long as any process of the host uses the World.
 Calls run in the event loop: a WAL commit without fsync takes tens of
 microseconds, less than a hop to a thread. `busy_timeout` covers the short
 moments another process holds the write lock.
+
+The World may be replaced under a client: another process deletes
+`world.sqlite` and creates a new one at the same path. Every call first
+compares the file at the path (device and inode) with the one the connection
+has open (an open file keeps its inode, so a new file cannot reuse it); when
+they differ, the client opens the new file, counts a new `epoch` and its
+watches raise `WorldReplaced`. While the path has no file at all, the client
+keeps the old one: it does not make a new World itself (it could race with a
+deleter still removing the old `-wal`/`-shm` files, and share them with a new
+database); the next process that opens the path does. Each World also holds
+a random id (`world_id`, made with the file), checked by reads and watches.
 """
 
 from __future__ import annotations
@@ -29,11 +40,20 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-from evergraph.world.kv import KV, Compacted, Event, KeyValue, LeaseExpired, WorldError, log
+from evergraph.world.kv import (
+    KV,
+    Compacted,
+    Event,
+    KeyValue,
+    LeaseExpired,
+    WorldError,
+    WorldReplaced,
+    log,
+)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v INTEGER NOT NULL);
-INSERT OR IGNORE INTO meta VALUES ('revision', 0), ('compacted', 0);
+INSERT OR IGNORE INTO meta VALUES ('revision', 0), ('compacted', 0), ('world_id', random());
 CREATE TABLE IF NOT EXISTS kv(
     key TEXT PRIMARY KEY, value BLOB NOT NULL,
     create_rev INTEGER NOT NULL, mod_rev INTEGER NOT NULL, lease INTEGER NOT NULL);
@@ -63,41 +83,105 @@ class SQLiteKV(KV):
         self.path = Path(path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            self._db.execute("PRAGMA busy_timeout = 5000")
-            self._db.execute("PRAGMA synchronous = NORMAL")
-            self._setup()
-        except sqlite3.Error as e:
-            raise WorldError(f"world {self.path}: {e}") from None
         except OSError as e:
             raise WorldError(f"world {self.path}: {e.strerror}") from None
+        self._db, self._file, self._world_id = self._open()
+        self._epoch = 0
+        self._why = ""
         self._closed = asyncio.Event()
         self._changed = asyncio.Event()
         self._notifier: asyncio.Task[None] | None = None
         self._writes = 0
 
-    def _setup(self) -> None:
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def world_id(self) -> str:
+        return f"{self._world_id & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+
+    def _open(self) -> tuple[sqlite3.Connection, tuple[int, int], int]:
+        """A connection to the file at the path (created if missing), the file's
+        (device, inode), and the World's id."""
+        db = None
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            st = os.stat(self.path)  # sqlite opened the file: this is its inode
+            db.execute("PRAGMA busy_timeout = 5000")
+            db.execute("PRAGMA synchronous = NORMAL")
+            self._setup(db)
+            world_id = int(db.execute("SELECT v FROM meta WHERE k = 'world_id'").fetchone()[0])
+        except sqlite3.Error as e:
+            if db is not None:
+                db.close()
+            raise WorldError(f"world {self.path}: {e}") from None
+        except OSError as e:
+            if db is not None:
+                db.close()
+            raise WorldError(f"world {self.path}: {e.strerror}") from None
+        return db, (st.st_dev, st.st_ino), world_id
+
+    @staticmethod
+    def _setup(db: sqlite3.Connection) -> None:
         """WAL mode and the schema. When several processes create the file at once,
         switching to WAL can answer "database is locked" without waiting on
         busy_timeout: retry for as long as busy_timeout would have waited."""
         deadline = time.monotonic() + 5
         while True:
             try:
-                self._db.execute("PRAGMA journal_mode = WAL")
-                self._db.executescript(_SCHEMA)  # idempotent; its own transaction
+                db.execute("PRAGMA journal_mode = WAL")
+                db.executescript(_SCHEMA)  # idempotent; its own transaction
                 return
             except sqlite3.OperationalError as e:
                 if "locked" not in str(e) or time.monotonic() > deadline:
                     raise
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
                 time.sleep(0.01)  # a start-up race, before any event loop work
+
+    # -- a replaced World -------------------------------------------------------
+    def _check_file(self) -> None:
+        """Before each call (outside any transaction): if the file at the path is
+        not the one we have open, open the one that is there now."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return  # deleted, not yet created again (see the module doc), or unknown
+        if (st.st_dev, st.st_ino) != self._file:
+            self._reopen(f"{self.path} was recreated")
+
+    def _reopen(self, why: str) -> None:
+        db, self._file, world_id = self._open()
+        old, self._db = self._db, db
+        # sqlite sees that the old file moved: closing it neither checkpoints nor
+        # deletes the `-wal` at the path (the new World's)
+        with contextlib.suppress(sqlite3.Error):
+            old.close()
+        self._replaced(why, world_id)
+
+    def _replaced(self, why: str, world_id: int) -> None:
+        self._world_id = world_id
+        self._epoch += 1
+        self._why = why
+        log.warning("world: %s", WorldReplaced(why))
+        self._notify()
+
+    def _meta(self, db: sqlite3.Connection) -> tuple[int, int]:
+        """(revision, compacted), inside a read transaction; a World id other than
+        the one we know (the file was overwritten in place) is a replacement."""
+        meta = dict(db.execute("SELECT k, v FROM meta").fetchall())
+        world_id = int(meta.get("world_id", self._world_id))
+        if world_id != self._world_id:
+            self._replaced(f"{self.path} was overwritten", world_id)
+        return int(meta["revision"]), int(meta["compacted"])
 
     # -- plumbing ---------------------------------------------------------------
     @contextlib.contextmanager
     def _txn(self) -> Iterator[sqlite3.Connection]:
         if self._db is None:
             raise WorldError("the World connection is closed")
+        self._check_file()
         db = self._db
         try:
             db.execute("BEGIN IMMEDIATE")
@@ -113,6 +197,7 @@ class SQLiteKV(KV):
     def _read(self) -> sqlite3.Connection:
         if self._closed.is_set():
             raise WorldError("the World connection is closed")
+        self._check_file()
         return self._db
 
     def _rev(self, db: sqlite3.Connection, name: str = "revision") -> int:
@@ -201,7 +286,7 @@ class SQLiteKV(KV):
                 " WHERE key >= ? AND key < ? ORDER BY key",
                 (prefix, _upper(prefix)),
             ).fetchall()
-            rev = self._rev(db)
+            rev, _ = self._meta(db)
         finally:
             db.execute("COMMIT")
         return [KeyValue(r[0], bytes(r[1]), r[2], r[3], r[4]) for r in rows], rev
@@ -285,13 +370,15 @@ class SQLiteKV(KV):
         self._start_notifier()
         nxt = start
         hi = _upper(prefix)
+        epoch = self._epoch
         while not self._closed.is_set():
             changed = self._changed
             db = self._read()
             try:
                 db.execute("BEGIN")
-                rev = self._rev(db)
-                compacted = self._rev(db, "compacted")
+                rev, compacted = self._meta(db)
+                if self._epoch != epoch:
+                    raise WorldReplaced(self._why)
                 if nxt <= compacted and nxt <= rev:
                     raise Compacted(nxt, compacted)
                 rows = db.execute(
@@ -335,7 +422,7 @@ class SQLiteKV(KV):
     async def _notify_loop(self) -> None:
         """Wake watchers on other processes' commits (inotify on the WAL) and sweep
         expired leases, so deletions by expiry reach watchers without any write."""
-        from asyncinotify import Inotify, Mask
+        from asyncinotify import Inotify, Mask, Watch
 
         loop = asyncio.get_running_loop()
         woke = asyncio.Event()
@@ -348,12 +435,29 @@ class SQLiteKV(KV):
             woke.set()
 
         with Inotify() as ino:
-            with contextlib.suppress(OSError):
-                ino.add_watch(str(self.path) + "-wal", Mask.MODIFY | Mask.CLOSE_WRITE)
+            watch: Watch | None = None
+            watched = -1  # the epoch (World) whose -wal file is watched
+
+            def add_watch() -> None:
+                # again after a replacement: the new World has a new -wal file;
+                # ATTRIB: its deletion (a link count change) wakes us too
+                nonlocal watch, watched
+                with contextlib.suppress(OSError):
+                    new = ino.add_watch(
+                        str(self.path) + "-wal", Mask.MODIFY | Mask.CLOSE_WRITE | Mask.ATTRIB
+                    )
+                    if watch is not None and watch.wd != new.wd:
+                        with contextlib.suppress(OSError):
+                            ino.rm_watch(watch)
+                    watch, watched = new, self._epoch
+
+            add_watch()
             os.set_blocking(ino.fd, False)  # drain reads until empty
             loop.add_reader(ino.fd, drain, ino.fd)
             try:
                 while not self._closed.is_set():
+                    if watched != self._epoch:
+                        add_watch()
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(_SWEEP):
                             await woke.wait()
