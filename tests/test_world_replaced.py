@@ -570,3 +570,60 @@ def test_etcd_revision_going_back_is_a_replacement(caplog: pytest.LogCaptureFixt
         "revision went back from" in r.getMessage() and "resyncing" in r.getMessage()
         for r in caplog.records
     )
+
+
+# -- deploys -------------------------------------------------------------------------------
+
+
+def test_deploys_follow_yields_the_new_worlds_deploy(worlds: Worlds) -> None:
+    """The new World numbers its deploys afresh: its newest is yielded although its
+    number is lower than the last one yielded. A World restored with the deploy
+    already yielded yields nothing until its next deploy."""
+    import nacl.signing
+
+    from evergraph.world import deploys as dp
+    from evergraph.world.memory import MemoryKV
+
+    key = nacl.signing.SigningKey(b"\1" * 32)
+    trust = dp.Trust(keys=[dp.verify_key_of(key)])
+
+    async def publish(kv: KV, text: bytes) -> dp.Deploy:
+        files = {"main.yaml": dp.Content(text, 0o644)}
+        return await dp.publish(kv, "main.yaml", files, key=key, git=None, by="t@h")
+
+    async def world_of(texts: list[bytes]) -> Writes:
+        """The writes that make a World holding a deploy of each text."""
+        scratch = MemoryKV()
+        for text in texts:
+            await publish(scratch, text)
+        items, _ = await scratch.range("")
+        await scratch.close()
+        return [(i.key, i.value) for i in items]
+
+    async def body() -> None:
+        async with clients(worlds, 2) as (a, b):
+            for i in range(3):
+                old = await publish(a, f"old {i}".encode())
+            it = dp.follow(b, trust).__aiter__()
+            try:
+                assert (await asyncio.wait_for(it.__anext__(), TIMEOUT)).hash == old.hash
+                pending = asyncio.ensure_future(it.__anext__())
+                await asyncio.sleep(0)
+                await worlds.replace(await world_of([b"new 0"]))
+                got = await asyncio.wait_for(pending, TIMEOUT)
+                assert (got.n, got.hash) == (1, (await dp.latest(a) or old).hash)
+                assert got.hash != old.hash
+                d2 = await publish(a, b"new 1")
+                assert (await asyncio.wait_for(it.__anext__(), TIMEOUT)).hash == d2.hash
+                # the same World again (restored): nothing new, then its next deploy
+                items, _ = await a.range("")
+                pending = asyncio.ensure_future(it.__anext__())
+                await worlds.replace([(i.key, i.value) for i in items])
+                assert (await dp.latest(a) or old).hash == d2.hash
+                d3 = await publish(a, b"new 2")
+                assert d3.n == 3
+                assert (await asyncio.wait_for(pending, TIMEOUT)).hash == d3.hash
+            finally:
+                await it.aclose()  # type: ignore[attr-defined]
+
+    run(body)

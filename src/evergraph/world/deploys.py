@@ -726,12 +726,17 @@ async def follow(kv: KV, trust: Trust) -> AsyncIterator[Deploy]:
     `deploys/head` (resuming after a broken watch, re-reading after a
     compaction). A bad head (garbage, wrong schema or hash, or not the record it
     names) is logged as a warning and skipped; a head naming an older deploy
-    than one already yielded is ignored. Ends when `kv` is closed."""
-    last = 0
+    than one already yielded is ignored. After the World was replaced (`kv.epoch`
+    changed) its deploys are numbered afresh: its newest is yielded unless it is
+    the deploy yielded last (same hash). Ends when `kv` is closed."""
+    last, last_hash = 0, ""
+    epoch = kv.epoch
     first = True
     async with contextlib.aclosing(watch_one(kv, HEAD)) as snaps:
         async for snap in snaps:
             value = None if isinstance(snap, Tombstone) else snap.value
+            if kv.epoch != epoch:  # a new World: look for its newest deploy
+                epoch, last, first = kv.epoch, 0, True
             d = None
             if first:
                 # the newest record, even if the head lags it or is bad
@@ -741,4 +746,6 @@ async def follow(kv: KV, trust: Trust) -> AsyncIterator[Deploy]:
                 d = await _checked(kv, value, trust)
             if d is not None and d.n > last:
                 last = d.n
-                yield d
+                if d.hash != last_hash:
+                    last_hash = d.hash
+                    yield d
