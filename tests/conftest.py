@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import asyncio.runners
 import os
 import shutil
 import signal
@@ -11,9 +13,6 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-
-import asyncio
-import asyncio.runners
 
 import pytest
 

@@ -12,6 +12,7 @@ from typing import Annotated, Any, ClassVar
 
 from evergraph.engine.contract import Handle, Resource, doc, register
 from evergraph.errors import ResourceError
+from evergraph.world.follow import watch_one
 
 PREFIX = "kv/"
 
@@ -53,13 +54,16 @@ class KeyValue(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         return {"value": self._stored} if self._stored is not None else {}
 
     async def watch(self) -> None:
-        kv = self.handle.world
-        item = await kv.get(self._key)
-        rev = item.mod_revision if item is not None else (await kv.range(self._key))[1]
-        self.handle.ready()
-        async for batch in kv.watch(self._key, rev + 1):
-            if any(ev.key == self._key for ev in batch):  # not kv/<key>2 nor kv/<key>/...
-                self.handle.event()
+        # watch_one: resumes a broken stream, re-reads after a compaction or a
+        # replaced World; the first snapshot is the state as the watch starts
+        first = True
+        async with contextlib.aclosing(watch_one(self.handle.world, self._key)) as snaps:
+            async for _snap in snaps:
+                if first:
+                    first = False
+                    self.handle.ready()
+                else:
+                    self.handle.event()
 
     async def check_apply(self, apply: bool) -> bool:
         kv = self.handle.world

@@ -455,14 +455,18 @@ class SQLiteKV(KV):
             os.set_blocking(ino.fd, False)  # drain reads until empty
             loop.add_reader(ino.fd, drain, ino.fd)
             try:
+                # sweep on a deadline, not on quiet ticks: another process touching
+                # the -wal more often than _SWEEP would otherwise postpone it forever
+                next_sweep = loop.time() + _SWEEP
                 while not self._closed.is_set():
                     if watched != self._epoch:
                         add_watch()
                     with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(_SWEEP):
+                        async with asyncio.timeout_at(next_sweep):
                             await woke.wait()
-                    if not woke.is_set():
+                    if loop.time() >= next_sweep:
                         await self._sweep_now()
+                        next_sweep = loop.time() + _SWEEP
                     woke.clear()
                     self._notify()
             finally:
