@@ -282,6 +282,8 @@ class _Pair:
         self.b.wait_converged()  # B's keys are in the World before A seals to them
         self.a = self.start_a()
         self.wait_content("v1\n")
+        # B's log is flushed every 0.1 s: count its swaps only once the first is there
+        wait_for(lambda: self.b_swaps() >= 1, what="B's first swap in its log")
 
     def export(self, content: str) -> None:
         save(self.ga, file_graph("a", self.target, content, "{export: [hostb], hidden: true}"))
