@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from evergraph.errors import InputError
 from evergraph.frontends.base import Frontend
 from evergraph.frontends.python import Graph
 from evergraph.world.open import BACKENDS, WorldOptions
+
+if TYPE_CHECKING:
+    from evergraph.agent.run import Service
 
 log = logging.getLogger("evergraph")
 
@@ -67,6 +71,7 @@ def run(
     graphviz: str | os.PathLike[str] | None = None,
     handle_signals: bool = True,
     replace: bool = False,
+    services: Sequence[Service] = (),
     deployers: list[str] | None = None,
     _flush: tuple[Callable[[], None], float] | None = None,
 ) -> int:
@@ -81,6 +86,8 @@ def run(
     world.sqlite), "memory", a `WorldOptions`, or None (no World: no exports,
     no collect). Input errors are logged (logger "evergraph") and give 2.
     `replace=True` takes the hostname over from another live agent in the World.
+    `services`: more long-running services for the agent to own (the CLI's HTTP
+    server): each is called with the agent once its engine exists.
     Runs its own event loop: call it from synchronous code.
     """
     from evergraph.agent.run import prepare_state_dir, run_agent
@@ -134,5 +141,6 @@ def run(
             flush=_flush,
             world=opts,
             replace=replace,
+            services=services,
         )
     )

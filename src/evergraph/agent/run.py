@@ -18,7 +18,7 @@ import inspect
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,6 +28,7 @@ from evergraph.engine.engine import Engine
 from evergraph.engine.model import GraphModel
 from evergraph.engine.prepare import prepare
 from evergraph.engine.settings import Settings, default_state_dir
+from evergraph.engine.status import VertexStatus
 from evergraph.errors import InputError
 from evergraph.frontends.base import Context, Frontend
 from evergraph.frontends.collect import exports_of
@@ -46,6 +47,10 @@ from evergraph.world.open import OpenWorld, WorldOptions, open_world
 from evergraph.world.pins import Pins, PinsError
 
 log = logging.getLogger("evergraph.agent")
+
+#: a long-running service the caller adds to the agent (the HTTP server): started
+#: once the engine exists, owned by the agent's TaskGroup like every other
+Service = Callable[["Agent"], Coroutine[Any, Any, None]]
 
 T = TypeVar("T")
 
@@ -117,6 +122,7 @@ async def run_agent(
     flush: tuple[Callable[[], None], float] | None = None,
     world: WorldOptions | None = None,
     replace: bool = False,
+    services: Sequence[Service] = (),
 ) -> int:
     """Converge the frontend's first graph, swap in each later one, stop on signals;
     the exit status.
@@ -125,11 +131,12 @@ async def run_agent(
     `world`: join this World: claim the hostname as a member, publish what each
     graph exports, and let the frontend collect what other hosts export to us.
     `replace`: take the hostname over from another live agent.
+    `services`: more services to own (started once the engine exists).
     """
     # The graph lives as long as the agent: move it out of the cyclic GC's
     # generations so collections do not keep re-walking 10k+ long-lived objects.
     gc.freeze()
-    agent = Agent(settings, frontend, world, replace)
+    agent = Agent(settings, frontend, world, replace, services)
     loop = asyncio.get_running_loop()
     if handle_signals:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -153,8 +160,10 @@ class Agent:
         frontend: Frontend,
         world: WorldOptions | None,
         replace: bool,
+        services: Sequence[Service] = (),
     ) -> None:
         self.settings = settings
+        self.extra = list(services)
         self.frontend = frontend
         self.world_opts = world
         self.replace = replace
@@ -171,6 +180,10 @@ class Agent:
         self.stop.set()
         if self.engine is not None:
             self.engine.request_stop()
+
+    def status(self) -> tuple[VertexStatus, ...]:
+        """A snapshot of every vertex (empty before the first graph)."""
+        return self.engine.status() if self.engine is not None else ()
 
     def keys(self) -> HostKeys:
         """Loaded on first use: nacl costs start-up time a World-less run need not pay."""
@@ -270,6 +283,8 @@ class Agent:
             world=opened.kv if opened is not None else None,
             keys=self.keys,
         )
+        for i, service in enumerate(self.extra):
+            self._service(service(self), f"service-{i}")
         if self.stop.is_set():
             return 0
         ctx = Context(

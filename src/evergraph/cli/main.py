@@ -14,6 +14,7 @@ from evergraph._version import __version__
 from evergraph.errors import InputError
 
 if TYPE_CHECKING:
+    from evergraph.agent.run import Service
     from evergraph.world.open import WorldOptions
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -103,6 +104,15 @@ def world_options(f: Callable[..., None]) -> Callable[..., None]:
     for opt in reversed(opts):
         f = opt(f)
     return f
+
+
+def _http_service(addr: str) -> Service:
+    """The HTTP server as an agent service; the socket is bound now (InputError)."""
+    from evergraph.http.app import create_app
+    from evergraph.http.server import HttpServer, bind
+
+    sock = bind(addr)
+    return lambda agent: HttpServer(create_app(agent.status), sock).run()
 
 
 def _world_opts(world: dict[str, object]) -> WorldOptions:
@@ -198,6 +208,12 @@ def _world_opts(world: dict[str, object]) -> WorldOptions:
     help="Log lines as text or as one JSON object per line.",
 )
 @click.option(
+    "--http",
+    "http_addr",
+    metavar="ADDR",
+    help="Serve the HTTP API on ADDR (HOST:PORT, e.g. 127.0.0.1:9233): health, graph status.",
+)
+@click.option(
     "--replace",
     is_flag=True,
     help="Take the hostname over from another live agent (which then stops).",
@@ -228,6 +244,7 @@ def run(
     graphviz: Path | None,
     log_format: str,
     replace: bool,
+    http_addr: str | None,
     verbose: int,
     deployers: tuple[str, ...],
     **world: object,
@@ -263,6 +280,7 @@ def run(
             trust_deployers(frontend, deployers)
         frontend.preload()
         world_opts = _world_opts(world)
+        services = [_http_service(http_addr)] if http_addr else []
     except InputError as e:
         _die(e)
     try:
@@ -283,6 +301,7 @@ def run(
             world=world_opts,
             replace=replace,
             deployers=list(deployers),
+            services=services,
             _flush=(flush_logs, FLUSH_INTERVAL),
         )
     finally:

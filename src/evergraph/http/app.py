@@ -1,0 +1,42 @@
+"""The routes: status of the running graph now; the farm's Boruta-compatible API v1
+joins them. Handlers read immutable snapshots, never the engine's live objects."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from evergraph._version import __version__
+from evergraph.engine.status import VertexStatus
+
+Snapshot = Callable[[], tuple[VertexStatus, ...]]
+
+
+def create_app(status: Snapshot) -> Starlette:
+    async def healthz(_: Request) -> Response:
+        return JSONResponse({"ok": True, "version": __version__})
+
+    async def graph(_: Request) -> Response:
+        return JSONResponse({"vertices": [dataclasses.asdict(v) for v in status()]})
+
+    async def unversioned(request: Request) -> Response:
+        # Boruta: /api/<path> without a version is the current one (308 keeps the method)
+        path = request.path_params["path"]
+        if path == "v1" or path.startswith("v1/"):
+            return JSONResponse({"message": "no such route"}, status_code=404)
+        url = f"/api/v1/{path}"
+        if request.url.query:
+            url += f"?{request.url.query}"
+        return RedirectResponse(url, status_code=308)
+
+    routes = [
+        Route("/healthz", healthz),
+        Route("/api/v1/graph", graph),
+        Route("/api/{path:path}", unversioned, methods=["GET", "POST", "PUT", "DELETE"]),
+    ]
+    return Starlette(routes=routes)

@@ -1,0 +1,78 @@
+"""Serving an ASGI app inside the agent's event loop, as one of its services.
+
+The socket is bound here, before uvicorn sees it, so a bad or taken address is
+an input error naming `--http` (uvicorn itself would log and `sys.exit(1)`).
+uvicorn's own signal handling is switched off: the agent owns SIGINT/SIGTERM,
+and cancelling the service stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Generator
+from typing import Any
+
+import uvicorn
+
+from evergraph.errors import InputError
+
+log = logging.getLogger("evergraph.http")
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """`HOST:PORT`, `[V6]:PORT` or `:PORT` (loopback); InputError naming --http."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise InputError(f"{addr!r} is not HOST:PORT (e.g. 127.0.0.1:9233)", "--http")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port)
+
+
+def bind(addr: str) -> socket.socket:
+    host, port = parse_addr(addr)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise InputError(f"cannot listen on {addr}: {e.strerror}", "--http") from None
+    sock.setblocking(False)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield  # the agent handles signals
+
+
+class HttpServer:
+    """One listening socket and the app behind it; `run()` until cancelled."""
+
+    def __init__(self, app: Any, sock: socket.socket) -> None:
+        self.sock = sock
+        host, port = sock.getsockname()[:2]
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=1
+        )
+        self.server = _Server(config)
+
+    async def run(self) -> None:
+        log.info("HTTP API on %s", self.url)
+        serving = asyncio.create_task(self.server.serve(sockets=[self.sock]), name="uvicorn")
+        try:
+            await asyncio.shield(serving)
+        except asyncio.CancelledError:
+            self.server.should_exit = True
+            with contextlib.suppress(Exception):
+                await serving
+            raise
+        finally:
+            self.sock.close()
