@@ -1,0 +1,1 @@
+"""The worker farm: Boruta's request queue over the World (SPEC 4.6)."""
