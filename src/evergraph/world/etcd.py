@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -58,11 +58,15 @@ from aetcd import rpc
 from evergraph.world.kv import (
     KV,
     Compacted,
+    Compare,
+    Delete,
     Event,
     KeyValue,
     LeaseExpired,
+    Put,
     WorldError,
     WorldReplaced,
+    check_ops,
     log,
 )
 
@@ -534,27 +538,46 @@ class EtcdKV(KV):
     async def delete_prefix(self, prefix: str) -> int:
         return await self._delete_range(f"delete {prefix!r}*", *_prefix_range(prefix))
 
-    async def cas(self, key: str, value: bytes | None, *, expect: int, lease: int = 0) -> bool:
-        k = _b(key)
-        if expect == 0:  # the key must not exist
-            cmp = rpc.Compare(
-                key=k, result=rpc.Compare.EQUAL, target=rpc.Compare.CREATE, create_revision=0
+    async def txn(self, compares: Sequence[Compare], ops: Sequence[Put | Delete]) -> int | None:
+        check_ops(ops)
+        cmps = []
+        for c in compares:
+            k = _b(c.key)
+            if c.mod_revision == 0:  # the key must not exist
+                cmps.append(
+                    rpc.Compare(
+                        key=k,
+                        result=rpc.Compare.EQUAL,
+                        target=rpc.Compare.CREATE,
+                        create_revision=0,
+                    )
+                )
+            else:
+                cmps.append(
+                    rpc.Compare(
+                        key=k,
+                        result=rpc.Compare.EQUAL,
+                        target=rpc.Compare.MOD,
+                        mod_revision=c.mod_revision,
+                    )
+                )
+        then = [
+            rpc.RequestOp(
+                request_put=rpc.PutRequest(key=_b(op.key), value=op.value, lease=op.lease)
             )
-        else:
-            cmp = rpc.Compare(
-                key=k, result=rpc.Compare.EQUAL, target=rpc.Compare.MOD, mod_revision=expect
-            )
-        if value is None:
-            then = rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=k))
-        else:
-            then = rpc.RequestOp(request_put=rpc.PutRequest(key=k, value=value, lease=lease))
-        req = rpc.TxnRequest(compare=[cmp], success=[then])
+            if isinstance(op, Put)
+            else rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=_b(op.key)))
+            for op in ops
+        ]
+        req = rpc.TxnRequest(compare=cmps, success=then)
 
         async def op(ep: _Endpoint, t: float) -> Any:
             return await ep.kv.Txn(req, timeout=t, metadata=ep.metadata())
 
-        resp = await self._call(f"compare-and-swap {key!r}", op, idempotent=False)
-        return bool(resp.succeeded)
+        keys = ", ".join(repr(o.key) for o in ops[:3]) + (", ..." if len(ops) > 3 else "")
+        resp = await self._call(f"write {keys or 'nothing'} in a txn", op, idempotent=False)
+        # a txn that changed nothing answers with the current revision, as the others do
+        return int(resp.header.revision) if resp.succeeded else None
 
     # -- leases -----------------------------------------------------------------
     async def grant(self, ttl: float) -> int:

@@ -5,8 +5,10 @@ strict subsets of its behaviour:
 
 - every write bumps one global `revision`; a key remembers the revision that
   created it and the one that last modified it;
-- `cas` writes only if the key's mod revision is the expected one (0: the key
-  must not exist) — the building block for elections and fenced writes;
+- `txn` applies several puts and deletes in one revision, only if every
+  compare holds (each names a key's mod revision; 0: the key must not exist);
+  `cas` is a txn of one compare and one write — the building blocks of
+  elections and fenced writes (world/election.py);
 - a lease expires `ttl` seconds after its last keep-alive and takes its keys
   with it (deletions that watchers see);
 - `watch(prefix, start)` yields batches of events, one batch per revision, from
@@ -29,7 +31,7 @@ import abc
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -91,6 +93,41 @@ class Event:
     lease: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Compare:
+    """A txn's condition: `key`'s mod revision equals `mod_revision` (0: the key
+    must not exist)."""
+
+    key: str
+    mod_revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """A txn's write of `key` (under `lease`, if not 0)."""
+
+    key: str
+    value: bytes
+    lease: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    """A txn's deletion of `key` (a key that does not exist: nothing happens)."""
+
+    key: str
+
+
+def check_ops(ops: Sequence[Put | Delete]) -> None:
+    """Raise ValueError if two of a txn's ops name the same key (etcd refuses
+    such a txn; every backend does, so that none accepts what another refuses)."""
+    seen: set[str] = set()
+    for op in ops:
+        if op.key in seen:
+            raise ValueError(f"a txn writes {op.key!r} more than once")
+        seen.add(op.key)
+
+
 class KV(abc.ABC):
     """One connection to the World. Create it inside the running event loop."""
 
@@ -131,10 +168,26 @@ class KV(abc.ABC):
     async def delete_prefix(self, prefix: str) -> int:
         """How many keys were deleted (in one revision)."""
 
-    @abc.abstractmethod
+    async def txn(self, compares: Sequence[Compare], ops: Sequence[Put | Delete]) -> int | None:
+        """If every compare holds, apply every op in ONE revision (watchers see one
+        batch, the events in the order of `ops`) and return that revision;
+        otherwise change nothing and return None.
+
+        Deleting a key that does not exist does nothing; a txn that changes
+        nothing returns the current revision without making a new one. A put
+        under a lease that is gone raises LeaseExpired (nothing is applied).
+        Two ops on one key raise ValueError. Like `cas`, a txn whose connection
+        broke in flight raises a WorldError saying the outcome is unknown."""
+        # not abstract, so that wrappers and test doubles without txns still
+        # instantiate; every backend (memory, sqlite, etcd) implements it
+        raise NotImplementedError(f"the {self.name} World has no transactions")
+
     async def cas(self, key: str, value: bytes | None, *, expect: int, lease: int = 0) -> bool:
         """Compare-and-swap: if the key's mod revision is `expect` (0 = must not exist),
-        put `value` (None = delete) and return True; otherwise change nothing."""
+        put `value` (None = delete; an absent key stays absent) and return True;
+        otherwise change nothing. A txn of one compare and one op."""
+        op: Put | Delete = Delete(key) if value is None else Put(key, value, lease)
+        return await self.txn([Compare(key, expect)], [op]) is not None
 
     # -- leases -----------------------------------------------------------------
     @abc.abstractmethod

@@ -12,16 +12,20 @@ import asyncio
 import bisect
 import itertools
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from evergraph.world.kv import (
     KV,
     Compacted,
+    Compare,
+    Delete,
     Event,
     KeyValue,
     LeaseExpired,
+    Put,
     WorldError,
     WorldReplaced,
+    check_ops,
     log,
 )
 
@@ -161,15 +165,27 @@ class MemoryKV(KV):
             st.commit([e for k in keys if (e := st.delete(k)) is not None])
         return len(keys)
 
-    async def cas(self, key: str, value: bytes | None, *, expect: int, lease: int = 0) -> bool:
+    async def txn(self, compares: Sequence[Compare], ops: Sequence[Put | Delete]) -> int | None:
+        check_ops(ops)
         st = self._check()
-        cur = st.data.get(key)
-        if (cur.mod_revision if cur is not None else 0) != expect:
-            return False
-        if value is None:
-            return await self.delete(key)
-        await self.put(key, value, lease=lease)
-        return True
+        for c in compares:
+            cur = st.data.get(c.key)
+            if (cur.mod_revision if cur is not None else 0) != c.mod_revision:
+                return None
+        for op in ops:
+            if isinstance(op, Put) and op.lease and op.lease not in st.leases:
+                raise LeaseExpired(f"lease {op.lease:x} not found")
+        if not any(isinstance(op, Put) or op.key in st.data for op in ops):
+            return st.revision  # nothing to change: no new revision
+        st.next_rev()
+        events: list[Event] = []
+        for op in ops:
+            if isinstance(op, Put):
+                events.append(st.put(op.key, op.value, op.lease))
+            elif (ev := st.delete(op.key)) is not None:
+                events.append(ev)
+        st.commit(events)
+        return st.revision
 
     async def grant(self, ttl: float) -> int:
         st = self._check()

@@ -37,17 +37,21 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 from evergraph.world.kv import (
     KV,
     Compacted,
+    Compare,
+    Delete,
     Event,
     KeyValue,
     LeaseExpired,
+    Put,
     WorldError,
     WorldReplaced,
+    check_ops,
     log,
 )
 
@@ -228,15 +232,21 @@ class SQLiteKV(KV):
         if keys:
             self._delete_keys(db, self._bump(db), keys)
 
-    def _delete_keys(self, db: sqlite3.Connection, rev: int, keys: list[str]) -> None:
-        for seq, key in enumerate(keys):
+    def _delete_keys(
+        self, db: sqlite3.Connection, rev: int, keys: list[str], first_seq: int = 0
+    ) -> None:
+        for seq, key in enumerate(keys, first_seq):
             row = db.execute("SELECT create_rev FROM kv WHERE key = ?", (key,)).fetchone()
             db.execute("DELETE FROM kv WHERE key = ?", (key,))
             db.execute(
                 "INSERT INTO log VALUES (?, ?, ?, ?, x'', ?, 0)", (rev, seq, _DEL, key, row[0])
             )
 
-    def _put(self, db: sqlite3.Connection, rev: int, key: str, value: bytes, lease: int) -> None:
+    def _put(
+        self, db: sqlite3.Connection, rev: int, key: str, value: bytes, lease: int, seq: int = 0
+    ) -> None:
+        """Inside a write transaction; a lease that is gone raises LeaseExpired (the
+        caller's transaction rolls back)."""
         if lease and db.execute("SELECT 1 FROM leases WHERE id = ?", (lease,)).fetchone() is None:
             raise LeaseExpired(f"lease {lease:x} not found")
         row = db.execute("SELECT create_rev FROM kv WHERE key = ?", (key,)).fetchone()
@@ -245,7 +255,8 @@ class SQLiteKV(KV):
             "INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?, ?)", (key, value, create, rev, lease)
         )
         db.execute(
-            "INSERT INTO log VALUES (?, 0, ?, ?, ?, ?, ?)", (rev, _PUT, key, value, create, lease)
+            "INSERT INTO log VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (rev, seq, _PUT, key, value, create, lease),
         )
 
     def _wrote(self, db: sqlite3.Connection) -> None:
@@ -320,21 +331,32 @@ class SQLiteKV(KV):
             self._notify()
         return len(keys)
 
-    async def cas(self, key: str, value: bytes | None, *, expect: int, lease: int = 0) -> bool:
+    async def txn(self, compares: Sequence[Compare], ops: Sequence[Put | Delete]) -> int | None:
+        check_ops(ops)
         with self._txn() as db:
             self._sweep(db)
-            row = db.execute("SELECT mod_rev FROM kv WHERE key = ?", (key,)).fetchone()
-            if (row[0] if row else 0) != expect:
-                return False
-            if value is None:
-                if row is None:
-                    return True
-                self._delete_keys(db, self._bump(db), [key])
-            else:
-                self._put(db, self._bump(db), key, value, lease)
+            for c in compares:
+                row = db.execute("SELECT mod_rev FROM kv WHERE key = ?", (c.key,)).fetchone()
+                if (row[0] if row else 0) != c.mod_revision:
+                    return None
+            # keys are distinct: whether a delete deletes is known before any op runs
+            todo = [
+                op
+                for op in ops
+                if isinstance(op, Put)
+                or db.execute("SELECT 1 FROM kv WHERE key = ?", (op.key,)).fetchone()
+            ]
+            if not todo:
+                return self._rev(db)  # nothing to change: no new revision
+            rev = self._bump(db)
+            for seq, op in enumerate(todo):
+                if isinstance(op, Put):
+                    self._put(db, rev, op.key, op.value, op.lease, seq)
+                else:
+                    self._delete_keys(db, rev, [op.key], seq)
             self._wrote(db)
         self._notify()
-        return True
+        return rev
 
     # -- leases -----------------------------------------------------------------
     async def grant(self, ttl: float) -> int:
