@@ -15,7 +15,7 @@ from evergraph.frontends.python import Graph
 from evergraph.world.open import BACKENDS, WorldOptions
 
 if TYPE_CHECKING:
-    from evergraph.agent.run import Service
+    from evergraph.agent.run import FarmOptions, Service
 
 log = logging.getLogger("evergraph")
 
@@ -72,6 +72,7 @@ def run(
     handle_signals: bool = True,
     replace: bool = False,
     services: Sequence[Service] = (),
+    farm: FarmOptions | None = None,
     deployers: list[str] | None = None,
     _flush: tuple[Callable[[], None], float] | None = None,
 ) -> int:
@@ -87,7 +88,8 @@ def run(
     no collect). Input errors are logged (logger "evergraph") and give 2.
     `replace=True` takes the hostname over from another live agent in the World.
     `services`: more long-running services for the agent to own (the CLI's HTTP
-    server): each is called with the agent once its engine exists.
+    server): each is called with the agent once its engine exists. `farm`: be a farm
+    worker and/or run the farm's matcher when elected (see `FarmOptions`).
     Runs its own event loop: call it from synchronous code.
     """
     from evergraph.agent.run import prepare_state_dir, run_agent
@@ -142,5 +144,6 @@ def run(
             world=opts,
             replace=replace,
             services=services,
+            farm=farm,
         )
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import fcntl
 import gc
 import inspect
@@ -19,10 +20,12 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from evergraph._version import __version__
+from evergraph.engine.build import build
 from evergraph.engine.contract import Registry, default_registry
 from evergraph.engine.engine import Engine
 from evergraph.engine.model import GraphModel
@@ -30,8 +33,9 @@ from evergraph.engine.prepare import prepare
 from evergraph.engine.settings import Settings, default_state_dir
 from evergraph.engine.status import VertexStatus
 from evergraph.errors import InputError
-from evergraph.frontends.base import Context, Frontend
-from evergraph.frontends.collect import exports_of
+from evergraph.frontends.base import Context, Frontend, merged
+from evergraph.frontends.collect import exports_of, merge
+from evergraph.frontends.yaml import parse_yaml
 from evergraph.watch import InotifyHub
 from evergraph.world.exports import (
     Collector,
@@ -40,11 +44,15 @@ from evergraph.world.exports import (
     publish_hostkeys,
 )
 from evergraph.world.hostkeys import HostKeys
-from evergraph.world.kv import WorldError
+from evergraph.world.kv import KV, WorldError
 from evergraph.world.members import HostnameTaken, Member, Membership
 from evergraph.world.names import hostname_problem
 from evergraph.world.open import OpenWorld, WorldOptions, open_world
 from evergraph.world.pins import Pins, PinsError
+
+if TYPE_CHECKING:
+    from evergraph.farm.host import WorkerHost
+    from evergraph.farm.service import FarmSettings
 
 log = logging.getLogger("evergraph.agent")
 
@@ -88,6 +96,28 @@ def prepare_model(model: GraphModel, settings: Settings) -> GraphModel:
     return prepare(model, autoedges=settings.autoedges, autogroup=settings.autogroup)
 
 
+@dataclass(frozen=True)
+class FarmOptions:
+    """This agent's part in the farm (SPEC 4.6)."""
+
+    #: `--worker`: lease this host to farm users
+    worker: bool = False
+    #: `--cap k=v` (discovered facts are added) and `--group g`
+    caps: dict[str, str] = field(default_factory=dict)
+    groups: list[str] = field(default_factory=list)
+    #: how users reach this worker: sshd port and account
+    ssh_port: int = 22
+    ssh_user: str = "root"
+    #: the authorized_keys file job keys go to (default: the ssh user's own)
+    authorized_keys: str = ""
+    #: agents a worker hands job keys to (`--farm-server`); this host always
+    key_servers: tuple[str, ...] = ()
+    #: run the farm's matcher when elected (agents serving the farm API)
+    matcher: bool = False
+    #: periods and limits (None: the defaults)
+    settings: FarmSettings | None = None
+
+
 class _StateLock:
     """One agent per state dir: an flock on STATE/agent.lock (released by the kernel
     when the process dies, so kill -9 leaves nothing stale)."""
@@ -123,6 +153,7 @@ async def run_agent(
     world: WorldOptions | None = None,
     replace: bool = False,
     services: Sequence[Service] = (),
+    farm: FarmOptions | None = None,
 ) -> int:
     """Converge the frontend's first graph, swap in each later one, stop on signals;
     the exit status.
@@ -132,11 +163,12 @@ async def run_agent(
     graph exports, and let the frontend collect what other hosts export to us.
     `replace`: take the hostname over from another live agent.
     `services`: more services to own (started once the engine exists).
+    `farm`: be a farm worker and/or run the farm's matcher when elected.
     """
     # The graph lives as long as the agent: move it out of the cyclic GC's
     # generations so collections do not keep re-walking 10k+ long-lived objects.
     gc.freeze()
-    agent = Agent(settings, frontend, world, replace, services)
+    agent = Agent(settings, frontend, world, replace, services, farm)
     loop = asyncio.get_running_loop()
     if handle_signals:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -161,9 +193,15 @@ class Agent:
         world: WorldOptions | None,
         replace: bool,
         services: Sequence[Service] = (),
+        farm: FarmOptions | None = None,
     ) -> None:
         self.settings = settings
         self.extra = list(services)
+        self.farm = farm or FarmOptions()
+        self.worker: WorkerHost | None = None
+        #: the last graph from the frontend, untouched (a job's resources are merged
+        #: into a copy of it whenever the job changes)
+        self._raw: GraphModel | None = None
         self.frontend = frontend
         self.world_opts = world
         self.replace = replace
@@ -261,7 +299,49 @@ class Agent:
         self._service(self.collector.run(), "export-collector")
         if previous:
             self._service(self._retire(opened, previous), "retire-old-lease")
+        await self._join_farm(kv, host, membership)
         return membership
+
+    async def _join_farm(self, kv: KV, host: str, membership: Membership) -> None:
+        # imported here: the farm's crypto costs start-up time other agents need not pay
+        from evergraph.farm.facts import discovered, worker_uuid
+        from evergraph.farm.host import WorkerHost
+        from evergraph.farm.leader import FarmLeader
+        from evergraph.world.election import Election
+
+        opts = self.farm
+        if opts.matcher:
+            election = Election(kv, "farm", host)
+            self._service(election.run(), "farm-election")
+            self._service(FarmLeader(kv, election, opts.settings).run(), "farm-matcher")
+        if opts.worker:
+            assert self.publisher is not None
+            try:
+                uuid = worker_uuid(self.settings.state_dir)
+            except ValueError as e:
+                raise InputError(str(e), "--worker") from None
+            worker = WorkerHost(
+                kv,
+                uuid=uuid,
+                host=host,
+                caps={**discovered(), "hostname": host, **opts.caps},
+                groups=list(opts.groups),
+                address=membership.member.address,
+                port=opts.ssh_port,
+                username=opts.ssh_user,
+                lease=lambda: membership.lease,
+                publisher=self.publisher,
+                key_servers={host, *opts.key_servers},
+            )
+            await worker.alive()
+            await worker.register()
+
+            def alive_again() -> None:
+                self._service(worker.alive(), "farm-alive")
+
+            membership.on_regrant(alive_again)
+            self._service(worker.run(), "farm-worker")
+            self.worker = worker
 
     async def _on_replaced(self, membership: Membership) -> None:
         await membership.replaced.wait()
@@ -298,10 +378,81 @@ class Agent:
         raw = await _unless_stopped(self.frontend.first(ctx), self.stop, settings.max_runtime)
         if raw is None:
             return 0  # stopped while waiting for a first graph (a deploy)
+        raw = self._with_job(raw)
         self._publish(raw)
         model = prepare_model(raw, settings)
-        updates = self._prepared(self.frontend.updates(ctx)) if settings.watch else None
+        updates = self._prepared(self._jobs(self.frontend.updates(ctx))) if settings.watch else None
         return await engine.run(model, updates)
+
+    def _with_job(self, raw: GraphModel, fresh: bool = True) -> GraphModel:
+        """`raw` with the running job's resources (a worker): its key authorized
+        (`meta.reverse`: revoked when the job ends, even across a crash) and the
+        request's graph fragment. `fresh`: `raw` is the frontend's new graph."""
+        if self.worker is None:
+            return raw
+        if fresh:
+            self._raw = copy.deepcopy(raw)  # prepare() changes what it is given
+        job = self.worker.job
+        if job is None:
+            return raw
+        kind, key, *comment = job.public_key.split(" ")
+        grant = build(
+            builtin_registry(),
+            "ssh_authorized_key",
+            {
+                "name": f"farm-job-{job.request}",
+                **(
+                    {"file": self.farm.authorized_keys}
+                    if self.farm.authorized_keys
+                    else {"user": self.farm.ssh_user}
+                ),
+                "type": kind,
+                "key": key,
+                "comment": " ".join(comment),
+                "meta": {"reverse": True},
+            },
+            f"the job of farm request {job.request}",
+        )
+        merge(raw, [grant])
+        if job.fragment:
+            try:
+                frag = parse_yaml(
+                    job.fragment, f"request {job.request}'s fragment", builtin_registry()
+                )
+            except InputError as e:
+                log.error("farm: %s (the job runs without its fragment)", e)
+            else:
+                merge(raw, list(frag.resources.values()))
+                for edge in frag.edges:
+                    raw.edges.append(edge)
+        return raw
+
+    async def _jobs(self, graphs: AsyncIterator[GraphModel]) -> AsyncIterator[GraphModel]:
+        """The frontend's graphs, and the last one again whenever the job changes."""
+        if self.worker is None:
+            async for raw in graphs:
+                yield raw
+            return
+        changed: asyncio.Queue[bool] = asyncio.Queue()
+        unlisten = self.worker.listen(lambda: changed.put_nowait(True))
+
+        async def jobs() -> AsyncIterator[tuple[str, Any]]:
+            while True:
+                yield "job", await changed.get()
+
+        async def frontend() -> AsyncIterator[tuple[str, Any]]:
+            async for raw in graphs:
+                yield "graph", raw
+
+        try:
+            async for what, payload in merged(frontend(), jobs()):
+                if what == "graph":
+                    yield self._with_job(payload)
+                elif self._raw is not None:
+                    log.info("farm: the job changed: swapping its resources in live")
+                    yield self._with_job(copy.deepcopy(self._raw), fresh=False)
+        finally:
+            unlisten()
 
     def _publish(self, raw: GraphModel) -> None:
         exports = exports_of(raw)

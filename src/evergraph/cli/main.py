@@ -14,7 +14,7 @@ from evergraph._version import __version__
 from evergraph.errors import InputError
 
 if TYPE_CHECKING:
-    from evergraph.agent.run import Service
+    from evergraph.agent.run import FarmOptions, Service
     from evergraph.world.open import WorldOptions
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -104,6 +104,47 @@ def world_options(f: Callable[..., None]) -> Callable[..., None]:
     for opt in reversed(opts):
         f = opt(f)
     return f
+
+
+def _farm_options(
+    worker: bool,
+    caps: tuple[str, ...],
+    groups: tuple[str, ...],
+    ssh_port: int,
+    ssh_user: str,
+    authorized_keys: Path | None,
+    farm_servers: tuple[str, ...],
+    http_addr: str | None,
+) -> FarmOptions | None:
+    from evergraph.agent.run import FarmOptions
+    from evergraph.farm.facts import parse_caps
+    from evergraph.world.names import hostname_problem
+
+    if not worker and (caps or groups or farm_servers or authorized_keys):
+        raise InputError(
+            "--cap, --group, --authorized-keys and --farm-server describe a worker: add --worker",
+            "--worker",
+        )
+    try:
+        parsed = parse_caps(caps)
+    except ValueError as e:
+        raise InputError(str(e), "--cap") from None
+    for h in farm_servers:
+        why = hostname_problem(h)
+        if why:
+            raise InputError(why, "--farm-server")
+    if not worker and not http_addr:
+        return None
+    return FarmOptions(
+        worker=worker,
+        caps=parsed,
+        groups=list(groups),
+        ssh_port=ssh_port,
+        ssh_user=ssh_user,
+        authorized_keys=str(authorized_keys.absolute()) if authorized_keys else "",
+        key_servers=tuple(farm_servers),
+        matcher=bool(http_addr),
+    )
 
 
 def _http_service(addr: str) -> Service:
@@ -213,6 +254,42 @@ def _world_opts(world: dict[str, object]) -> WorldOptions:
     metavar="ADDR",
     help="Serve the HTTP API on ADDR (HOST:PORT, e.g. 127.0.0.1:9233): health, graph status.",
 )
+@click.option("--worker", is_flag=True, help="Lease this host to farm users (a farm worker).")
+@click.option(
+    "--cap",
+    "caps",
+    multiple=True,
+    metavar="K=V",
+    help="A capability of this worker (repeatable); arch, os, cpus, memory_mb and hostname "
+    "are discovered.",
+)
+@click.option("--group", "groups", multiple=True, help="A farm group of this worker (repeatable).")
+@click.option(
+    "--ssh-port",
+    type=click.IntRange(1, 65535),
+    default=22,
+    show_default=True,
+    help="The sshd port farm users reach this worker on.",
+)
+@click.option(
+    "--ssh-user",
+    default="root",
+    show_default=True,
+    help="The account farm users log in as (their job's key is authorized for it).",
+)
+@click.option(
+    "--authorized-keys",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The authorized_keys file a job's key goes to. [default: the --ssh-user's own]",
+)
+@click.option(
+    "--farm-server",
+    "farm_servers",
+    multiple=True,
+    metavar="HOST",
+    help="An agent serving the farm API that may receive this worker's job keys "
+    "(repeatable; this host always may).",
+)
 @click.option(
     "--replace",
     is_flag=True,
@@ -245,6 +322,13 @@ def run(
     log_format: str,
     replace: bool,
     http_addr: str | None,
+    worker: bool,
+    caps: tuple[str, ...],
+    groups: tuple[str, ...],
+    ssh_port: int,
+    ssh_user: str,
+    authorized_keys: Path | None,
+    farm_servers: tuple[str, ...],
     verbose: int,
     deployers: tuple[str, ...],
     **world: object,
@@ -281,6 +365,9 @@ def run(
         frontend.preload()
         world_opts = _world_opts(world)
         services = [_http_service(http_addr)] if http_addr else []
+        farm = _farm_options(
+            worker, caps, groups, ssh_port, ssh_user, authorized_keys, farm_servers, http_addr
+        )
     except InputError as e:
         _die(e)
     try:
@@ -302,6 +389,7 @@ def run(
             replace=replace,
             deployers=list(deployers),
             services=services,
+            farm=farm,
             _flush=(flush_logs, FLUSH_INTERVAL),
         )
     finally:

@@ -300,6 +300,7 @@ class Publisher:
         self.book = book
         self.lease = lease
         self._want: dict[str, ExportItem] = {}
+        self._sources: dict[str, list[ExportItem]] = {}
         #: key -> (params, lease, mod revision) as written by us
         self._written: dict[str, tuple[dict[str, Any], int, int]] = {}
         self._full = True  # the next pass reads the World (start, errors, regrant)
@@ -310,11 +311,14 @@ class Publisher:
         self._waiting: set[str] = set()
         book.listen(self._key_changed)
 
-    def set(self, exports: list[ExportItem]) -> None:
+    def set(self, exports: list[ExportItem], source: str = "graph") -> None:
+        """What `source` (the graph; the farm's job keys) wants exported now."""
+        self._sources[source] = exports
         want: dict[str, ExportItem] = {}
-        for item in exports:
-            to, kind, name, _params = item
-            want[export_key(to, self.host, kind, name)] = item
+        for items in self._sources.values():
+            for item in items:
+                to, kind, name, _params = item
+                want[export_key(to, self.host, kind, name)] = item
         self._want = want
         self.acknowledged.clear()
         self._wake.set()
@@ -393,7 +397,7 @@ class Publisher:
                 continue
             rev = await self.kv.put(key, value, lease=lease)
             self._written[key] = (params, lease, rev)
-            log.info("exported %s[%s] to %s", kind, name, to)
+            log.info("exported %s[%s] to %s", kind, name, to)  # never the parameters
         self._waiting = waiting
         if not waiting and want is self._want and not self._wake.is_set():
             self.acknowledged.set()

@@ -1,0 +1,245 @@
+"""The farm's matcher loop, run by whichever agent leads the `farm` election.
+
+While it leads, it follows the requests, the workers and their alive keys, and
+after every change (or when a timer is due: a valid_after, a deadline, a job
+timeout) runs the pure matcher on the snapshot and applies the plan. Every write
+is one transaction conditioned on the leader key's revision (the term) and on
+the revision of each record it read: a deposed leader, still believing it leads,
+cannot write, and a record that changed meanwhile is left for the next pass.
+So a worker never holds two jobs, whatever dies when.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from evergraph._util.clock import SYSTEM, Clock
+from evergraph.farm import matcher, model
+from evergraph.farm.model import Refused, Request, Worker
+from evergraph.farm.service import (
+    ALIVE,
+    REQS,
+    WORKERS,
+    FarmSettings,
+    decode_request,
+    decode_worker,
+    encode,
+    req_key,
+    worker_key,
+)
+from evergraph.world.election import Election
+from evergraph.world.follow import Follower, follow
+from evergraph.world.kv import KV, Compare, Delete, KeyValue, Put, WorldError
+
+log = logging.getLogger("evergraph.farm")
+
+
+class _Records(Follower[KeyValue]):
+    """The raw records under one prefix, by key; `changed` set after each batch."""
+
+    def __init__(self, changed: asyncio.Event) -> None:
+        self.items: dict[str, KeyValue] = {}
+        self.changed = changed
+        self.ready = asyncio.Event()
+
+    def equals(self, a: KeyValue, b: KeyValue) -> bool:
+        return a.mod_revision == b.mod_revision
+
+    async def new(self, obj: KeyValue) -> None:
+        self.items[obj.key] = obj
+
+    async def updated(self, prev: KeyValue, new: KeyValue) -> None:
+        self.items[new.key] = new
+
+    async def deleted(self, prev: KeyValue) -> None:
+        self.items.pop(prev.key, None)
+
+    async def batch_done(self) -> None:
+        self.changed.set()
+
+    async def synced(self) -> None:
+        self.ready.set()
+        self.changed.set()
+
+
+class FarmLeader:
+    def __init__(
+        self,
+        kv: KV,
+        election: Election,
+        settings: FarmSettings | None = None,
+        clock: Clock = SYSTEM,
+    ) -> None:
+        self.kv = kv
+        self.election = election
+        self.settings = settings or FarmSettings()
+        self.clock = clock
+        #: passes run and transactions refused (tests, benchmarks)
+        self.passes = 0
+        self.refused = 0
+
+    async def run(self) -> None:
+        """Lead whenever elected, until cancelled."""
+        while True:
+            await self.election.wait_leader()
+            log.info("farm: leading the farm (term %d)", self.election.term)
+            lead = asyncio.create_task(self._lead(), name="farm-matcher")
+            lost = asyncio.create_task(self.election.wait_lost())
+            try:
+                await asyncio.wait({lead, lost}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in (lead, lost):
+                    t.cancel()
+                for t in (lead, lost):
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await t
+            if lead.done() and not lead.cancelled() and lead.exception() is not None:
+                raise lead.exception()  # type: ignore[misc]
+            log.info("farm: no longer leading the farm")
+
+    async def _lead(self) -> None:
+        changed = asyncio.Event()
+        reqs, workers, alive = _Records(changed), _Records(changed), _Records(changed)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(follow(self.kv, REQS, reqs))
+            tg.create_task(follow(self.kv, WORKERS, workers))
+            tg.create_task(follow(self.kv, ALIVE, alive))
+            for r in (reqs, workers, alive):
+                await r.ready.wait()
+            while True:
+                changed.clear()
+                try:
+                    wakeup = await self.step(reqs.items, workers.items, alive.items)
+                except WorldError as e:
+                    log.warning("farm: matching pass failed (%s); retrying", e)
+                    wakeup = self.clock.time() + 0.5
+                timeout = None if wakeup is None else max(0.0, wakeup - self.clock.time())
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout):
+                        await changed.wait()
+
+    async def step(
+        self,
+        req_items: dict[str, KeyValue],
+        worker_items: dict[str, KeyValue],
+        alive_items: dict[str, KeyValue],
+    ) -> float | None:
+        """One matching pass over a snapshot; returns when the next one is due."""
+        self.passes += 1
+        now = self.clock.time()
+        reqs: dict[int, tuple[Request, int]] = {}
+        for kv in list(req_items.values()):
+            try:
+                r = decode_request(kv.value, kv.key)
+            except ValueError as e:
+                log.warning("farm: %s", e)
+                continue
+            reqs[r.id] = (r, kv.mod_revision)
+        workers: dict[str, tuple[Worker, int]] = {}
+        for kv in list(worker_items.values()):
+            try:
+                w = decode_worker(kv.value, kv.key)
+            except ValueError as e:
+                log.warning("farm: %s", e)
+                continue
+            workers[w.uuid] = (w, kv.mod_revision)
+        living = {k[len(ALIVE) :] for k in alive_items}
+        await self._housekeeping(reqs, workers, living, now)
+        plan = matcher.match([r for r, _ in reqs.values()], [w for w, _ in workers.values()], now)
+        if plan.empty:
+            return _next(plan)
+        for rid in plan.failed:
+            r, mod = reqs[rid]
+            await self._write(
+                [(req_key(rid), mod)], [Put(req_key(rid), encode(model.fail_request(r)))]
+            )
+        for rid in plan.done:
+            r, mod = reqs[rid]
+            await self._write(
+                [(req_key(rid), mod)], [Put(req_key(rid), encode(model.finish_request(r, now)))]
+            )
+        for uuid in plan.release:
+            w, mod = workers[uuid]
+            await self._write(
+                [(worker_key(uuid), mod)], [Put(worker_key(uuid), encode(model.release_worker(w)))]
+            )
+        for rid in plan.timeout:
+            r, mod = reqs[rid]
+            await self._write(
+                [(req_key(rid), mod)], [Put(req_key(rid), encode(model.expire_request(r, now)))]
+            )
+        for rid in plan.invalid:
+            r, mod = reqs[rid]
+            await self._write(
+                [(req_key(rid), mod)], [Put(req_key(rid), encode(model.invalidate_request(r)))]
+            )
+        released = set(plan.release)
+        for a in plan.assign:
+            if a.worker in released:
+                continue  # it changes in this pass; matched again on the next
+            r, rmod = reqs[a.request]
+            w, wmod = workers[a.worker]
+            try:
+                started = model.start_request(r, a.worker, now, self.settings.job_period)
+                running = model.assign_worker(w, a.request)
+            except Refused as e:
+                log.warning("farm: cannot start request %d: %s", a.request, e)
+                continue
+            ok = await self._write(
+                [(req_key(a.request), rmod), (worker_key(a.worker), wmod)],
+                [
+                    Put(req_key(a.request), encode(started)),
+                    Put(worker_key(a.worker), encode(running)),
+                ],
+            )
+            if ok:
+                log.info("farm: request %d -> worker %s", a.request, a.worker)
+        return _next(plan)
+
+    async def _housekeeping(
+        self,
+        reqs: dict[int, tuple[Request, int]],
+        workers: dict[str, tuple[Worker, int]],
+        living: set[str],
+        now: float,
+    ) -> None:
+        """Liveness and the workers' own intermediate states. A worker whose alive key
+        (under its agent's lease) is gone becomes FAILED (the matcher then fails its
+        job's request); PREPARE -> IDLE; BUSY -> MAINTENANCE once its job's request is
+        no longer IN PROGRESS on it."""
+        for uuid, (w, mod) in list(workers.items()):
+            new = None
+            if uuid not in living and w.state != model.FAILED:
+                new = model.heartbeat_lost(w, now, 0.0)
+                log.warning("farm: worker %s stopped heart-beating: FAILED", uuid)
+            elif w.state == model.PREPARE:
+                new = model.complete_prepare(w)
+            elif w.state == model.BUSY:
+                running = (
+                    w.job is not None
+                    and w.job in reqs
+                    and (reqs[w.job][0].state == model.IN_PROGRESS)
+                )
+                if not running:
+                    new = model.complete_maintenance(w)
+            if new is not None and await self._write(
+                [(worker_key(uuid), mod)], [Put(worker_key(uuid), encode(new))]
+            ):
+                log.info("farm: worker %s is %s", uuid, new.state)
+
+    async def _write(self, reads: list[tuple[str, int]], ops: list[Put | Delete]) -> bool:
+        """Apply `ops` if we still lead (the term) and nothing read has changed."""
+        term = self.election.term
+        if not term:
+            return False
+        compares = [Compare(self.election.key, term), *(Compare(k, m) for k, m in reads)]
+        if await self.kv.txn(compares, ops) is None:
+            self.refused += 1
+            return False
+        return True
+
+
+def _next(plan: matcher.Plan) -> float | None:
+    return plan.next_wakeup

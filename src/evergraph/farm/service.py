@@ -1,0 +1,385 @@
+"""The farm's state in the World, and the operations users and admins call on it
+(what the HTTP API v1 serves). Any agent may serve them: every write is one
+transaction conditioned on the mod revision of each record it read, so two
+servers (or a server and the leader's matcher) never both win a race.
+
+World layout:
+
+- `farm/seq`: the last request id handed out (requests are numbered 1, 2, ...;
+  the number also orders a priority's FIFO);
+- `farm/requests/<id, 10 digits>`: a `Request` (JSON);
+- `farm/workers/<uuid>`: a `Worker` (JSON), registered by the worker's agent;
+- `farm/alive/<uuid>`: present while the worker's agent lives (under its lease);
+- `farm/demand/<id>/<host>`: agent `host` serves `acquire_worker` for request `id`
+  and asks the job's worker for the key; the worker exports it (kind `farm.access`)
+  sealed to that host's pinned key, so the private key is never plain in the World.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from evergraph._util.clock import SYSTEM, Clock
+from evergraph.farm import model
+from evergraph.farm.model import Refused, Request, Worker
+from evergraph.farm.tokens import User
+from evergraph.world.exports import Collector
+from evergraph.world.follow import Tombstone, watch_one
+from evergraph.world.kv import KV, Compare, Delete, Put, WorldError
+
+log = logging.getLogger("evergraph.farm")
+
+SEQ = "farm/seq"
+REQS = "farm/requests/"
+WORKERS = "farm/workers/"
+ALIVE = "farm/alive/"
+DEMAND = "farm/demand/"
+#: the export kind that carries a job's private key to the agent serving it
+ACCESS = "farm.access"
+#: optimistic transactions retried this often before giving up
+ATTEMPTS = 50
+
+
+class NotFound(Exception):
+    """No such request or worker (or not one this user may see)."""
+
+
+class Forbidden(Exception):
+    """An admin route, and the caller is no admin."""
+
+
+@dataclass(frozen=True)
+class FarmSettings:
+    #: a request's deadline when none is given
+    deadline_period: float = model.DEFAULT_DEADLINE_PERIOD
+    #: a job's length, and what one prolong adds
+    job_period: float = model.DEFAULT_JOB_PERIOD
+    max_prolong: int = 3
+    #: acquire_worker waits this long at most for a WAITING request
+    acquire_wait: float = 60.0
+
+
+@dataclass(frozen=True)
+class Access:
+    """What acquire_worker returns: where to ssh, as whom, with which key."""
+
+    ip: str
+    port: int
+    username: str
+    key: str
+
+
+_req_dec = msgspec.json.Decoder(Request)
+_worker_dec = msgspec.json.Decoder(Worker)
+
+
+def req_key(rid: int) -> str:
+    return f"{REQS}{rid:010d}"
+
+
+def worker_key(uuid: str) -> str:
+    return f"{WORKERS}{uuid}"
+
+
+def decode_request(value: bytes, where: str) -> Request:
+    try:
+        return _req_dec.decode(value)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"{where}: not a request record: {e}") from None
+
+
+def decode_worker(value: bytes, where: str) -> Worker:
+    try:
+        return _worker_dec.decode(value)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"{where}: not a worker record: {e}") from None
+
+
+def encode(obj: Request | Worker) -> bytes:
+    return msgspec.json.encode(obj)
+
+
+class Farm:
+    """The operations, for one serving agent (`host`). `collector` brings the keys
+    workers export to this host (None: acquire_worker is not served here)."""
+
+    def __init__(
+        self,
+        kv: KV,
+        *,
+        host: str = "",
+        collector: Collector | None = None,
+        settings: FarmSettings | None = None,
+        clock: Clock = SYSTEM,
+    ) -> None:
+        self.kv = kv
+        self.host = host
+        self.collector = collector
+        self.settings = settings or FarmSettings()
+        self.clock = clock
+
+    # -- reading ------------------------------------------------------------------------
+    async def _seq(self) -> tuple[int, int]:
+        item = await self.kv.get(SEQ)
+        if item is None:
+            return 0, 0
+        try:
+            return int(item.value), item.mod_revision
+        except ValueError:
+            raise WorldError(f"{SEQ}: not a number") from None
+
+    async def _request(self, rid: int) -> tuple[Request, int]:
+        item = await self.kv.get(req_key(rid))
+        if item is None:
+            raise NotFound(f"request {rid} not found")
+        try:
+            return decode_request(item.value, item.key), item.mod_revision
+        except ValueError as e:
+            raise WorldError(str(e)) from None
+
+    async def _worker(self, uuid: str) -> tuple[Worker, int]:
+        item = await self.kv.get(worker_key(uuid))
+        if item is None:
+            raise NotFound(f"worker {uuid} not found")
+        try:
+            return decode_worker(item.value, item.key), item.mod_revision
+        except ValueError as e:
+            raise WorldError(str(e)) from None
+
+    @staticmethod
+    def _may_see(user: User, req: Request) -> None:
+        if not user.admin and req.owner != user.name:
+            raise NotFound(f"request {req.id} not found")  # others' requests do not exist
+
+    async def request(self, user: User, rid: int) -> Request:
+        req, _ = await self._request(rid)
+        self._may_see(user, req)
+        return req
+
+    async def requests(self, user: User) -> list[Request]:
+        """Every request this user may see (an admin: all), by id."""
+        items, _ = await self.kv.range(REQS)
+        out = []
+        for item in items:
+            try:
+                req = decode_request(item.value, item.key)
+            except ValueError as e:
+                log.warning("farm: %s", e)
+                continue
+            if user.admin or req.owner == user.name:
+                out.append(req)
+        return out
+
+    async def workers(self) -> list[Worker]:
+        items, _ = await self.kv.range(WORKERS)
+        out = []
+        for item in items:
+            try:
+                out.append(decode_worker(item.value, item.key))
+            except ValueError as e:
+                log.warning("farm: %s", e)
+        return out
+
+    async def worker(self, uuid: str) -> Worker:
+        return (await self._worker(uuid))[0]
+
+    # -- requests -------------------------------------------------------------------------
+    async def new_request(
+        self,
+        user: User,
+        *,
+        priority: int,
+        caps: dict[str, str] | None = None,
+        valid_after: float = 0.0,
+        deadline: float = 0.0,
+        fragment: str | None = None,
+    ) -> int:
+        """A new WAITING request owned by `user` (groups from the token); its id."""
+        for _ in range(ATTEMPTS):
+            n, mod = await self._seq()
+            req = model.new_request(
+                id=n + 1,
+                owner=user.name,
+                priority=priority,
+                now=self.clock.time(),
+                queued=n + 1,
+                groups=user.groups,
+                caps=caps,
+                valid_after=valid_after,
+                deadline=deadline,
+                fragment=fragment,
+                deadline_period=self.settings.deadline_period,
+            )
+            ops = [Put(SEQ, str(n + 1).encode()), Put(req_key(n + 1), encode(req))]
+            if await self.kv.txn([Compare(SEQ, mod)], ops) is not None:
+                log.info("farm: request %d by %s (priority %d)", n + 1, user.name, priority)
+                return n + 1
+        raise WorldError("farm: the request counter kept changing; try again")
+
+    async def update_request(
+        self,
+        user: User,
+        rid: int,
+        *,
+        priority: int = 0,
+        valid_after: float = 0.0,
+        deadline: float = 0.0,
+    ) -> None:
+        for _ in range(ATTEMPTS):
+            req, mod = await self._request(rid)
+            self._may_see(user, req)
+            n, smod = await self._seq()
+            new = model.update_request(
+                req,
+                self.clock.time(),
+                queued=n + 1,
+                priority=priority,
+                valid_after=valid_after,
+                deadline=deadline,
+            )
+            if new is req:
+                return
+            compares = [Compare(req_key(rid), mod)]
+            ops: list[Put | Delete] = [Put(req_key(rid), encode(new))]
+            if new.queued != req.queued:  # to the tail of its new priority
+                compares.append(Compare(SEQ, smod))
+                ops.append(Put(SEQ, str(n + 1).encode()))
+            if await self.kv.txn(compares, ops) is not None:
+                return
+        raise WorldError(f"farm: request {rid} kept changing; try again")
+
+    async def close_request(self, user: User, rid: int) -> None:
+        """WAITING -> CANCELLED; IN PROGRESS -> DONE (the worker is released: its
+        agent revokes the job's key)."""
+        for _ in range(ATTEMPTS):
+            req, mod = await self._request(rid)
+            self._may_see(user, req)
+            new = model.close_request(req)
+            compares = [Compare(req_key(rid), mod)]
+            ops: list[Put | Delete] = [Put(req_key(rid), encode(new))]
+            if req.job is not None:
+                with contextlib.suppress(NotFound):
+                    w, wmod = await self._worker(req.job.worker)
+                    if w.job == rid and w.state == model.RUNNING:
+                        compares.append(Compare(worker_key(w.uuid), wmod))
+                        ops.append(Put(worker_key(w.uuid), encode(model.release_worker(w))))
+            if await self.kv.txn(compares, ops) is not None:
+                log.info("farm: request %d closed by %s: %s", rid, user.name, new.state)
+                return
+        raise WorldError(f"farm: request {rid} kept changing; try again")
+
+    async def prolong(self, user: User, rid: int) -> None:
+        for _ in range(ATTEMPTS):
+            req, mod = await self._request(rid)
+            self._may_see(user, req)
+            new = model.prolong(
+                req, self.clock.time(), self.settings.job_period, self.settings.max_prolong
+            )
+            ops: list[Put | Delete] = [Put(req_key(rid), encode(new))]
+            if await self.kv.txn([Compare(req_key(rid), mod)], ops) is not None:
+                return
+        raise WorldError(f"farm: request {rid} kept changing; try again")
+
+    async def wait_started(self, user: User, rid: int, wait: float) -> Request:
+        """The request once it left WAITING (or as it is when `wait` runs out)."""
+        req = await self.request(user, rid)
+        if req.state != model.WAITING or wait <= 0:
+            return req
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait):
+                async with contextlib.aclosing(watch_one(self.kv, req_key(rid))) as snaps:
+                    async for snap in snaps:
+                        if isinstance(snap, Tombstone):
+                            raise NotFound(f"request {rid} not found")
+                        req = decode_request(snap.value, snap.key)
+                        if req.state != model.WAITING:
+                            break
+        return req
+
+    async def acquire(self, user: User, rid: int, wait: float | None = None) -> Access:
+        """Where and how to reach the worker of an IN PROGRESS request: waits while it
+        is WAITING (up to `wait`; 0 = answer at once), then fetches the job's key."""
+        wait = self.settings.acquire_wait if wait is None else wait
+        started = self.clock.monotonic()
+        req = await self.wait_started(user, rid, wait)
+        if req.state != model.IN_PROGRESS or req.job is None:
+            raise Refused(f"request {rid} is {req.state}: only an IN PROGRESS request has a worker")
+        w = await self.worker(req.job.worker)
+        if self.collector is None:
+            raise Refused("this agent does not serve worker keys (it has no World identity)")
+        left = max(1.0, wait - (self.clock.monotonic() - started)) if wait > 0 else 10.0
+        key = await self._key_for(rid, w, left)
+        return Access(ip=w.address, port=w.port, username=w.username, key=key)
+
+    async def _key_for(self, rid: int, w: Worker, wait: float) -> str:
+        """Ask the worker for the job's key (a demand record) and wait for it to arrive,
+        sealed to this host and signed by the worker's pinned key."""
+        assert self.collector is not None
+        collector = self.collector
+        src = w.caps.get("hostname", "")
+
+        def found() -> str | None:
+            for e in collector.current():
+                if e.kind == ACCESS and e.name == str(rid) and e.src == src:
+                    key = e.params.get("key")
+                    if isinstance(key, str) and e.params.get("worker") == w.uuid:
+                        return key
+            return None
+
+        key = found()
+        if key is not None:
+            return key
+        changed = asyncio.Event()
+        unlisten = collector.listen(changed.set)
+        demand = f"{DEMAND}{rid}/{self.host}"
+        try:
+            await self.kv.put(demand, msgspec.json.encode({"at": self.clock.time()}))
+            async with asyncio.timeout(wait):
+                while (key := found()) is None:
+                    await changed.wait()
+                    changed.clear()
+        except TimeoutError:
+            raise Refused(
+                f"the worker of request {rid} did not hand over its key in {wait:.0f} s"
+            ) from None
+        finally:
+            unlisten()
+        return key
+
+    # -- workers (admin) ---------------------------------------------------------------------
+    @staticmethod
+    def _admin(user: User) -> None:
+        if not user.admin:
+            raise Forbidden("an admin route: this token is not an admin's")
+
+    async def _update_worker(self, uuid: str, change: Callable[[Worker], Worker]) -> Worker:
+        for _ in range(ATTEMPTS):
+            w, mod = await self._worker(uuid)
+            new = change(w)
+            ops: list[Put | Delete] = [Put(worker_key(uuid), encode(new))]
+            if await self.kv.txn([Compare(worker_key(uuid), mod)], ops) is not None:
+                return new
+        raise WorldError(f"farm: worker {uuid} kept changing; try again")
+
+    async def set_state(self, user: User, uuid: str, state: str) -> None:
+        self._admin(user)
+        await self._update_worker(uuid, lambda w: model.set_state(w, state))
+
+    async def set_groups(self, user: User, uuid: str, groups: list[str]) -> None:
+        self._admin(user)
+        await self._update_worker(uuid, lambda w: model.set_groups(w, groups))
+
+    async def deregister(self, user: User, uuid: str) -> None:
+        self._admin(user)
+        for _ in range(ATTEMPTS):
+            w, mod = await self._worker(uuid)
+            model.deregister_worker(w)
+            if await self.kv.txn([Compare(worker_key(uuid), mod)], [Delete(worker_key(uuid))]):
+                return
+        raise WorldError(f"farm: worker {uuid} kept changing; try again")

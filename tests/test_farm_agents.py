@@ -1,0 +1,105 @@
+"""The farm with real agents on one sqlite World: a worker agent (`--worker`) and a
+matcher agent (`--http`); the test plays the users through the farm library."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from evergraph.farm import model
+from evergraph.farm.service import Farm
+from evergraph.farm.tokens import User
+from evergraph.world.sqlite import SQLiteKV
+
+from .conftest import Agent, wait_for
+
+T = TypeVar("T")
+ADMIN = User(name="root", admin=True)
+ALICE = User(name="alice")
+
+
+def farm_call(db: Path, fn: Callable[[Farm], Awaitable[T]]) -> T:
+    async def main() -> T:
+        kv = SQLiteKV(db)
+        try:
+            return await fn(Farm(kv))
+        finally:
+            await kv.close()
+
+    return asyncio.run(main())
+
+
+def worker_uuid(state: Path) -> str:
+    wait_for(lambda: (state / "worker.uuid").exists(), what="the worker's UUID")
+    return (state / "worker.uuid").read_text().strip()
+
+
+@pytest.mark.slow
+def test_a_job_authorizes_a_key_until_it_ends_and_a_dead_worker_fails_its_job(
+    tmp_path: Path, agents: Any
+) -> None:
+    db = tmp_path / "world.sqlite"
+    keys = tmp_path / "home" / "authorized_keys"
+    g = tmp_path / "g.yaml"
+    g.write_text("graph: g\nresources:\n  noop:\n  - name: n\n")
+    world = ("--world-db", str(db))
+    srv: Agent = agents(g, tmp_path / "srv", "--hostname", "srv", *world, "--http", "127.0.0.1:0")
+    wstate = tmp_path / "wk1"
+    wk: Agent = agents(
+        g,
+        wstate,
+        "--hostname",
+        "wk1",
+        *world,
+        "--worker",
+        "--cap",
+        "board=rpi4",
+        "--authorized-keys",
+        str(keys),
+    )
+    srv.wait_converged()
+    wk.wait_converged()
+    uuid = worker_uuid(wstate)
+    w = farm_call(db, lambda f: f.worker(uuid))
+    assert w.state == model.MAINTENANCE
+    assert w.caps["board"] == "rpi4"
+    assert w.caps["hostname"] == "wk1"
+    assert "arch" in w.caps
+    farm_call(db, lambda f: f.set_state(ADMIN, uuid, model.IDLE))
+    rid = farm_call(db, lambda f: f.new_request(ALICE, priority=3, caps={"board": "rpi4"}))
+    req = farm_call(db, lambda f: f.wait_started(ALICE, rid, 15))
+    assert req.state == model.IN_PROGRESS
+    wait_for(lambda: keys.exists() and f"evergraph-job-{rid}" in keys.read_text(), what="key")
+    assert oct(keys.stat().st_mode & 0o777) == "0o600"
+    farm_call(db, lambda f: f.close_request(ALICE, rid))
+    wait_for(lambda: f"evergraph-job-{rid}" not in keys.read_text(), what="key revoked")
+    # a second job, then the worker dies with it
+    wait_for(
+        lambda: farm_call(db, lambda f: f.worker(uuid)).state == model.IDLE, what="worker IDLE"
+    )
+    rid2 = farm_call(db, lambda f: f.new_request(ALICE, priority=3))
+    assert farm_call(db, lambda f: f.wait_started(ALICE, rid2, 15)).state == model.IN_PROGRESS
+    wait_for(lambda: f"evergraph-job-{rid2}" in keys.read_text(), what="second key")
+    os.kill(wk.proc.pid, signal.SIGKILL)
+    wk.proc.wait()
+    wait_for(
+        lambda: farm_call(db, lambda f: f.request(ALICE, rid2)).state == model.FAILED,
+        timeout=15,
+        what="the dead worker's request FAILED (lease expiry)",
+    )
+    assert farm_call(db, lambda f: f.worker(uuid)).state == model.FAILED
+    # the key is still in the file (nobody ran to remove it) until the worker's agent
+    # comes back: its persisted reversal removes it
+    assert f"evergraph-job-{rid2}" in keys.read_text()
+    wk2: Agent = agents(
+        g, wstate, "--hostname", "wk1", *world, "--worker", "--authorized-keys", str(keys)
+    )
+    wait_for(lambda: f"evergraph-job-{rid2}" not in keys.read_text(), what="revoked on restart")
+    assert wk2.stop() == 0
+    assert srv.stop() == 0

@@ -1,0 +1,165 @@
+"""The farm over a World: the service's operations, the elected matcher loop and a
+worker host, together in one process on the shipped memory World (real keys,
+real sealing, real transactions)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from evergraph.farm import model
+from evergraph.farm.host import WorkerHost
+from evergraph.farm.leader import FarmLeader
+from evergraph.farm.model import Refused
+from evergraph.farm.service import ALIVE, Farm, Forbidden, NotFound
+from evergraph.farm.tokens import User
+from evergraph.world.election import Election
+from evergraph.world.exports import Collector, HostKeyBook, Publisher, publish_hostkeys
+from evergraph.world.hostkeys import HostKeys
+from evergraph.world.memory import MemoryKV, MemoryStore
+from evergraph.world.pins import Pins
+
+ALICE = User(name="alice", groups=["lab"])
+BOB = User(name="bob")
+ADMIN = User(name="root", admin=True)
+
+
+async def until(pred: Callable[[], Awaitable[bool]], what: str, timeout: float = 10) -> None:
+    async with asyncio.timeout(timeout):
+        while not await pred():
+            await asyncio.sleep(0.005)  # polling the World in-process; bounded by timeout
+    # (the condition is a World state written by another task; there is no event for it)
+
+
+class Cluster:
+    """A serving host ("srv": API + matcher) and a worker host ("wk1")."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.store = MemoryStore()
+        self.tmp = tmp
+        self.tasks: list[asyncio.Task[Any]] = []
+
+    def kv(self) -> MemoryKV:
+        return MemoryKV(self.store)
+
+    async def host(self, name: str) -> tuple[HostKeys, HostKeyBook, Publisher, Collector]:
+        kv = self.kv()
+        keys = HostKeys(self.tmp / name)
+        await publish_hostkeys(kv, keys, name)
+        book = HostKeyBook(kv, Pins(self.tmp / name), name)
+        pub = Publisher(kv, keys, name, book, lambda: 0)
+        col = Collector(kv, keys, name, book)
+        for coro in (book.run(), pub.run(), col.run()):
+            self.tasks.append(asyncio.create_task(coro))
+        await book.ready.wait()
+        await col.ready.wait()
+        return keys, book, pub, col
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[tuple[Farm, WorkerHost]]:
+        _, _, _, col = await self.host("srv")
+        _, _, wpub, _ = await self.host("wk1")
+        election = Election(self.kv(), "farm", "srv", ttl=5)
+        leader = FarmLeader(self.kv(), election)
+        self.tasks += [asyncio.create_task(election.run()), asyncio.create_task(leader.run())]
+        farm = Farm(self.kv(), host="srv", collector=col)
+        worker = WorkerHost(
+            self.kv(),
+            uuid="5f0c0e8a-1111-4222-8333-944445555666",
+            host="wk1",
+            caps={"arch": "x86_64", "hostname": "wk1", "board": "rpi4"},
+            groups=["lab"],
+            address="127.0.0.1",
+            port=22,
+            username="tester",
+            lease=lambda: 0,
+            publisher=wpub,
+            key_servers={"srv"},
+        )
+        await worker.alive()
+        await worker.register()
+        self.tasks.append(asyncio.create_task(worker.run()))
+        try:
+            yield farm, worker
+        finally:
+            for t in self.tasks:
+                t.cancel()
+            for t in self.tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+
+
+def test_request_matched_acquired_and_closed(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with Cluster(tmp_path).running() as (farm, worker):
+            uuid = worker.uuid
+            w = await farm.worker(uuid)
+            assert w.state == model.MAINTENANCE
+            with pytest.raises(Forbidden):
+                await farm.set_state(ALICE, uuid, model.IDLE)
+            await farm.set_state(ADMIN, uuid, model.IDLE)
+
+            async def idle() -> bool:
+                return (await farm.worker(uuid)).state == model.IDLE
+
+            await until(idle, "the leader completes PREPARE -> IDLE")
+            rid = await farm.new_request(ALICE, priority=4, caps={"board": "rpi3|rpi4"})
+            # others cannot see it
+            with pytest.raises(NotFound):
+                await farm.request(BOB, rid)
+            req = await farm.wait_started(ALICE, rid, 10)
+            assert req.state == model.IN_PROGRESS
+            assert req.job is not None
+            assert req.job.worker == uuid
+            assert (await farm.worker(uuid)).state == model.RUNNING
+            access = await farm.acquire(ALICE, rid, 10)
+            assert access.key.startswith("-----BEGIN RSA PRIVATE KEY-----")
+            assert (access.ip, access.port, access.username) == ("127.0.0.1", 22, "tester")
+            assert worker.job is not None
+            assert worker.job.public_key.startswith("ssh-rsa ")
+            # the key is in the World only sealed: never in plain bytes
+            items, _ = await farm.kv.range("")
+            body = access.key.split("\n")[1].encode()
+            assert not any(body in i.value for i in items)
+            await farm.close_request(ALICE, rid)
+            assert (await farm.request(ALICE, rid)).state == model.DONE
+
+            async def released() -> bool:
+                return worker.job is None and (await farm.worker(uuid)).state == model.IDLE
+
+            await until(released, "the job ends: worker IDLE, access revoked")
+            with pytest.raises(Refused, match="only an IN PROGRESS request"):
+                await farm.acquire(ALICE, rid, 0)
+
+    asyncio.run(main())
+
+
+def test_unsatisfiable_is_invalid_and_a_dead_worker_fails_its_job(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with Cluster(tmp_path).running() as (farm, worker):
+            uuid = worker.uuid
+            await farm.set_state(ADMIN, uuid, model.IDLE)
+            bad = await farm.new_request(ALICE, priority=8, caps={"board": "pi5"})
+            req = await farm.wait_started(ALICE, bad, 10)
+            assert req.state == model.INVALID
+            with pytest.raises(Refused, match="WAITING"):
+                await farm.acquire(ALICE, await farm.new_request(ALICE, priority=8), 0)
+            rid2 = await farm.new_request(BOB, priority=1)
+            # bob has no group, the worker has one: a request with no groups fits any
+            req = await farm.wait_started(BOB, rid2, 10)
+            assert req.state == model.IN_PROGRESS
+            # the worker's agent dies: its alive key vanishes with its lease
+            await farm.kv.delete(f"{ALIVE}{uuid}")
+
+            async def failed() -> bool:
+                r = await farm.request(BOB, rid2)
+                return r.state == model.FAILED and (await farm.worker(uuid)).state == model.FAILED
+
+            await until(failed, "worker FAILED, its request FAILED")
+
+    asyncio.run(main())
