@@ -211,6 +211,8 @@ class Agent:
         #: each service's task, and the coroutine it runs
         self._services: list[tuple[asyncio.Task[Any], Coroutine[Any, Any, Any]]] = []
         self._tg: asyncio.TaskGroup | None = None
+        #: the World, once open (None without one)
+        self.kv: KV | None = None
         self.publisher: Publisher | None = None
         self.collector: Collector | None = None
 
@@ -248,6 +250,7 @@ class Agent:
                 try:
                     if self.world_opts is not None:
                         opened = await open_world(self.world_opts, self.settings.state_dir)
+                        self.kv = opened.kv
                         membership = await self._join(opened)
                     status = await self._converge(hub, opened)
                     if membership is not None:

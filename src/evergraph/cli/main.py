@@ -14,7 +14,7 @@ from evergraph._version import __version__
 from evergraph.errors import InputError
 
 if TYPE_CHECKING:
-    from evergraph.agent.run import FarmOptions, Service
+    from evergraph.agent.run import Agent, FarmOptions, Service
     from evergraph.world.open import WorldOptions
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -147,13 +147,23 @@ def _farm_options(
     )
 
 
-def _http_service(addr: str) -> Service:
+def _http_service(addr: str, anonymous: str | None) -> Service:
     """The HTTP server as an agent service; the socket is bound now (InputError)."""
-    from evergraph.http.app import create_app
     from evergraph.http.server import HttpServer, bind
 
     sock = bind(addr)
-    return lambda agent: HttpServer(create_app(agent.status), sock).run()
+
+    async def serve(agent: Agent) -> None:
+        from evergraph.farm.service import Farm
+        from evergraph.http.app import create_app
+        from evergraph.http.farm_api import FarmApi
+
+        farm = None
+        if agent.kv is not None:
+            farm = Farm(agent.kv, host=agent.settings.host(), collector=agent.collector)
+        await HttpServer(create_app(agent.status, FarmApi(farm, anonymous)), sock).run()
+
+    return serve
 
 
 def _world_opts(world: dict[str, object]) -> WorldOptions:
@@ -254,6 +264,11 @@ def _world_opts(world: dict[str, object]) -> WorldOptions:
     metavar="ADDR",
     help="Serve the HTTP API on ADDR (HOST:PORT, e.g. 127.0.0.1:9233): health, graph status.",
 )
+@click.option(
+    "--farm-anonymous",
+    metavar="GROUP",
+    help="With --http: serve tokenless (legacy Boruta) clients as a non-admin user of GROUP.",
+)
 @click.option("--worker", is_flag=True, help="Lease this host to farm users (a farm worker).")
 @click.option(
     "--cap",
@@ -322,6 +337,7 @@ def run(
     log_format: str,
     replace: bool,
     http_addr: str | None,
+    farm_anonymous: str | None,
     worker: bool,
     caps: tuple[str, ...],
     groups: tuple[str, ...],
@@ -364,7 +380,7 @@ def run(
             trust_deployers(frontend, deployers)
         frontend.preload()
         world_opts = _world_opts(world)
-        services = [_http_service(http_addr)] if http_addr else []
+        services = [_http_service(http_addr, farm_anonymous)] if http_addr else []
         farm = _farm_options(
             worker, caps, groups, ssh_port, ssh_user, authorized_keys, farm_servers, http_addr
         )

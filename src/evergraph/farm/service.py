@@ -47,7 +47,12 @@ ATTEMPTS = 50
 
 
 class NotFound(Exception):
-    """No such request or worker (or not one this user may see)."""
+    """No such request or worker (or not one this user may see); `what` is
+    "request" or "worker"."""
+
+    def __init__(self, what: str, ident: object) -> None:
+        super().__init__(f"{what} {ident} not found")
+        self.what = what
 
 
 class Forbidden(Exception):
@@ -137,7 +142,7 @@ class Farm:
     async def _request(self, rid: int) -> tuple[Request, int]:
         item = await self.kv.get(req_key(rid))
         if item is None:
-            raise NotFound(f"request {rid} not found")
+            raise NotFound("request", rid)
         try:
             return decode_request(item.value, item.key), item.mod_revision
         except ValueError as e:
@@ -146,7 +151,7 @@ class Farm:
     async def _worker(self, uuid: str) -> tuple[Worker, int]:
         item = await self.kv.get(worker_key(uuid))
         if item is None:
-            raise NotFound(f"worker {uuid} not found")
+            raise NotFound("worker", uuid)
         try:
             return decode_worker(item.value, item.key), item.mod_revision
         except ValueError as e:
@@ -155,7 +160,7 @@ class Farm:
     @staticmethod
     def _may_see(user: User, req: Request) -> None:
         if not user.admin and req.owner != user.name:
-            raise NotFound(f"request {req.id} not found")  # others' requests do not exist
+            raise NotFound("request", req.id)  # others' requests do not exist
 
     async def request(self, user: User, rid: int) -> Request:
         req, _ = await self._request(rid)
@@ -296,7 +301,7 @@ class Farm:
                 async with contextlib.aclosing(watch_one(self.kv, req_key(rid))) as snaps:
                     async for snap in snaps:
                         if isinstance(snap, Tombstone):
-                            raise NotFound(f"request {rid} not found")
+                            raise NotFound("request", rid)
                         req = decode_request(snap.value, snap.key)
                         if req.state != model.WAITING:
                             break

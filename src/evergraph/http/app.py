@@ -13,11 +13,14 @@ from starlette.routing import Route
 
 from evergraph._version import __version__
 from evergraph.engine.status import VertexStatus
+from evergraph.http.farm_api import FarmApi
 
 Snapshot = Callable[[], tuple[VertexStatus, ...]]
 
 
-def create_app(status: Snapshot) -> Starlette:
+def create_app(status: Snapshot, farm: FarmApi | None = None) -> Starlette:
+    """The app: status routes, and the farm's API v1 (`farm`: None, not served)."""
+
     async def healthz(_: Request) -> Response:
         return JSONResponse({"ok": True, "version": __version__})
 
@@ -37,6 +40,7 @@ def create_app(status: Snapshot) -> Starlette:
     routes = [
         Route("/healthz", healthz),
         Route("/api/v1/graph", graph),
+        *(farm.routes() if farm is not None else []),
         Route("/api/{path:path}", unversioned, methods=["GET", "POST", "PUT", "DELETE"]),
     ]
     return Starlette(routes=routes)

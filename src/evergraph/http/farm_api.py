@@ -1,0 +1,280 @@
+"""The farm's HTTP API v1, wire-compatible with Boruta's (`http/boruta.py` holds the
+wire format; `farm/service.py` the operations), plus what no Boruta client trips
+over: bearer-token auth (401/403), users seeing only their own requests, server-sent
+events of request and worker changes, and an OpenAPI document.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request as HttpRequest
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from evergraph.farm import model, tokens
+from evergraph.farm.service import (
+    REQS,
+    WORKERS,
+    Farm,
+    Forbidden,
+    NotFound,
+    decode_request,
+    decode_worker,
+)
+from evergraph.farm.tokens import User
+from evergraph.http import boruta
+from evergraph.http.boruta import WireError
+from evergraph.world.follow import SimpleFollower, follow
+from evergraph.world.kv import KeyValue, WorldError
+
+log = logging.getLogger("evergraph.http")
+
+Handler = Callable[[HttpRequest], Awaitable[Response]]
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(boruta.dumps(obj), status, headers, media_type="application/json")
+
+
+def _error(status: int, message: str) -> Response:
+    return _json(boruta.error(message), status)
+
+
+class FarmApi:
+    """The routes over one `Farm`. `anonymous`: serve tokenless (legacy Boruta)
+    clients as a non-admin user of that group (`--farm-anonymous GROUP`)."""
+
+    def __init__(self, farm: Farm | None, anonymous: str | None = None) -> None:
+        self.farm = farm
+        self.anonymous = anonymous
+
+    async def _user(self, request: HttpRequest) -> User:
+        assert self.farm is not None
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if not auth:
+            if self.anonymous is not None:
+                return User(name="anonymous", groups=[self.anonymous])
+            raise WireError(401, "unauthorized: give Authorization: Bearer TOKEN")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise WireError(401, "unauthorized: give Authorization: Bearer TOKEN")
+        user = await tokens.lookup(self.farm.kv, token.strip())
+        if user is None:
+            raise WireError(401, "unauthorized: unknown token")
+        return user
+
+    def _wrap(self, fn: Callable[[HttpRequest, Farm, User], Awaitable[Response]]) -> Handler:
+        async def handler(request: HttpRequest) -> Response:
+            if self.farm is None:
+                return _error(503, "this agent has no World: the farm is not served here")
+            try:
+                user = await self._user(request)
+                return await fn(request, self.farm, user)
+            except WireError as e:
+                return Response(e.body(), e.status, media_type="application/json")
+            except model.Refused as e:
+                return _error(400, f"invalid request: {e.reason}")
+            except NotFound as e:
+                return _error(404, f"{e.what.capitalize()} not found")  # Boruta's words
+            except Forbidden as e:
+                return _error(403, str(e))
+            except WorldError as e:
+                log.warning("farm API: %s", e)
+                return _error(503, f"the World is not available: {e}")
+
+        return handler
+
+    # -- requests -------------------------------------------------------------------------
+    async def new_request(self, request: HttpRequest, farm: Farm, user: User) -> Response:
+        spec = boruta.parse_new_request(await request.body(), farm.clock.time())
+        rid = await farm.new_request(
+            user,
+            priority=spec.priority,
+            caps=spec.caps,
+            valid_after=spec.valid_after,
+            deadline=spec.deadline,
+        )
+        return _json(boruta.req_id(rid), 201)
+
+    async def list_requests(self, request: HttpRequest, farm: Farm, user: User) -> Response:
+        spec = boruta.parse_requests_list(await request.body())
+        items = await farm.requests(user)
+        page, total, remaining = boruta.list_requests(
+            items, spec.filter, spec.sorter, spec.paginator
+        )
+        body = [boruta.req_info(r) for r in page]
+        return _json(body, 200, boruta.list_headers(total, remaining, len(page)))
+
+    async def request_info(self, request: HttpRequest, farm: Farm, user: User) -> Response:
+        rid = boruta.parse_req_id(request.path_params["id"])
+        r = await farm.request(user, rid)
+        return _json(boruta.req_info(r), 200, boruta.request_headers(r))
+
+    async def update_request(self, request: HttpRequest, farm: Farm, user: User) -> Response:
+        rid = boruta.parse_req_id(request.path_params["id"])
+        spec = boruta.parse_update_request(await request.body(), rid)
+        await farm.update_request(
+            user,
+            rid,
+            priority=spec.priority,
+            valid_after=spec.valid_after,
+            deadline=spec.deadline,
+        )
+        return Response(status_code=204)
+
+    async def close_request(self, request: HttpRequest, farm: Farm, user: User) -> Response:
+        await farm.close_request(user, boruta.parse_req_id(request.path_params["id"]))
+        return Response(status_code=204)
+
+    async def acquire(self, request: HttpRequest, farm: Farm, user: User) -> Response:
+        rid = boruta.parse_req_id(request.path_params["id"])
+        wait_text = request.query_params.get("wait")
+        try:
+            wait = float(wait_text) if wait_text is not None else None
+        except ValueError:
+            raise boruta.invalid_request(f"wait {wait_text!r} is not a number of seconds") from None
+        access = await farm.acquire(user, rid, wait)
+        return _json(boruta.access_info(access.ip, access.port, access.key, access.username))
+
+    async def prolong(self, request: HttpRequest, farm: Farm, user: User) -> Response:
+        await farm.prolong(user, boruta.parse_req_id(request.path_params["id"]))
+        return Response(status_code=204)
+
+    # -- workers ----------------------------------------------------------------------------
+    async def workers_all(self, request: HttpRequest, farm: Farm, user: User) -> Response:
+        page, total, remaining = boruta.list_workers(await farm.workers())
+        body = [boruta.worker_info(w) for w in page]
+        return _json(body, 200, boruta.list_headers(total, remaining, len(page)))
+
+    async def list_workers(self, request: HttpRequest, farm: Farm, user: User) -> Response:
+        spec = boruta.parse_workers_list(await request.body())
+        page, total, remaining = boruta.list_workers(
+            await farm.workers(), spec.filter, spec.sorter, spec.paginator
+        )
+        body = [boruta.worker_info(w) for w in page]
+        return _json(body, 200, boruta.list_headers(total, remaining, len(page)))
+
+    async def worker_info(self, request: HttpRequest, farm: Farm, user: User) -> Response:
+        w = await farm.worker(boruta.parse_worker_uuid(request.path_params["uuid"]))
+        return _json(boruta.worker_info(w), 200, boruta.worker_headers(w))
+
+    async def set_state(self, request: HttpRequest, farm: Farm, user: User) -> Response:
+        uuid = boruta.parse_worker_uuid(request.path_params["uuid"])
+        state = boruta.parse_set_state(await request.body())
+        await farm.set_state(user, uuid, state)
+        return Response(status_code=202)
+
+    async def set_groups(self, request: HttpRequest, farm: Farm, user: User) -> Response:
+        uuid = boruta.parse_worker_uuid(request.path_params["uuid"])
+        groups = boruta.parse_set_groups(await request.body())
+        await farm.set_groups(user, uuid, groups)
+        return Response(status_code=204)
+
+    async def deregister(self, request: HttpRequest, farm: Farm, user: User) -> Response:
+        await farm.deregister(user, boruta.parse_worker_uuid(request.path_params["uuid"]))
+        return Response(status_code=204)
+
+    # -- additions ------------------------------------------------------------------------------
+    async def events(self, request: HttpRequest, farm: Farm, user: User) -> Response:
+        """Server-sent events: `request` and `worker` changes as they happen (a user
+        sees their own requests' only); the first events are the current state."""
+        queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue(maxsize=10000)
+
+        def on_request(kv: KeyValue) -> None:
+            with contextlib.suppress(ValueError):
+                r = decode_request(kv.value, kv.key)
+                if user.admin or r.owner == user.name:
+                    queue.put_nowait(("request", boruta.req_info(r)))
+
+        def on_worker(kv: KeyValue) -> None:
+            with contextlib.suppress(ValueError):
+                queue.put_nowait(("worker", boruta.worker_info(decode_worker(kv.value, kv.key))))
+
+        async def stream() -> AsyncIterator[bytes]:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [
+                    tg.create_task(
+                        follow(farm.kv, REQS, SimpleFollower(on_new_updated=on_request))
+                    ),
+                    tg.create_task(
+                        follow(farm.kv, WORKERS, SimpleFollower(on_new_updated=on_worker))
+                    ),
+                ]
+                try:
+                    yield b": evergraph farm events\n\n"
+                    while True:
+                        kind, obj = await queue.get()
+                        yield f"event: {kind}\ndata: {json.dumps(obj)}\n\n".encode()
+                finally:
+                    for t in tasks:
+                        t.cancel()
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    def routes(self) -> list[Route]:
+        w = self._wrap
+        post, get = ["POST"], ["GET"]
+        return [
+            Route("/api/v1/version", version, methods=get),
+            Route("/api/v1/openapi.json", openapi, methods=get),
+            Route("/api/v1/reqs/", w(self.new_request), methods=post),
+            Route("/api/v1/reqs/list", w(self.list_requests), methods=post),
+            Route("/api/v1/reqs/{id}", w(self.request_info), methods=get),
+            Route("/api/v1/reqs/{id}", w(self.update_request), methods=post),
+            Route("/api/v1/reqs/{id}/close", w(self.close_request), methods=post),
+            Route("/api/v1/reqs/{id}/acquire_worker", w(self.acquire), methods=post),
+            Route("/api/v1/reqs/{id}/prolong", w(self.prolong), methods=post),
+            Route("/api/v1/workers/", w(self.workers_all), methods=get),
+            Route("/api/v1/workers/list", w(self.list_workers), methods=post),
+            Route("/api/v1/workers/{uuid}", w(self.worker_info), methods=get),
+            Route("/api/v1/workers/{uuid}/setstate", w(self.set_state), methods=post),
+            Route("/api/v1/workers/{uuid}/setgroups", w(self.set_groups), methods=post),
+            Route("/api/v1/workers/{uuid}/deregister", w(self.deregister), methods=post),
+            Route("/api/v1/events", w(self.events), methods=get),
+        ]
+
+
+async def version(_: HttpRequest) -> Response:
+    return _json(boruta.version(), 200, boruta.version_headers())
+
+
+_OPS = {
+    ("post", "/api/v1/reqs/"): "Create a request (201 {ReqID})",
+    ("post", "/api/v1/reqs/list"): "List requests ({Filter, Sorter, Paginator})",
+    ("get", "/api/v1/reqs/{id}"): "A request (ReqInfo)",
+    ("post", "/api/v1/reqs/{id}"): "Update a WAITING request (204)",
+    ("post", "/api/v1/reqs/{id}/close"): "Close a request (204)",
+    ("post", "/api/v1/reqs/{id}/acquire_worker"): "Access to the job's worker (?wait=S)",
+    ("post", "/api/v1/reqs/{id}/prolong"): "Prolong the job (204)",
+    ("get", "/api/v1/workers/"): "All workers",
+    ("post", "/api/v1/workers/list"): "List workers ({Filter, Sorter, Paginator})",
+    ("get", "/api/v1/workers/{uuid}"): "A worker (WorkerInfo)",
+    ("post", "/api/v1/workers/{uuid}/setstate"): "Admin: IDLE or MAINTENANCE (202)",
+    ("post", "/api/v1/workers/{uuid}/setgroups"): "Admin: the worker's groups (204)",
+    ("post", "/api/v1/workers/{uuid}/deregister"): "Admin: remove a worker (204)",
+    ("get", "/api/v1/events"): "Server-sent events of request and worker changes",
+    ("get", "/api/v1/version"): "Server and API version",
+}
+
+
+async def openapi(_: HttpRequest) -> Response:
+    paths: dict[str, dict[str, Any]] = {}
+    for (method, path), summary in _OPS.items():
+        paths.setdefault(path, {})[method] = {
+            "summary": summary,
+            "security": [] if path == "/api/v1/version" else [{"bearer": []}],
+            "responses": {"default": {"description": "Boruta API v1 wire format"}},
+        }
+    doc = {
+        "openapi": "3.0.3",
+        "info": {"title": "evergraph farm (Boruta API v1)", "version": "v1"},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "paths": paths,
+    }
+    return Response(json.dumps(doc), 200, media_type="application/json")
