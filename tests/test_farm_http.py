@@ -126,5 +126,30 @@ def test_boruta_routes_with_tokens_over_real_agents(tmp_path: Path, agents: Any)
         r = c.post("/api/reqs/list", content="", headers=alice)
         assert r.status_code == 308
         assert r.headers["location"] == "/api/v1/reqs/list"
+        url = _url(srv)
+    # the same through the CLI (built on the client library)
+    env = ("--url", url, "--token", alice["Authorization"].split()[1])
+    r = run_cli("farm", "new", "--priority", "2", "--cap", "board=rpi4", *env)
+    assert r.returncode == 0, r.stderr
+    rid2 = int(r.stdout)
+    pem = tmp_path / "job.pem"
+    r = run_cli("farm", "acquire", str(rid2), "--wait", "20", "--key-file", pem, *env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"ssh -i {pem} -p 22 root@{access['Addr']['IP']}"
+    assert oct(pem.stat().st_mode & 0o777) == "0o600"
+    assert pem.read_text().startswith("-----BEGIN RSA PRIVATE KEY-----")
+    r = run_cli("farm", "requests", "--state", "in progress", *env)
+    assert [line.split("\t")[:3] for line in r.stdout.splitlines()] == [
+        [str(rid2), "2", "IN PROGRESS"]
+    ]
+    r = run_cli("farm", "workers", *env)
+    assert r.stdout.split("\t")[:2] == [uuid, "RUNNING"]
+    r = run_cli("farm", "set-state", uuid, "IDLE", *env)  # alice is no admin
+    assert r.returncode == 2
+    assert "403" in r.stderr
+    r = run_cli("farm", "close", str(rid2), "--url", url, "--token", "egt_nope")
+    assert r.returncode == 2
+    assert "401" in r.stderr
+    assert run_cli("farm", "close", str(rid2), *env).returncode == 0
     assert wk.stop() == 0
     assert srv.stop() == 0

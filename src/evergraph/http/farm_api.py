@@ -119,6 +119,11 @@ class FarmApi:
     async def update_request(self, request: HttpRequest, farm: Farm, user: User) -> Response:
         rid = boruta.parse_req_id(request.path_params["id"])
         spec = boruta.parse_update_request(await request.body(), rid)
+        if spec.empty:
+            return Response(status_code=204)  # as Boruta: no change, no lookup
+        # Boruta's checks and messages first, then the model's own
+        if not boruta.check_update_request(spec, await farm.request(user, rid), farm.clock.time()):
+            return Response(status_code=204)
         await farm.update_request(
             user,
             rid,
