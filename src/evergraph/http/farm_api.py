@@ -173,7 +173,7 @@ class FarmApi:
         uuid = boruta.parse_worker_uuid(request.path_params["uuid"])
         state = boruta.parse_set_state(await request.body())
         await farm.set_state(user, uuid, state)
-        return Response(status_code=202)
+        return Response(boruta.SET_STATE_BODY, 202, media_type="application/json")
 
     async def set_groups(self, request: HttpRequest, farm: Farm, user: User) -> Response:
         uuid = boruta.parse_worker_uuid(request.path_params["uuid"])
