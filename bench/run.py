@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
 from bench import common
 
-BENCHMARKS = ("engine", "graphops", "drift", "files", "world")
+BENCHMARKS = ("engine", "graphops", "drift", "files", "world", "farm")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench import world
 
             out["world"], text = world.run(args.quick)
+        elif name == "farm":
+            from bench import farm
+
+            out["farm"], text = farm.run(args.quick)
         else:
             from bench import drift
 

@@ -14,12 +14,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 from evergraph._util.clock import SYSTEM, Clock
 from evergraph.farm import matcher, model
 from evergraph.farm.model import Refused, Request, Worker
 from evergraph.farm.service import (
     ALIVE,
+    FARM,
     REQS,
     WORKERS,
     FarmSettings,
@@ -35,26 +38,49 @@ from evergraph.world.kv import KV, Compare, Delete, KeyValue, Put, WorldError
 
 log = logging.getLogger("evergraph.farm")
 
+T = TypeVar("T")
+
 
 class _Records(Follower[KeyValue]):
-    """The raw records under one prefix, by key; `changed` set after each batch."""
+    """Every record under `farm/`, in ONE follow: a transaction is one revision and
+    one batch, so the requests, workers and alive keys seen together after a batch
+    are a consistent snapshot (followed apart, a request could be seen IN PROGRESS
+    before its worker's RUNNING record, and be failed for it)."""
 
-    def __init__(self, changed: asyncio.Event) -> None:
-        self.items: dict[str, KeyValue] = {}
-        self.changed = changed
+    def __init__(self) -> None:
+        self.reqs: dict[str, KeyValue] = {}
+        self.workers: dict[str, KeyValue] = {}
+        self.alive: dict[str, KeyValue] = {}
+        self.changed = asyncio.Event()
         self.ready = asyncio.Event()
+
+    def _bucket(self, key: str) -> dict[str, KeyValue] | None:
+        if key.startswith(REQS):
+            return self.reqs
+        if key.startswith(WORKERS):
+            return self.workers
+        if key.startswith(ALIVE):
+            return self.alive
+        return None
+
+    def filter(self, obj: KeyValue) -> bool:
+        return self._bucket(obj.key) is not None
 
     def equals(self, a: KeyValue, b: KeyValue) -> bool:
         return a.mod_revision == b.mod_revision
 
     async def new(self, obj: KeyValue) -> None:
-        self.items[obj.key] = obj
+        bucket = self._bucket(obj.key)
+        if bucket is not None:
+            bucket[obj.key] = obj
 
     async def updated(self, prev: KeyValue, new: KeyValue) -> None:
-        self.items[new.key] = new
+        await self.new(new)
 
     async def deleted(self, prev: KeyValue) -> None:
-        self.items.pop(prev.key, None)
+        bucket = self._bucket(prev.key)
+        if bucket is not None:
+            bucket.pop(prev.key, None)
 
     async def batch_done(self) -> None:
         self.changed.set()
@@ -79,6 +105,21 @@ class FarmLeader:
         #: passes run and transactions refused (tests, benchmarks)
         self.passes = 0
         self.refused = 0
+        #: key -> (mod revision, decoded record): a pass decodes only what changed
+        self._cache: dict[str, tuple[int, Any]] = {}
+
+    def _decoded(self, kv: KeyValue, decode: Callable[[bytes, str], T]) -> T | None:
+        hit = self._cache.get(kv.key)
+        if hit is not None and hit[0] == kv.mod_revision:
+            return cast(T, hit[1])
+        try:
+            obj = decode(kv.value, kv.key)
+        except ValueError as e:
+            log.warning("farm: %s", e)
+            self._cache[kv.key] = (kv.mod_revision, None)
+            return None
+        self._cache[kv.key] = (kv.mod_revision, obj)
+        return obj
 
     async def run(self) -> None:
         """Lead whenever elected, until cancelled."""
@@ -100,25 +141,21 @@ class FarmLeader:
             log.info("farm: no longer leading the farm")
 
     async def _lead(self) -> None:
-        changed = asyncio.Event()
-        reqs, workers, alive = _Records(changed), _Records(changed), _Records(changed)
+        records = _Records()
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(follow(self.kv, REQS, reqs))
-            tg.create_task(follow(self.kv, WORKERS, workers))
-            tg.create_task(follow(self.kv, ALIVE, alive))
-            for r in (reqs, workers, alive):
-                await r.ready.wait()
+            tg.create_task(follow(self.kv, FARM, records))
+            await records.ready.wait()
             while True:
-                changed.clear()
+                records.changed.clear()
                 try:
-                    wakeup = await self.step(reqs.items, workers.items, alive.items)
+                    wakeup = await self.step(records.reqs, records.workers, records.alive)
                 except WorldError as e:
                     log.warning("farm: matching pass failed (%s); retrying", e)
                     wakeup = self.clock.time() + 0.5
                 timeout = None if wakeup is None else max(0.0, wakeup - self.clock.time())
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(timeout):
-                        await changed.wait()
+                        await records.changed.wait()
 
     async def step(
         self,
@@ -131,20 +168,17 @@ class FarmLeader:
         now = self.clock.time()
         reqs: dict[int, tuple[Request, int]] = {}
         for kv in list(req_items.values()):
-            try:
-                r = decode_request(kv.value, kv.key)
-            except ValueError as e:
-                log.warning("farm: %s", e)
-                continue
-            reqs[r.id] = (r, kv.mod_revision)
+            r = self._decoded(kv, decode_request)
+            if r is not None:
+                reqs[r.id] = (r, kv.mod_revision)
         workers: dict[str, tuple[Worker, int]] = {}
         for kv in list(worker_items.values()):
-            try:
-                w = decode_worker(kv.value, kv.key)
-            except ValueError as e:
-                log.warning("farm: %s", e)
-                continue
-            workers[w.uuid] = (w, kv.mod_revision)
+            w = self._decoded(kv, decode_worker)
+            if w is not None:
+                workers[w.uuid] = (w, kv.mod_revision)
+        if len(self._cache) > 2 * (len(req_items) + len(worker_items)) + 100:
+            live = req_items.keys() | worker_items.keys()
+            self._cache = {k: v for k, v in self._cache.items() if k in live}
         living = {k[len(ALIVE) :] for k in alive_items}
         await self._housekeeping(reqs, workers, living, now)
         plan = matcher.match([r for r, _ in reqs.values()], [w for w, _ in workers.values()], now)

@@ -35,6 +35,7 @@ from evergraph.world.kv import KV, Compare, Delete, Put, WorldError
 
 log = logging.getLogger("evergraph.farm")
 
+FARM = "farm/"
 SEQ = "farm/seq"
 REQS = "farm/requests/"
 WORKERS = "farm/workers/"

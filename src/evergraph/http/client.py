@@ -6,6 +6,7 @@ carrying the HTTP status and the server's message."""
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any
 
 import httpx
@@ -21,7 +22,14 @@ class FarmClientError(Exception):
 class FarmClient:
     def __init__(self, url: str, token: str | None = None, timeout: float = 30.0) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+        # TCP_NODELAY: a request's headers and body go out as two writes; without it
+        # the body waits for the server's delayed ACK (~40 ms a request)
+        transport = httpx.HTTPTransport(
+            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+        )
+        self.http = httpx.Client(
+            base_url=url.rstrip("/"), headers=headers, timeout=timeout, transport=transport
+        )
 
     def close(self) -> None:
         self.http.close()
