@@ -21,6 +21,7 @@ from evergraph.farm.tokens import User
 from evergraph.world.election import Election
 from evergraph.world.exports import Collector, HostKeyBook, Publisher, publish_hostkeys
 from evergraph.world.hostkeys import HostKeys
+from evergraph.world.kv import Put
 from evergraph.world.memory import MemoryKV, MemoryStore
 from evergraph.world.pins import Pins
 
@@ -161,5 +162,50 @@ def test_unsatisfiable_is_invalid_and_a_dead_worker_fails_its_job(tmp_path: Path
                 return r.state == model.FAILED and (await farm.worker(uuid)).state == model.FAILED
 
             await until(failed, "worker FAILED, its request FAILED")
+
+    asyncio.run(main())
+
+
+def test_a_stale_worker_record_never_fails_a_running_request(tmp_path: Path) -> None:
+    """The matcher decided from a snapshot where the request is IN PROGRESS but its
+    worker's record is older (still IDLE): its write to fail the request is
+    conditioned on that worker record, so it is refused and the request runs on."""
+    from evergraph.farm.service import decode_request, encode, req_key, worker_key
+    from evergraph.world.kv import KeyValue
+
+    async def main() -> None:
+        store = MemoryStore()
+        kv = MemoryKV(store)
+        election = Election(kv, "farm", "m", ttl=5)
+        task = asyncio.create_task(election.run())
+        await election.wait_leader()
+        leader = FarmLeader(kv, election)
+        uuid = "00000000-0000-4000-8000-000000000001"
+        w = model.register_worker(
+            uuid=uuid, caps={}, address="127.0.0.1", port=22, username="t", now=0.0
+        )
+        idle = model.complete_prepare(model.set_state(w, model.IDLE))
+        rev_idle = await kv.put(worker_key(uuid), encode(idle))
+        await kv.put(f"{ALIVE}{uuid}", b"1")
+        farm = Farm(kv)
+        rid = await farm.new_request(ALICE, priority=1)
+        req = await farm.request(ALICE, rid)
+        started = model.start_request(req, uuid, req.valid_after + 1, 3600)
+        running = model.assign_worker(idle, rid)
+        rev = await kv.txn(
+            [], [Put(req_key(rid), encode(started)), Put(worker_key(uuid), encode(running))]
+        )
+        assert rev is not None
+        stale = {worker_key(uuid): KeyValue(worker_key(uuid), encode(idle), 1, rev_idle)}
+        reqs = {req_key(rid): KeyValue(req_key(rid), encode(started), 1, rev)}
+        alive = {f"{ALIVE}{uuid}": KeyValue(f"{ALIVE}{uuid}", b"1", 1, 1)}
+        await leader.step(reqs, stale, alive)
+        item = await kv.get(req_key(rid))
+        assert item is not None
+        assert decode_request(item.value, item.key).state == model.IN_PROGRESS
+        assert leader.refused >= 1
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     asyncio.run(main())

@@ -186,9 +186,11 @@ class FarmLeader:
             return _next(plan)
         for rid in plan.failed:
             r, mod = reqs[rid]
-            await self._write(
-                [(req_key(rid), mod)], [Put(req_key(rid), encode(model.fail_request(r)))]
-            )
+            # conditioned on the worker record the decision was made from, too
+            uuid = r.job.worker if r.job is not None else ""
+            seen = workers.get(uuid)
+            reads = [(req_key(rid), mod), (worker_key(uuid), seen[1] if seen else 0)]
+            await self._write(reads, [Put(req_key(rid), encode(model.fail_request(r)))])
         for rid in plan.done:
             r, mod = reqs[rid]
             await self._write(
@@ -196,9 +198,12 @@ class FarmLeader:
             )
         for uuid in plan.release:
             w, mod = workers[uuid]
-            await self._write(
-                [(worker_key(uuid), mod)], [Put(worker_key(uuid), encode(model.release_worker(w)))]
-            )
+            # conditioned on the job's request record the decision was made from, too
+            job = reqs.get(w.job) if w.job is not None else None
+            reads = [(worker_key(uuid), mod)]
+            if w.job is not None:
+                reads.append((req_key(w.job), job[1] if job else 0))
+            await self._write(reads, [Put(worker_key(uuid), encode(model.release_worker(w)))])
         for rid in plan.timeout:
             r, mod = reqs[rid]
             await self._write(
