@@ -501,9 +501,11 @@ _world_cli.register(cli, world_options)
 from evergraph.cli import deploy as _deploy_cli  # noqa: E402  (needs world_options)
 from evergraph.cli import farm as _farm_cli  # noqa: E402  (needs world_options)
 from evergraph.cli import hosts as _hosts_cli  # noqa: E402  (needs world_options)
+from evergraph.cli import schedule as _schedule_cli  # noqa: E402  (needs world_options)
 
 _deploy_cli.register(cli, world_options)
 _hosts_cli.register(cli, world_options)
+_schedule_cli.register(cli, world_options)
 _farm_cli.register(cli, world_options)
 
 

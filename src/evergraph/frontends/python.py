@@ -49,6 +49,7 @@ from evergraph.world.follow import SimpleFollower, follow
 from evergraph.world.kv import WorldError
 from evergraph.world.members import MEMBERS, Member
 from evergraph.world.members import members as read_members
+from evergraph.world.scheduler import chosen, chosen_key, namespace_problem
 
 log = logging.getLogger("evergraph.frontend.python")
 
@@ -215,7 +216,7 @@ def _collected(e: Exported) -> Collected:
 
 @dataclass
 class _Read:
-    kind: str  # "get" | "collect" | "members"
+    kind: str  # "get" | "collect" | "members" | "schedule"
     arg: str
     answer: object
 
@@ -285,6 +286,18 @@ class World:
         self.reads.append(_Read("members", "", found))
         return [m for m in found if where is None or where(m)]
 
+    def schedule(self, ns: str) -> list[str]:
+        """The hosts the scheduler chose in namespace `ns` (hosts volunteer with a
+        `schedule` resource), in name order; [] until a choice is made."""
+        why = namespace_problem(ns)
+        if why is not None:
+            raise InputError(f"world.schedule(ns): {why}", _user_frame())
+        found: list[str] = []
+        if self._ctx is not None and self._ctx.kv is not None:
+            found = self._call(_schedule(self._ctx, ns))
+        self.reads.append(_Read("schedule", ns, found))
+        return list(found)
+
 
 async def _get(ctx: Context, key: str) -> bytes | None:
     assert ctx.kv is not None
@@ -303,11 +316,18 @@ async def _members(ctx: Context) -> list[Member]:
     return [msgspec.structs.replace(m, timestamp=0.0) for m in await read_members(ctx.kv)]
 
 
+async def _schedule(ctx: Context, ns: str) -> list[str]:
+    assert ctx.kv is not None
+    return await chosen(ctx.kv, ns)
+
+
 async def _answer(ctx: Context, read: _Read) -> object:
     if read.kind == "get":
         return await _get(ctx, read.arg)
     if read.kind == "collect":
         return await _collect(ctx)
+    if read.kind == "schedule":
+        return await _schedule(ctx, read.arg)
     return await _members(ctx)
 
 
@@ -318,6 +338,8 @@ def _prefixes(ctx: Context, reads: list[_Read]) -> set[str]:
             out.add(r.arg)
         elif r.kind == "collect":
             continue  # the collector tells (see updates)
+        elif r.kind == "schedule":
+            out.add(chosen_key(r.arg))
         else:
             out.add(MEMBERS)
     return out

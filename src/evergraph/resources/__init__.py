@@ -8,6 +8,7 @@ from evergraph.resources import (  # noqa: F401  (register kinds)
     password,
     pkg,
     print,
+    schedule,
     ssh_key,
     svc,
     timer,
