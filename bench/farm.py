@@ -1,10 +1,11 @@
 """Benchmark: the farm (issue 12).
 
 1. Matching over a real etcd (single member on /dev/shm): 50 workers simulated as
-   World clients in this process, one elected matcher (`FarmLeader`), and 20
-   simulated users in a closed loop (create a request, wait until it is IN
-   PROGRESS, close it) until N requests have run. Reported: requests matched per
-   second, and request -> IN PROGRESS latency p50/p99 (target p99 <= 100 ms).
+   World clients in this process, one elected matcher (`FarmLeader`). Throughput:
+   20 simulated users in a closed loop (create a request, wait until it is IN
+   PROGRESS, close it) for N/2 requests, saturating the farm. Latency: the other
+   N/2 requests arrive at RATE per second (below capacity, as a live farm runs),
+   each closed once started; request -> IN PROGRESS p50/p99 (target p99 <= 100 ms).
 2. Leader failover: the leading matcher dies (its tasks cancelled, its lease
    revoked, as a crashed agent's would be after its TTL); the time until a waiting
    request is matched by the next leader.
@@ -36,6 +37,8 @@ from bench.common import (
 TARGET_MATCH_P99_S = 0.100
 USERS = 20
 WORKERS = 50
+#: new requests per second in the latency phase
+RATE = 50
 
 
 async def _matching(kv_factory: Any, n: int) -> dict[str, Any]:
@@ -82,9 +85,28 @@ async def _matching(kv_factory: Any, n: int) -> dict[str, Any]:
             assert req.state == model.IN_PROGRESS, req.state
             await ufarm.close_request(user, rid)
 
+    # throughput: saturated, USERS users in a closed loop
+    left[0] = n // 2
     started = time.perf_counter()
     await asyncio.gather(*(one_user() for _ in range(USERS)))
     took = time.perf_counter() - started
+    throughput = (n // 2) / took
+    # latency: open loop, one new request every 1/RATE s (below capacity)
+    latencies.clear()
+
+    async def one_request() -> None:
+        t0 = time.perf_counter()
+        rid = await farm.new_request(user, priority=8)
+        req = await farm.wait_started(user, rid, 30)
+        latencies.append(time.perf_counter() - t0)
+        assert req.state == model.IN_PROGRESS, req.state
+        await farm.close_request(user, rid)
+
+    async with asyncio.TaskGroup() as tg:
+        for _ in range(n - n // 2):
+            tg.create_task(one_request())
+            await asyncio.sleep(1 / RATE)  # the arrival process being measured
+
     # failover: kill the leader, then time one request until it is matched
     item = await kv.get(election_key("farm"))
     assert item is not None
@@ -107,7 +129,7 @@ async def _matching(kv_factory: Any, n: int) -> dict[str, Any]:
     await kv.close()
     return {
         "requests": n,
-        "matched_per_s": n / took,
+        "matched_per_s": throughput,
         "p50": percentile(latencies, 50),
         "p99": percentile(latencies, 99),
         "failover_s": failover,
@@ -209,8 +231,9 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
             ]
         )
     text = table(
-        f"Farm matching: {USERS} users in a closed loop (create -> IN PROGRESS -> close), "
-        "one elected matcher; failover = leader killed -> next request matched",
+        f"Farm matching on {WORKERS} workers, one elected matcher: matched/s saturated by "
+        f"{USERS} users in a closed loop; latency create -> IN PROGRESS at {RATE} "
+        "requests/s; failover = leader killed -> next request matched",
         [
             "world",
             "requests",
