@@ -72,13 +72,24 @@ def test_a_job_authorizes_a_key_until_it_ends_and_a_dead_worker_fails_its_job(
     assert w.caps["hostname"] == "wk1"
     assert "arch" in w.caps
     farm_call(db, lambda f: f.set_state(ADMIN, uuid, model.IDLE))
-    rid = farm_call(db, lambda f: f.new_request(ALICE, priority=3, caps={"board": "rpi4"}))
+    # the request carries a graph fragment: applied on the worker for the job's life
+    marker = tmp_path / "job" / "motd"
+    fragment = (
+        f'resources:\n  file:\n  - name: {marker}\n    content: "in a job\\n"\n'
+        "    meta: {reverse: true}\n"
+    )
+    rid = farm_call(
+        db,
+        lambda f: f.new_request(ALICE, priority=3, caps={"board": "rpi4"}, fragment=fragment),
+    )
     req = farm_call(db, lambda f: f.wait_started(ALICE, rid, 15))
     assert req.state == model.IN_PROGRESS
     wait_for(lambda: keys.exists() and f"evergraph-job-{rid}" in keys.read_text(), what="key")
     assert oct(keys.stat().st_mode & 0o777) == "0o600"
+    wait_for(lambda: marker.exists() and marker.read_text() == "in a job\n", what="fragment")
     farm_call(db, lambda f: f.close_request(ALICE, rid))
     wait_for(lambda: f"evergraph-job-{rid}" not in keys.read_text(), what="key revoked")
+    wait_for(lambda: not marker.exists(), what="the fragment's file reversed")
     # a second job, then the worker dies with it
     wait_for(
         lambda: farm_call(db, lambda f: f.worker(uuid)).state == model.IDLE, what="worker IDLE"

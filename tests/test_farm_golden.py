@@ -192,3 +192,23 @@ def test_golden_through_the_routes(
 def test_the_golden_folder_is_there() -> None:
     assert GOLDEN.is_dir(), f"{GOLDEN}: shared/boruta-ref must sit beside the repository"
     assert len(list(Path(GOLDEN).glob("*.headers"))) > 60
+
+
+def test_farm_anonymous_serves_tokenless_clients_as_a_plain_user() -> None:
+    async def main() -> list[int]:
+        kv = MemoryKV(MemoryStore())
+        farm = Farm(kv, host="srv")
+        await _worker(farm)
+        app = create_app(lambda: (), FarmApi(farm, anonymous="lab"))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://farm") as c:
+            r1 = await c.get("/api/v1/workers/")
+            r2 = await c.post("/api/v1/reqs/", content=b'{"Priority":3}')
+            path = f"/api/v1/workers/{VALID_UUID}/setstate"
+            r3 = await c.post(path, content=SET_STATE_JSON)  # admin only
+            r4 = await c.get("/api/v1/reqs/1", headers={"Authorization": "Bearer egt_bad"})
+        req = await farm.request(tokens.User(name="root", admin=True), 1)
+        assert (req.owner, req.groups) == ("anonymous", ["lab"])
+        return [r1.status_code, r2.status_code, r3.status_code, r4.status_code]
+
+    assert asyncio.run(main()) == [200, 201, 403, 401]

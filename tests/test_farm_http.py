@@ -12,23 +12,33 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
+from evergraph.world.etcd_server import EtcdServer
+
 from .conftest import Agent, run_cli, wait_for
 from .test_http import _url
 
 
-def _token(state: Path, db: Path, name: str, *extra: str) -> str:
-    r = run_cli("farm", "token", "create", name, *extra, "--world-db", db, "--state-dir", state)
+def _token(state: Path, world: tuple[str, ...], name: str, *extra: str) -> str:
+    r = run_cli("farm", "token", "create", name, *extra, *world, "--state-dir", state)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()
 
 
 @pytest.mark.slow
-def test_boruta_routes_with_tokens_over_real_agents(tmp_path: Path, agents: Any) -> None:
+@pytest.mark.parametrize("backend", ["sqlite", "etcd"])
+def test_boruta_routes_with_tokens_over_real_agents(
+    tmp_path: Path, agents: Any, backend: str, shm: Path, servers: list[EtcdServer]
+) -> None:
     db = tmp_path / "world.sqlite"
     keys = tmp_path / "home" / "authorized_keys"
     g = tmp_path / "g.yaml"
     g.write_text("graph: g\nresources:\n  noop:\n  - name: n\n")
-    world = ("--world-db", str(db))
+    world: tuple[str, ...] = ("--world-db", str(db))
+    if backend == "etcd":
+        server = EtcdServer.single(shm)
+        servers.append(server)
+        server.start()
+        world = ("--seeds", server.client_url)
     srv: Agent = agents(g, tmp_path / "srv", "--hostname", "srv", *world, "--http", "127.0.0.1:0")
     wk: Agent = agents(
         g,
@@ -46,9 +56,11 @@ def test_boruta_routes_with_tokens_over_real_agents(tmp_path: Path, agents: Any)
     )
     srv.wait_converged()
     wk.wait_converged()
-    admin = {"Authorization": "Bearer " + _token(tmp_path / "cli", db, "root", "--admin")}
-    alice = {"Authorization": "Bearer " + _token(tmp_path / "cli", db, "alice", "--group", "lab")}
-    bob = {"Authorization": "Bearer " + _token(tmp_path / "cli", db, "bob")}
+    admin = {"Authorization": "Bearer " + _token(tmp_path / "cli", world, "root", "--admin")}
+    alice = {
+        "Authorization": "Bearer " + _token(tmp_path / "cli", world, "alice", "--group", "lab")
+    }
+    bob = {"Authorization": "Bearer " + _token(tmp_path / "cli", world, "bob")}
     with httpx.Client(base_url=_url(srv), timeout=30) as c:
         r = c.get("/api/v1/version")
         assert r.status_code == 200
