@@ -212,3 +212,31 @@ def test_farm_anonymous_serves_tokenless_clients_as_a_plain_user() -> None:
         return [r1.status_code, r2.status_code, r3.status_code, r4.status_code]
 
     assert asyncio.run(main()) == [200, 201, 403, 401]
+
+
+def test_a_request_may_carry_a_graph_fragment_which_must_load() -> None:
+    async def main() -> list[tuple[int, str]]:
+        kv = MemoryKV(MemoryStore())
+        token = await tokens.create(kv, "alice", [], admin=False)
+        farm = Farm(kv, host="srv")
+        app = create_app(lambda: (), FarmApi(farm))
+        out = []
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://farm") as c:
+            headers = {"Authorization": f"Bearer {token}"}
+            for fragment in (
+                "resources:\n  noop:\n  - name: n\n",
+                "resources:\n  nosuchkind:\n  - name: n\n",
+            ):
+                body = json.dumps({"Priority": 3, "Fragment": fragment})
+                r = await c.post("/api/v1/reqs/", content=body, headers=headers)
+                out.append((r.status_code, r.text))
+        req = await farm.request(tokens.User(name="alice"), 1)
+        assert req.fragment == "resources:\n  noop:\n  - name: n\n"
+        return out
+
+    (ok, _), (bad, message) = asyncio.run(main())
+    assert ok == 201
+    assert bad == 400
+    assert "invalid request: Fragment:2:3" in message
+    assert "unknown resource kind 'nosuchkind'" in message

@@ -1051,6 +1051,8 @@ _REQ_INFO = _Struct(
             ),
         ),
         ("Caps", _CAPS),
+        # evergraph's addition (ignored by Boruta): a graph fragment for the job
+        ("Fragment", _String("string")),
     ],
 )
 _SORTER = _Pointer(
@@ -1169,6 +1171,8 @@ class NewRequestSpec:
     """0 = unset (Boruta: now)."""
     deadline: float = 0.0
     """0 = unset (Boruta: a month from now)."""
+    fragment: str = ""
+    """evergraph's addition: YAML applied on the worker for the job's lifetime."""
 
 
 def check_new_request(spec: NewRequestSpec, now: float) -> None:
@@ -1191,6 +1195,7 @@ def parse_new_request(body: bytes, now: float | None = None) -> NewRequestSpec:
         caps=dict(info["Caps"] or {}),
         valid_after=info["ValidAfter"],
         deadline=info["Deadline"],
+        fragment=info["Fragment"],
     )
     if now is not None:
         check_new_request(spec, now)

@@ -93,12 +93,15 @@ class FarmApi:
     # -- requests -------------------------------------------------------------------------
     async def new_request(self, request: HttpRequest, farm: Farm, user: User) -> Response:
         spec = boruta.parse_new_request(await request.body(), farm.clock.time())
+        if spec.fragment:
+            _check_fragment(spec.fragment)
         rid = await farm.new_request(
             user,
             priority=spec.priority,
             caps=spec.caps,
             valid_after=spec.valid_after,
             deadline=spec.deadline,
+            fragment=spec.fragment or None,
         )
         return _json(boruta.req_id(rid), 201)
 
@@ -243,6 +246,20 @@ class FarmApi:
             Route("/api/v1/workers/{uuid}/deregister", w(self.deregister), methods=post),
             Route("/api/v1/events", w(self.events), methods=get),
         ]
+
+
+def _check_fragment(text: str) -> None:
+    """A request's graph fragment must load here, as it will on the worker (400)."""
+    from evergraph.agent.run import builtin_registry
+    from evergraph.errors import InputError
+    from evergraph.frontends.yaml import parse_yaml
+
+    if len(text) > 256 * 1024:
+        raise boruta.invalid_request("Fragment: at most 256 KiB")
+    try:
+        parse_yaml(text, "Fragment", builtin_registry())
+    except InputError as e:
+        raise boruta.invalid_request(str(e)) from None
 
 
 async def version(_: HttpRequest) -> Response:
