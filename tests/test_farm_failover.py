@@ -11,26 +11,40 @@ import random
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from evergraph.farm import model
 from evergraph.farm.leader import FarmLeader
 from evergraph.farm.service import ALIVE, REQS, Farm, decode_request, encode, worker_key
 from evergraph.farm.tokens import User
 from evergraph.world.election import Election, election_key
 from evergraph.world.follow import SimpleFollower, follow
-from evergraph.world.kv import KeyValue
-from evergraph.world.memory import MemoryKV, MemoryStore
+from evergraph.world.kv import KV, KeyValue
+
+from .worlds import Factory, world_factory
 
 USER = User(name="u")
 N_REQUESTS = 200
 N_WORKERS = 5
 
 
-def test_leader_killed_twice_during_matching(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["memory", "etcd"])
+def test_leader_killed_twice_during_matching(tmp_path: Path, backend: str) -> None:
     rng = random.Random(7)
+    with world_factory(backend, tmp_path) as (factory, _server):
+        _run(factory, rng)
 
+
+def _run(factory: Factory, rng: random.Random) -> None:
     async def main() -> None:
-        store = MemoryStore()
-        kv = MemoryKV(store)
+        clients: list[KV] = []
+
+        def client() -> KV:
+            c = factory()
+            clients.append(c)
+            return c
+
+        kv = client()
         farm = Farm(kv)
         uuids = [f"00000000-0000-4000-8000-00000000000{i}" for i in range(N_WORKERS)]
         for u in uuids:
@@ -71,7 +85,7 @@ def test_leader_killed_twice_during_matching(tmp_path: Path) -> None:
         elections: dict[str, Election] = {}
 
         def start(name: str) -> None:
-            ckv = MemoryKV(store)
+            ckv = client()
             e = Election(ckv, "farm", name, ttl=1.0)
             elections[name] = e
             candidates[name] = [
@@ -104,7 +118,7 @@ def test_leader_killed_twice_during_matching(tmp_path: Path) -> None:
             await farm.new_request(USER, priority=1 + i % 16)
         tasks.append(asyncio.create_task(users()))
         killed = []
-        async with asyncio.timeout(60):
+        async with asyncio.timeout(120):
             for threshold in (N_REQUESTS // 4, N_REQUESTS // 2):
                 while len(done) < threshold:
                     progressed.clear()
@@ -126,5 +140,7 @@ def test_leader_killed_twice_during_matching(tmp_path: Path) -> None:
         # and every worker is free again
         for w in await farm.workers():
             assert (w.state, w.job) == (model.IDLE, None)
+        for c in clients:
+            await c.close()
 
     asyncio.run(main())
