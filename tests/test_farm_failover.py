@@ -118,20 +118,33 @@ def _run(factory: Factory, rng: random.Random) -> None:
             await farm.new_request(USER, priority=1 + i % 16)
         tasks.append(asyncio.create_task(users()))
         killed = []
-        async with asyncio.timeout(120):
-            for threshold in (N_REQUESTS // 4, N_REQUESTS // 2):
-                while len(done) < threshold:
+        try:
+            async with asyncio.timeout(30):
+                for threshold in (N_REQUESTS // 4, N_REQUESTS // 2):
+                    while len(done) < threshold:
+                        progressed.clear()
+                        await progressed.wait()
+                    killed.append(await kill_leader())
+                while len(done) < N_REQUESTS:
                     progressed.clear()
                     await progressed.wait()
-                killed.append(await kill_leader())
-            while len(done) < N_REQUESTS:
-                progressed.clear()
-                await progressed.wait()
+        except TimeoutError:
+            reqs = await farm.requests(User(name="root", admin=True))
+            stuck = [(r.id, r.state, r.job) for r in reqs if not model.is_terminal(r)]
+            workers = [(w.uuid[-1], w.state, w.job) for w in await farm.workers()]
+            leader = await kv.get(election_key("farm"))
+            raise AssertionError(
+                f"stuck: {len(done)} done; not done: {stuck[:8]}; workers: {workers}; "
+                f"leader: {leader.value if leader else None}; killed: {killed}"
+            ) from None
         for ts in [*candidates.values(), [t for t in tasks]]:
             for t in ts:
                 t.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await t
+                    try:
+                        await asyncio.wait_for(t, 10)
+                    except TimeoutError:
+                        raise AssertionError(f"task did not stop: {t!r}") from None
         assert len(killed) == 2
         assert violations == []
         reqs = await farm.requests(User(name="root", admin=True))
@@ -141,6 +154,9 @@ def _run(factory: Factory, rng: random.Random) -> None:
         for w in await farm.workers():
             assert (w.state, w.job) == (model.IDLE, None)
         for c in clients:
-            await c.close()
+            try:
+                await asyncio.wait_for(c.close(), 10)
+            except TimeoutError:
+                raise AssertionError(f"client did not close: {c!r}") from None
 
     asyncio.run(main())
