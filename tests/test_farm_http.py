@@ -141,6 +141,11 @@ def test_boruta_routes_with_tokens_over_real_agents(
         url = _url(srv)
     # the same through the CLI (built on the client library)
     env = ("--url", url, "--token", alice["Authorization"].split()[1])
+    bad = tmp_path / "bad-fragment.yaml"
+    bad.write_text("resources:\n  file:\n  - name: x\n    bogus: 1\n")
+    r = run_cli("farm", "new", "--fragment", bad, *env)
+    assert r.returncode == 2
+    assert "invalid request: Fragment:4:5: file[x].bogus: unknown parameter" in r.stderr
     r = run_cli("farm", "new", "--priority", "2", "--cap", "board=rpi4", *env)
     assert r.returncode == 0, r.stderr
     rid2 = int(r.stdout)

@@ -170,6 +170,11 @@ def register_client(farm: click.Group) -> None:
     )
     @click.option("--valid-after", metavar="RFC3339", help="Not before this time.")
     @click.option("--deadline", metavar="RFC3339", help="Give up at this time (default: a month).")
+    @click.option(
+        "--fragment",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        help="A YAML graph the worker applies for the job's lifetime (evergraph servers).",
+    )
     @_URL
     @_TOKEN
     def new(
@@ -177,6 +182,7 @@ def register_client(farm: click.Group) -> None:
         caps: tuple[str, ...],
         valid_after: str | None,
         deadline: str | None,
+        fragment: Path | None,
         url: str,
         token: str | None,
     ) -> None:
@@ -188,9 +194,12 @@ def register_client(farm: click.Group) -> None:
         except ValueError as e:
             click.echo(f"evergraph: farm new: --cap: {e}", err=True)
             sys.exit(2)
-        _run(
-            url, token, lambda c: click.echo(c.new_request(priority, wanted, valid_after, deadline))
-        )
+        text = fragment.read_text() if fragment is not None else None
+
+        def body(c: FarmClient) -> None:
+            click.echo(c.new_request(priority, wanted, valid_after, deadline, text))
+
+        _run(url, token, body)
 
     @farm.command("requests", context_settings=ctx)
     @click.option("--state", "states", multiple=True, help="Only requests in this state.")

@@ -61,9 +61,13 @@ class FarmClient:
         caps: dict[str, str] | None = None,
         valid_after: str | None = None,
         deadline: str | None = None,
+        fragment: str | None = None,
     ) -> int:
-        """Create a request; its id. Times are RFC 3339 strings (None: server default)."""
+        """Create a request; its id. Times are RFC 3339 strings (None: server default);
+        `fragment`: YAML the worker applies for the job's lifetime (evergraph only)."""
         body: dict[str, Any] = {"Priority": priority, "Caps": caps or {}}
+        if fragment:
+            body["Fragment"] = fragment
         if valid_after:
             body["ValidAfter"] = valid_after
         if deadline:
