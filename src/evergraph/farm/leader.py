@@ -123,22 +123,7 @@ class FarmLeader:
 
     async def run(self) -> None:
         """Lead whenever elected, until cancelled."""
-        while True:
-            await self.election.wait_leader()
-            log.info("farm: leading the farm (term %d)", self.election.term)
-            lead = asyncio.create_task(self._lead(), name="farm-matcher")
-            lost = asyncio.create_task(self.election.wait_lost())
-            try:
-                await asyncio.wait({lead, lost}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for t in (lead, lost):
-                    t.cancel()
-                for t in (lead, lost):
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await t
-            if lead.done() and not lead.cancelled() and lead.exception() is not None:
-                raise lead.exception()  # type: ignore[misc]
-            log.info("farm: no longer leading the farm")
+        await self.election.lead(self._lead, "the farm's matcher")
 
     async def _lead(self) -> None:
         records = _Records()

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, cast
 
 from evergraph._util.clock import SYSTEM, Clock
 from evergraph.world.follow import Tombstone, watch_one
@@ -141,6 +142,26 @@ class Election:
         if not term or self.kv.epoch != epoch:
             return False  # (another World's revisions say nothing about ours)
         return await self.kv.txn([Compare(self.key, term), *compares], ops) is not None
+
+    async def lead(self, work: Callable[[], Coroutine[Any, Any, None]], what: str) -> None:
+        """Run `work()` whenever we lead, cancelling it as soon as we do not; until
+        cancelled. An exception from `work` ends `lead` with it."""
+        while True:
+            await self.wait_leader()
+            log.info("world: %s: leading %s (term %d)", self.me, what, self.term)
+            task = asyncio.create_task(work(), name=f"{self.name}-leader")
+            lost = asyncio.create_task(self.wait_lost())
+            try:
+                await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in (task, lost):
+                    t.cancel()
+                for t in (task, lost):
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await t
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise cast(BaseException, task.exception())
+            log.info("world: %s: no longer leading %s", self.me, what)
 
     async def resign(self) -> None:
         """Step down and let another candidate lead: our lease is revoked (the key

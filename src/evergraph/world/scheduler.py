@@ -443,7 +443,10 @@ class Volunteer:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._keepalive(), name=f"scheduler-{self.ns}-keepalive")
             tg.create_task(self.election.run(), name=f"scheduler-{self.ns}-election")
-            tg.create_task(self._leader_loop(), name=f"scheduler-{self.ns}-leader")
+            tg.create_task(
+                self.election.lead(self._lead, f"the scheduler of {self.ns}"),
+                name=f"scheduler-{self.ns}-leader",
+            )
             await self._keep_record()
 
     async def _ensure_lease(self) -> int:
@@ -516,26 +519,6 @@ class Volunteer:
                 await self._put()  # (the watch of our key sees it too: the same write)
             except WorldError as e:
                 log.warning("world: scheduler %s: keep-alive failed: %s", self.ns, e)
-
-    async def _leader_loop(self) -> None:
-        election = self.election
-        while True:
-            await election.wait_leader()
-            log.info("world: scheduler %s: %s decides (term %d)", self.ns, self.host, election.term)
-            lead = asyncio.create_task(self._lead(), name=f"scheduler-{self.ns}-decide")
-            lost = asyncio.create_task(election.wait_lost())
-            try:
-                await asyncio.wait({lead, lost}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for t in (lead, lost):
-                    t.cancel()
-                for t in (lead, lost):
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await t
-            if lead.done() and not lead.cancelled():
-                exc = lead.exception()
-                if exc is not None:
-                    raise exc
 
     async def _lead(self) -> None:
         records = _Records()
