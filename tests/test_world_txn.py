@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,15 @@ import pytest
 from evergraph.world.kv import KV, Compare, Delete, Event, LeaseExpired, Put
 
 from .worlds import BACKENDS, Factory, run_pair, world_factory
+
+
+@pytest.fixture(autouse=True)
+def collect_garbage() -> Iterator[None]:
+    """Collect each test's garbage in this process: gRPC objects left in reference
+    cycles (an etcd error's traceback) would otherwise be finalised in the forked
+    child of a later test, where gRPC spins forever (test_world_kv forks)."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(params=BACKENDS)
