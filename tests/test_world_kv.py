@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing
 import os
 from collections.abc import Iterator
@@ -196,6 +197,9 @@ def _open_and_put(path: str, barrier: Any) -> None:
 
 
 def test_sqlite_world_created_by_several_processes_at_once(tmp_path: Path) -> None:
+    # forked children inherit this process's garbage: gRPC objects from earlier etcd
+    # tests, finalised in a child, spin there. Collect it before forking.
+    gc.collect()
     ctx = multiprocessing.get_context("fork")
     for i in range(40):  # the race is rare: many rounds
         path = str(tmp_path / f"w{i}.sqlite")
