@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from evergraph._util.clock import SYSTEM, Clock
+from evergraph._util.crash import crash_point
 from evergraph._util.gc import gc_paused
 from evergraph.engine.build import build
 from evergraph.engine.contract import Registry, Resource, default_registry
@@ -560,6 +561,7 @@ class Engine:
         apply = not (self.settings.noop or meta.noop)
         v.refresh_now, v.refresh_flag = v.refresh_flag, False
         self._observe(v, "running")
+        self._intend(v, apply)
         coro = res.check_apply(apply)
         try:
             yielded = coro.send(None)
@@ -598,6 +600,7 @@ class Engine:
                 res = await self._receive(v)
             if res.meta.reverse and apply and not v.reversal_saved:
                 self._capture_reversal(v)
+            self._intend(v, apply)
             result = await self._guarded_check_apply(v, res, apply)
             error = None
         except asyncio.CancelledError:
@@ -607,11 +610,22 @@ class Engine:
         finally:
             self._finish(v, result, error, apply)
 
+    def _intend(self, v: Vertex, apply: bool) -> None:
+        """Write-ahead: before a vertex with notify children may change anything, say
+        whom to refresh (see store.py); removed once their flags are written."""
+        if apply and v.notify_children:
+            v.intent = self.store.intend(v)
+            crash_point("intent-written")
+
     def _finish(self, v: Vertex, result: bool, error: str | None, apply: bool) -> None:
         v.running = False
         v.apply_task = None
         self._running -= 1
         if error is not None:
+            if v.intent:
+                # the apply failed: no refresh is owed (a retry that changes owes it)
+                v.intent = False
+                self.store.intent_done(v)
             v.refresh_flag = v.refresh_flag or v.refresh_now  # not served: keep it
             v.refresh_now = False
             self._record_failure(v, error)
@@ -671,10 +685,17 @@ class Engine:
         return s
 
     def _record_success(self, v: Vertex, was_clean: bool, applied: bool) -> None:
+        intent, v.intent = v.intent, False
+        self._record_success_(v, was_clean, applied)
+        if intent:
+            self.store.intent_done(v)  # the children's flags (if any) are written
+
+    def _record_success_(self, v: Vertex, was_clean: bool, applied: bool) -> None:
         v.ok = True
         v.ever_ok = True
         v.last_error = None
         if v.refresh_now and not v.refresh_flag and applied:
+            crash_point("child-applied")
             self.store.refresh_served(v)
         v.refresh_now = False
         if v.res.meta.retryreset:
@@ -686,12 +707,14 @@ class Engine:
             v.changed_count += 1
             if applied:
                 log.info("%s: applied", v.ident)
+                crash_point("parent-changed")
                 for c in v.notify_children:
                     # Persist before anything else can happen: a crash between
                     # this change and the child's apply must not lose it.
                     self.store.owe_refresh(c)
                     c.refresh_flag = True
                     c.pending = True
+                crash_point("refresh-owed")
             else:
                 log.info("%s: would change (noop)", v.ident)
             self._observe(v, "changed")

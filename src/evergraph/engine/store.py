@@ -1,8 +1,17 @@
 """Per-vertex state that must survive a crash, under `vertices/<kind>/<name-encoded>/`.
 
+- `intent.json`: written before a vertex with notify children applies: the
+  children to refresh if it changes something. Removed once their `refresh`
+  flags are written (or the apply found nothing to change, or failed). A kill at
+  any instruction between the start of the apply and the flags leaves it, and the
+  next start owes those refreshes: a change is never lost, even if the agent dies
+  after changing the machine but before recording it.
 - `refresh`: a notify edge's refresh is owed. Written *before* the child is
-  scheduled and removed only after the child served it, so a kill -9 in
-  between leaves the file and the next start refreshes the child exactly once.
+  scheduled and removed right after the child's apply served it, so a kill -9 in
+  between leaves the file and the next start refreshes the child again. The
+  guarantee: every change of a parent is followed by at least one refresh of each
+  notify child; a refresh is served twice only if the agent dies between the
+  child's apply starting and its flag being removed right after it returned.
 - `reversal.json`: how to undo a `meta.reverse` resource (its kind and the
   parameters that restore the state found before its first apply). Applied
   when the resource leaves the graph, also across a restart.
@@ -30,6 +39,7 @@ from evergraph._util.atomic import atomic_write
 log = logging.getLogger("evergraph.engine")
 
 REFRESH = "refresh"
+INTENT = "intent.json"
 REVERSAL = "reversal.json"
 
 
@@ -59,6 +69,28 @@ class VertexStore:
 
     def refresh_served(self, v: Vertex) -> None:
         self._remove(self._path(v.res.kind, v.res.name, REFRESH), v.ident)
+
+    def owe_refresh_to(self, ident: str) -> None:
+        """Persist an owed refresh by identity (`kind[name]`, maybe not in the graph)."""
+        kind, _, rest = ident.partition("[")
+        try:
+            atomic_write(self._path(kind, rest[:-1], REFRESH), b"1\n")
+        except OSError as e:
+            log.error("%s: cannot persist its pending refresh: %s", ident, e)
+
+    # -- write-ahead intent -------------------------------------------------------
+    def intend(self, v: Vertex) -> bool:
+        """Before `v` applies: whom to refresh if it changes something."""
+        children = sorted(c.ident for c in v.notify_children)
+        try:
+            atomic_write(self._path(v.res.kind, v.res.name, INTENT), json.dumps(children).encode())
+        except OSError as e:
+            log.error("%s: cannot persist its intent (refreshes may be lost): %s", v.ident, e)
+            return False
+        return True
+
+    def intent_done(self, v: Vertex) -> None:
+        self._remove(self._path(v.res.kind, v.res.name, INTENT), v.ident)
 
     # -- reversal ---------------------------------------------------------------
     def has_reversal(self, kind: str, name: str) -> bool:
@@ -95,6 +127,7 @@ class VertexStore:
                 ident = f"{kind.name}[{unquote(name.name)}]"
                 if os.path.exists(os.path.join(name.path, REFRESH)):
                     owed.refresh.add(ident)
+                self._recover_intent(ident, os.path.join(name.path, INTENT), owed)
                 rev = os.path.join(name.path, REVERSAL)
                 if os.path.exists(rev):
                     try:
@@ -112,6 +145,30 @@ class VertexStore:
                 ", ".join(sorted(owed.refresh)),
             )
         return owed
+
+    def _recover_intent(self, ident: str, path: str, owed: Owed) -> None:
+        """An apply that was under way when the last run died: it may have changed
+        something, so its children are owed their refresh (flags written first)."""
+        try:
+            with open(path, "rb") as f:
+                children = json.loads(f.read())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            log.error("%s: unreadable intent %s: %s", ident, path, e)
+            children = None
+        if isinstance(children, list):
+            for child in children:
+                if isinstance(child, str) and "[" in child and child.endswith("]"):
+                    self.owe_refresh_to(child)
+                    owed.refresh.add(child)
+            if children:
+                log.info(
+                    "%s was applying when the last run ended: refreshing %s",
+                    ident,
+                    ", ".join(map(str, children)),
+                )
+        self._remove(Path(path), ident)
 
     def _remove(self, path: Path, ident: str) -> None:
         try:

@@ -28,6 +28,7 @@ _loggers: dict[str, logging.Logger] = {}
 class Vertex:
     __slots__ = (
         "apply_task",
+        "intent",
         "bucket_at",
         "changed_count",
         "children",
@@ -107,6 +108,8 @@ class Vertex:
         self.changed_count = 0
         self.clean_count = 0
         self.fail_count = 0
+        #: a write-ahead intent is on disk for the apply under way (store.py)
+        self.intent = False
         #: the state observers last saw, and since when
         self.state: State = "pending"
         self.since = 0.0
