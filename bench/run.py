@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
 from bench import common
 
-BENCHMARKS = ("engine", "graphops", "drift", "files", "world", "farm")
+BENCHMARKS = ("engine", "graphops", "drift", "files", "world", "farm", "soak")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench import farm
 
             out["farm"], text = farm.run(args.quick)
+        elif name == "soak":
+            from bench import soak
+
+            out["soak"], text = soak.run(args.quick)
         else:
             from bench import drift
 
