@@ -77,13 +77,40 @@ class Meta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
             why = None if to == "*" else hostname_problem(to)
             if why:
                 raise InputError(f"{why} (or `*` for every host)", f"{where}.meta.export")
+        counts: dict[str, int] = {}
         for s in self.sema:
-            sid, _, n = s.partition(":")
-            if not sid or (n and (not n.isdigit() or int(n) < 1)):
+            parsed = parse_sema(s)
+            if parsed is None:
                 raise InputError(f"{s!r} is not `id` or `id:N` with N >= 1", f"{where}.meta.sema")
+            sid, n = parsed
+            if counts.setdefault(sid, n) != n:
+                raise InputError(
+                    f"semaphore {sid!r} is given counts {counts[sid]} and {n}: one count per id",
+                    f"{where}.meta.sema",
+                )
 
 
 DEFAULT_META = Meta()
+
+
+def parse_sema(spec: str) -> tuple[str, int] | None:
+    """A semaphore spec as (id, count): `a` is `a:1`. None: not `id` or `id:N`, N >= 1."""
+    sid, colon, n = spec.partition(":")
+    if not sid or (colon and (not n.isascii() or not n.isdigit() or int(n) < 1)):
+        return None
+    return sid, int(n) if colon else 1
+
+
+def semaphores(specs: Iterable[str]) -> list[tuple[str, int]]:
+    """Semaphore specs normalised (`a` is `a:1`), one per id, in the order they are
+    taken: by id, so that any two holders take the ids they share in the same order
+    (counts agree graph-wide: `GraphModel.check`). Invalid specs are skipped."""
+    out: dict[str, int] = {}
+    for spec in specs:
+        parsed = parse_sema(spec)
+        if parsed is not None:
+            out[parsed[0]] = parsed[1]
+    return sorted(out.items())
 
 
 class Handle(Protocol):

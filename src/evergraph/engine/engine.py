@@ -35,7 +35,7 @@ from evergraph._util.clock import SYSTEM, Clock
 from evergraph._util.crash import crash_point
 from evergraph._util.gc import gc_paused
 from evergraph.engine.build import build
-from evergraph.engine.contract import Registry, Resource, default_registry
+from evergraph.engine.contract import Registry, Resource, default_registry, semaphores
 from evergraph.engine.converger import Converger
 from evergraph.engine.model import Edge, GraphModel
 from evergraph.engine.settings import Settings
@@ -640,14 +640,24 @@ class Engine:
         grouped = getattr(res, "_group_members", None)
         if grouped:
             # a group holds the semaphores of all its members
-            semas = sorted({s for r in (res, *grouped) for s in r.meta.sema})
-            return await self._guarded(res.check_apply_group(apply), semas, meta.timeout)
+            semas = semaphores(s for r in (res, *grouped) for s in r.meta.sema)
+            return await self._guarded(lambda: res.check_apply_group(apply), semas, meta.timeout)
         if not meta.sema and meta.timeout is None and self._global_sema is None:
             return bool(await res.check_apply(apply))  # the common case, kept lean
-        return await self._guarded(res.check_apply(apply), meta.sema, meta.timeout)
+        return await self._guarded(
+            lambda: res.check_apply(apply), semaphores(meta.sema), meta.timeout
+        )
 
-    async def _guarded(self, call: Awaitable[bool], sema: list[str], timeout: float | None) -> bool:
-        semas = [self._sema(s) for s in sorted(sema)]
+    async def _guarded(
+        self,
+        call: Callable[[], Awaitable[bool]],
+        sema: list[tuple[str, int]],
+        timeout: float | None,
+    ) -> bool:
+        """`call()` holding the semaphores `sema` (normalised and ordered by id, as
+        `semaphores` gives them: every holder takes shared ones in one order, so
+        they cannot deadlock), after the global one."""
+        semas = [self._sema(sid, n) for sid, n in sema]
         if self._global_sema is not None:
             semas.insert(0, self._global_sema)
         async with contextlib.AsyncExitStack() as stack:
@@ -655,8 +665,8 @@ class Engine:
                 await stack.enter_async_context(s)
             if timeout is not None:
                 async with asyncio.timeout(timeout):
-                    return bool(await call)
-            return bool(await call)
+                    return bool(await call())
+            return bool(await call())
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _take_token(self, v: Vertex, limit: float, burst: int) -> None:
@@ -673,15 +683,11 @@ class Engine:
             v.tokens, v.bucket_at = 1.0, loop.time()
         v.tokens -= 1.0
 
-    def _sema(self, spec: str) -> asyncio.Semaphore:
-        s = self._semas.get(spec)
+    def _sema(self, sid: str, n: int) -> asyncio.Semaphore:
+        key = f"{sid}:{n}"
+        s = self._semas.get(key)
         if s is None:
-            sid, _, n = spec.partition(":")
-            key = f"{sid}:{n or 1}"
-            s = self._semas.get(key)
-            if s is None:
-                s = self._semas[key] = asyncio.Semaphore(int(n or 1))
-            self._semas[spec] = s
+            s = self._semas[key] = asyncio.Semaphore(n)
         return s
 
     def _record_success(self, v: Vertex, was_clean: bool, applied: bool) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from types import UnionType
 from typing import Annotated, Any, NamedTuple, Union, get_args, get_origin
 
-from evergraph.engine.contract import DEFAULT_META, Resource
+from evergraph.engine.contract import DEFAULT_META, Resource, semaphores
 from evergraph.errors import InputError
 from evergraph.graph import DAG, CycleError, topo_order
 
@@ -92,9 +92,13 @@ class GraphModel:
 
     def check(self) -> list[str]:
         """Validate every resource and the shape; returns a topological order."""
+        #: semaphore id -> (its count, the first resource that gave it)
+        semas: dict[str, tuple[int, Resource]] = {}
         for res in self.resources.values():
             if res.meta is not DEFAULT_META:
                 res.meta.check(res.ident)
+                if res.meta.sema:
+                    self._check_semas(res, semas)
             if res.meta.reverse and not res.reversible():
                 raise InputError(
                     f"{res.kind} resources cannot be reversed", f"{res.ident}.meta.reverse"
@@ -106,6 +110,19 @@ class GraphModel:
             cyc = [str(v) for v in e.cycle]
             where = self.origins.get(cyc[0], "")
             raise GraphCycleError(cyc, where) from None
+
+    def _check_semas(self, res: Resource, seen: dict[str, tuple[int, Resource]]) -> None:
+        """A semaphore id has one count graph-wide (`a` is `a:1`)."""
+        for sid, n in semaphores(res.meta.sema):
+            count, first = seen.setdefault(sid, (n, res))
+            if count != n:
+                where = self.origins.get(first.ident, "")
+                raise InputError(
+                    f"semaphore {sid!r} has count {count} in {first.ident}"
+                    + (f" (at {where})" if where else "")
+                    + f" but {n} in {res.ident}: one count per id (`{sid}` is `{sid}:1`)",
+                    f"{res.ident}.meta.sema",
+                )
 
 
 class GraphCycleError(InputError):

@@ -1,0 +1,99 @@
+"""Engine semantics found broken by testing (issue 13, item 5): semaphores, hidden,
+realize, the runtime bound, --no-watch, meta ranges, resources that fight."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from evergraph.engine import Edge, GraphModel
+from evergraph.engine.contract import Meta
+from evergraph.engine.engine import Engine
+from evergraph.engine.settings import Settings
+from evergraph.errors import InputError
+
+from .probe import Journal, Probe, make
+
+
+async def until(cond: Callable[[], bool], timeout: float = 5) -> None:
+    """Yield to the engine until `cond` holds (a condition, not a sleep)."""
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.001)
+
+
+def settings(tmp_path: Path, **kw: object) -> Settings:
+    base: dict[str, object] = {
+        "state_dir": tmp_path,
+        "converged_timeout": 0,
+        "converged_exit": True,
+        "hostname": "test",
+    }
+    base.update(kw)
+    return Settings(**base)  # type: ignore[arg-type]
+
+
+# -- 1. semaphores ------------------------------------------------------------------
+
+
+def test_semaphores_a_and_a1_are_one_and_taken_in_id_order(tmp_path: Path) -> None:
+    """`a` sorts before `a-x`, `a:1` after it: taken by spec text, two of these three
+    deadlocked forever. Normalised (`a` is `a:1`) and taken by id, they converge."""
+    j = Journal()
+    model = make(
+        j,
+        ["r1", "r2", "r3", "twice"],
+        [],
+        r1={"meta": Meta(sema=["a"])},
+        r2={"meta": Meta(sema=["a", "a-x"])},
+        r3={"meta": Meta(sema=["a:1", "a-x"])},
+        # one semaphore named twice is taken once (taken twice, it waits for itself)
+        twice={"meta": Meta(sema=["b", "b:1"])},
+    )
+
+    async def main() -> int:
+        return await asyncio.wait_for(Engine(settings(tmp_path)).run(model), 10)
+
+    assert asyncio.run(main()) == 0
+    for n in ("r1", "r2", "r3", "twice"):
+        assert j.runs(n) == 1, n
+    # `a` and `a:1` are one semaphore of count 1: the three never overlap
+    spans = sorted((j.stamps(n, "start")[0], j.stamps(n, "end")[0]) for n in ("r1", "r2", "r3"))
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        assert end <= start
+
+
+@pytest.mark.parametrize(
+    ("first", "second"), [(["a:2"], ["a"]), (["a:1"], ["x", "a:3"]), (["a"], ["a:2"])]
+)
+def test_one_semaphore_id_with_two_counts_is_a_load_error_naming_both(
+    first: list[str], second: list[str]
+) -> None:
+    model = GraphModel(name="g")
+    model.add(Probe(name="one", meta=Meta(sema=first)))
+    model.add(Probe(name="two", meta=Meta(sema=second)))
+    with pytest.raises(InputError) as e:
+        model.check()
+    assert e.value.where == "probe[two].meta.sema"
+    assert "probe[one]" in e.value.message
+    assert "'a'" in e.value.message
+
+
+def test_one_resource_giving_one_semaphore_two_counts_is_refused() -> None:
+    model = GraphModel(name="g")
+    model.add(Probe(name="one", meta=Meta(sema=["a", "a:2"])))
+    with pytest.raises(InputError, match="one count per id") as e:
+        model.check()
+    assert e.value.where == "probe[one].meta.sema"
+
+
+def test_equal_counts_across_resources_pass() -> None:
+    model = GraphModel(name="g")
+    model.add(Probe(name="one", meta=Meta(sema=["a:2", "b"])))
+    model.add(Probe(name="two", meta=Meta(sema=["b:1", "a:2"])))
+    model.connect(Edge("probe[one]", "probe[two]"))
+    assert model.check() == ["probe[one]", "probe[two]"]
