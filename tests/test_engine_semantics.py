@@ -7,11 +7,12 @@ import asyncio
 import itertools
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 
 from evergraph.engine import Edge, GraphModel
-from evergraph.engine.contract import Meta
+from evergraph.engine.contract import Meta, Registry, Resource, register
 from evergraph.engine.engine import Engine
 from evergraph.engine.settings import Settings
 from evergraph.errors import InputError
@@ -24,6 +25,38 @@ async def until(cond: Callable[[], bool], timeout: float = 5) -> None:
     async with asyncio.timeout(timeout):
         while not cond():
             await asyncio.sleep(0.001)
+
+
+registry = Registry()
+
+
+@register("sender", registry=registry)
+class Sender(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
+    """Changes on its first run, then sends `value`."""
+
+    sends: ClassVar[dict[str, Any]] = {"value": str}
+    value: str = ""
+
+    async def check_apply(self, apply: bool) -> bool:
+        first = not getattr(self, "_done", False)
+        self._done = True
+        return not first
+
+    def sent(self) -> dict[str, object]:
+        return {"value": self.value} if getattr(self, "_done", False) else {}
+
+
+@register("receiver", registry=registry)
+class Receiver(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
+    """Records each check_apply (a class list: a received value makes a new instance)."""
+
+    calls: ClassVar[list[tuple[str, str, bool]]] = []
+    msg: str = ""
+
+    async def check_apply(self, apply: bool) -> bool:
+        Receiver.calls.append((self.name, self.msg, self.handle.refresh()))
+        await asyncio.sleep(0)
+        return True
 
 
 def settings(tmp_path: Path, **kw: object) -> Settings:
@@ -97,3 +130,34 @@ def test_equal_counts_across_resources_pass() -> None:
     model.add(Probe(name="two", meta=Meta(sema=["b:1", "a:2"])))
     model.connect(Edge("probe[one]", "probe[two]"))
     assert model.check() == ["probe[one]", "probe[two]"]
+
+
+# -- 2. hidden -------------------------------------------------------------------------
+
+
+def test_hidden_vertex_takes_values_and_refreshes_without_applying(tmp_path: Path) -> None:
+    """A hidden receiver of a sent value and of a notify refresh is never applied; it
+    holds the value it received, stays clean, and its child runs after it."""
+    Receiver.calls.clear()
+    model = GraphModel(name="hidden")
+    model.add(Sender(name="s", value="hello"))
+    model.add(Sender(name="n"))
+    model.add(Receiver(name="h", meta=Meta(hidden=True)))
+    model.add(Receiver(name="k"))
+    model.connect(Edge("sender[s]", "receiver[h]", send="value", recv="msg"))
+    model.connect(Edge("sender[n]", "receiver[h]", notify=True))
+    model.connect(Edge("receiver[h]", "receiver[k]"))
+    model.check()
+
+    async def main() -> Engine:
+        eng = Engine(settings(tmp_path), registry=registry)
+        assert await asyncio.wait_for(eng.run(model), 10) == 0
+        return eng
+
+    eng = asyncio.run(main())
+    assert [c[0] for c in Receiver.calls] == ["k"], Receiver.calls
+    h = eng.vertices["receiver[h]"]
+    assert h.res.msg == "hello", "the value still reached the hidden receiver"
+    assert h.ok and not h.pending and h.changed_count == 0
+    assert not h.refresh_flag
+    assert not list((tmp_path / "vertices" / "receiver").glob("h/refresh*"))

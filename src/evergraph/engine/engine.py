@@ -204,7 +204,9 @@ class Engine:
             old[v.ident] = fresh
             new_vs.append(fresh)
             replaced[v.ident] = v
-        if model.edges == self._edges:
+        if model.edges == self._edges and all(
+            gone.res.meta.hidden == old[ident].res.meta.hidden for ident, gone in replaced.items()
+        ):
             # Same edges (the common live edit): hand each replaced vertex's
             # place to its successor instead of rewiring the whole graph.
             for ident, gone in replaced.items():
@@ -250,7 +252,8 @@ class Engine:
                 b.parents.append(a)
             if e.send is not None and e.recv is not None:
                 a.send_edges.append((e.send, b, e.recv))
-            if e.notify and (e.from_id, e.to_id, True) not in seen:
+            if e.notify and (e.from_id, e.to_id, True) not in seen and not b.res.meta.hidden:
+                # a hidden vertex is never applied: no refresh is ever owed to it
                 seen.add((e.from_id, e.to_id, True))
                 a.notify_children.append(b)
 
@@ -506,6 +509,9 @@ class Engine:
         """Queue `v` for a run if it may run now (see the module docstring)."""
         if v.queued or not self._runnable(v):
             return
+        if v.res.meta.hidden:
+            self._settle_hidden(v)
+            return
         v.queued = True
         self._queued += 1
         self._ready.append(v)
@@ -513,6 +519,32 @@ class Engine:
         if not self._drain_scheduled:
             self._drain_scheduled = True
             asyncio.get_running_loop().call_soon(self._drain)
+
+    def _settle_hidden(self, v: Vertex) -> None:
+        """A hidden vertex due to run (it received a value) is never applied: it takes
+        the values it received, in the graph's order like a run would, and stays clean."""
+        v.pending = False
+        if v.inbox:
+            v.running = True
+            self._running += 1
+            assert self._tg is not None
+            v.apply_task = self._tg.create_task(self._receive_hidden(v))
+
+    async def _receive_hidden(self, v: Vertex) -> None:
+        try:
+            while v.inbox:
+                await self._receive(v)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.error("%s: (hidden) refused the values it received: %s", v.ident, e)
+        finally:
+            v.running = False
+            v.apply_task = None
+            self._running -= 1
+        for c in v.children:
+            self._poke(c)  # held back while it was taking the values
+        self._check_idle()
 
     def _runnable(self, v: Vertex) -> bool:
         if not v.pending or v.running or v.failed or v.retry_wait or not v.watch_ready:
