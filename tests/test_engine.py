@@ -347,7 +347,7 @@ def test_rewatch_restarts_a_failed_vertex_on_swap(tmp_path: Path) -> None:
     assert j.runs("plain") == 1
 
 
-def test_realize_applies_once_before_removal(tmp_path: Path) -> None:
+def test_realize_never_runs_before_its_parents_succeeded(tmp_path: Path) -> None:
     j = Journal()
     first = make(
         j,
@@ -368,7 +368,7 @@ def test_realize_applies_once_before_removal(tmp_path: Path) -> None:
         return await asyncio.wait_for(task, 5)
 
     asyncio.run(main())
-    assert j.runs("r") == 1, "realize: applied once on its way out"
+    assert j.runs("r") == 0, "realize: not applied while its parent has never succeeded"
     assert j.runs("other") == 0
 
 

@@ -161,3 +161,85 @@ def test_hidden_vertex_takes_values_and_refreshes_without_applying(tmp_path: Pat
     assert h.ok and not h.pending and h.changed_count == 0
     assert not h.refresh_flag
     assert not list((tmp_path / "vertices" / "receiver").glob("h/refresh*"))
+
+
+# -- 3. realize ------------------------------------------------------------------------
+
+
+def test_realize_waits_for_its_parents(tmp_path: Path) -> None:
+    """A realize vertex removed while its parent runs is applied after the parent
+    succeeded, never before."""
+    j = Journal()
+    first = make(j, ["p", "r"], [("p", "r")], r={"meta": Meta(realize=True)})
+    second = GraphModel(name="probes")
+    second.add(first.resources["probe[p]"])
+    second.check()
+
+    async def main() -> int:
+        j.gates["p"] = asyncio.Event()
+        j.started["p"] = asyncio.Event()
+        eng = Engine(settings(tmp_path, converged_exit=False, converged_timeout=None))
+        task = asyncio.create_task(eng.run(first))
+        await asyncio.wait_for(j.started["p"].wait(), 5)
+        swap = asyncio.create_task(eng.swap(second))
+        await until(lambda: "probe[r]" not in eng.vertices)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert j.runs("r") == 0, "realize ran before its parent succeeded"
+        j.gates["p"].set()
+        await asyncio.wait_for(swap, 5)
+        eng.request_stop()
+        return await asyncio.wait_for(task, 5)
+
+    assert asyncio.run(main()) == 0
+    assert j.runs("r") == 1, "realized once on its way out"
+    assert j.stamps("r", "start")[0] >= j.stamps("p", "end")[0]
+
+
+@pytest.mark.parametrize("where", ["meta", "settings"])
+def test_realize_honours_noop(tmp_path: Path, where: str) -> None:
+    """Removed while waiting to retry (never applied), a noop vertex is checked once
+    on its way out, not applied."""
+    j = Journal()
+    meta = Meta(realize=True, retry=1, delay=60_000, noop=where == "meta")
+    first = make(j, ["r"], [], r={"fail_times": 1, "meta": meta})
+
+    async def main() -> int:
+        eng = Engine(
+            settings(
+                tmp_path, converged_exit=False, converged_timeout=None, noop=where == "settings"
+            )
+        )
+        task = asyncio.create_task(eng.run(first))
+        await until(lambda: j.stamps("r", "fail") != [])
+        await eng.swap(make(j, [], []))
+        eng.request_stop()
+        return await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())
+    assert j.runs("r") == 2, "checked once more on its way out"
+    assert len(j.stamps("r", "noop")) == 2, "in noop, realize only checks"
+
+
+def test_realize_does_not_hold_a_swap_when_its_parent_fails(tmp_path: Path) -> None:
+    j = Journal()
+    first = make(j, ["p", "r"], [("p", "r")], p={"fail_times": 1}, r={"meta": Meta(realize=True)})
+    second = GraphModel(name="probes")
+    second.add(first.resources["probe[p]"])
+    second.check()
+
+    async def main() -> None:
+        j.gates["p"] = asyncio.Event()
+        j.started["p"] = asyncio.Event()
+        eng = Engine(settings(tmp_path, converged_exit=False, converged_timeout=None))
+        task = asyncio.create_task(eng.run(first))
+        await asyncio.wait_for(j.started["p"].wait(), 5)
+        swap = asyncio.create_task(eng.swap(second))
+        await until(lambda: "probe[r]" not in eng.vertices)
+        j.gates["p"].set()  # p fails, for good (no retries)
+        await asyncio.wait_for(swap, 5)
+        eng.request_stop()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())
+    assert j.runs("r") == 0

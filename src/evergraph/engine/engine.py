@@ -90,6 +90,8 @@ class Engine:
         self._global_sema = asyncio.Semaphore(settings.sema) if settings.sema > 0 else None
         self._semas: dict[str, asyncio.Semaphore] = {}
         self._timers: set[asyncio.Task[None]] = set()
+        #: woken whenever a run ends or the engine may have turned idle (see _check_idle)
+        self._progress: list[asyncio.Future[None]] = []
         #: vertices poked and waiting for the next drain (see _poke)
         self._ready: collections.deque[Vertex] = collections.deque()
         self._queued = 0
@@ -182,6 +184,8 @@ class Engine:
                 replaced[ident] = old[ident]
             elif old[ident].failed and old[ident].res.meta.rewatch:
                 rewatch.append(old[ident])
+        if any(old[ident].res.meta.realize for ident in removed):
+            removed = _parents_first(removed, old)  # a parent realizes before its children
         for ident in removed:
             await self._stop_vertex(old.pop(ident), leaving=ident not in replaced)
         new_vs: list[Vertex] = []
@@ -433,13 +437,63 @@ class Engine:
         log.info("%s: left the graph: reversed", ident)
 
     async def _realize(self, v: Vertex) -> None:
-        """meta.realize: one successful apply before the resource may leave."""
-        log.info("%s: leaving the graph before it was ever applied: applying once", v.ident)
+        """meta.realize: one successful apply before the resource may leave. Like any
+        run, it waits for its parents to succeed, and in noop it only checks."""
+        stuck = await self._parents_settled(v)
+        if stuck is not None:
+            log.error(
+                "%s: left the graph unrealized: its parent %s has not succeeded",
+                v.ident,
+                stuck.ident,
+            )
+            return
+        apply = not (self.settings.noop or v.res.meta.noop)
+        log.info(
+            "%s: leaving the graph before it was ever applied: %s once",
+            v.ident,
+            "applying" if apply else "checking (noop)",
+        )
         try:
-            await self._guarded_check_apply(v, v.res, not self.settings.noop)
-            v.ever_ok = True
+            clean = await self._guarded_check_apply(v, v.res, apply)
+            v.ok = v.ever_ok = True
+            v.pending = False
+            if not clean:
+                log.info("%s: %s", v.ident, "applied" if apply else "would change (noop)")
         except Exception as e:
             log.error("%s: could not be realized before removal: %s", v.ident, e)
+
+    async def _parents_settled(self, v: Vertex) -> Vertex | None:
+        """Wait until every parent of `v` is clean: None then. Else the ancestor that
+        will not succeed by itself (failed, retrying, or gone from the graph)."""
+        while not all(p.clean for p in v.parents):
+            stuck = self._stuck_ancestor(v)
+            if stuck is not None:
+                return stuck
+            waiter = asyncio.get_running_loop().create_future()
+            self._progress.append(waiter)
+            await waiter
+        return None
+
+    def _stuck_ancestor(self, v: Vertex) -> Vertex | None:
+        """An ancestor holding `v` back that will not succeed by itself; None while each
+        one that is not clean is running or due to run."""
+        seen: set[int] = set()
+        todo = [p for p in v.parents if not p.clean]
+        while todo:
+            p = todo.pop()
+            if id(p) in seen or p.clean:
+                continue
+            seen.add(id(p))
+            if (
+                p.failed
+                or p.retry_wait
+                or not (p.pending or p.running)
+                or self.vertices.get(p.ident) is not p
+            ):
+                return p
+            if not p.running:
+                todo.extend(q for q in p.parents if not q.clean)  # held back by these
+        return None
 
     def _unsubscribe(self, v: Vertex) -> None:
         if v.unsubscribe is not None:
@@ -807,6 +861,11 @@ class Engine:
 
     # -- convergence and stopping ------------------------------------------------------
     def _check_idle(self) -> None:
+        if self._progress:
+            for waiter in self._progress:
+                if not waiter.done():
+                    waiter.set_result(None)
+            self._progress.clear()
         if self._running or self._retrying or self._unready or self._queued:
             return
         self.converger.idle()
@@ -863,6 +922,30 @@ class Engine:
                 hard.cancel()
         for v in self.vertices.values():
             await self._call_cleanup(v)
+
+
+def _parents_first(idents: list[str], vertices: dict[str, Vertex]) -> list[str]:
+    """`idents` ordered so that each comes after those of its parents among them."""
+    among = set(idents)
+    done: set[str] = set()
+    out: list[str] = []
+    for root in idents:
+        stack = [(root, False)]
+        while stack:
+            ident, expanded = stack.pop()
+            if expanded:
+                out.append(ident)
+                continue
+            if ident in done:
+                continue
+            done.add(ident)
+            stack.append((ident, True))
+            stack.extend(
+                (p.ident, False)
+                for p in vertices[ident].parents
+                if p.ident in among and p.ident not in done
+            )
+    return out
 
 
 def _carry_retries(prev: Vertex, new: Vertex) -> int:
