@@ -28,6 +28,8 @@ class JsonFormatter(logging.Formatter):
         }
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
+        elif record.exc_text:  # formatted (and masked) at the source
+            out["exc"] = record.exc_text
         return json.dumps(out)
 
 

@@ -150,6 +150,12 @@ class Handle(Protocol):
         """True when a notify edge asked this resource to refresh on this run."""
         ...
 
+    def is_secret(self, field: str) -> bool:
+        """True when `field` holds a value received from a sender that marked it
+        secret (a password): keep it sealed, make files of it private. Whatever
+        the resource logs or raises is masked by the engine anyway."""
+        ...
+
 
 class PathSubscription(Protocol):
     """Call it to unsubscribe."""
@@ -188,7 +194,8 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
     eager: ClassVar[bool] = False
     #: values this kind can send over an edge, with their types: {"stdout": str}
     sends: ClassVar[dict[str, Any]] = {}
-    #: sent fields whose values must never be logged or shown (password)
+    #: sent fields whose values must never be logged or shown (password); the
+    #: engine masks them in every text about the receiver, which `is_secret` tells
     secret_sends: ClassVar[frozenset[str]] = frozenset()
     name: Annotated[str, doc("the resource's name; `kind[name]` is its identity")]
     meta: Annotated[Meta, doc("meta parameters (see `evergraph docs resources`)")] = DEFAULT_META
@@ -251,6 +258,11 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
     def sent(self) -> dict[str, object]:
         """The values produced so far (keys of `sends`); only those are sent."""
         return {}
+
+    def secret_sent(self) -> frozenset[str]:
+        """The names of the values sent now that are secrets (default `secret_sends`;
+        a kind overrides it when that depends on the value, e.g. `kv` read sealed)."""
+        return self.secret_sends
 
     def group_key(self) -> tuple[object, ...]:
         """Only resources with equal keys group. The default is the kind's family:

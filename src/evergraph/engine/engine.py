@@ -199,12 +199,14 @@ class Engine:
                     v.retries_left = _carry_retries(before, v)
                 # values received before still hold until the sender sends again
                 v.inbox = dict(before.received)
+                v.secret_fields, v.secrets = before.secret_fields, before.secrets
             old[ident] = v
             new_vs.append(v)
         for v in rewatch:
             log.info("%s: failed before; restarting it (meta.rewatch)", v.ident)
             await self._stop_vertex(v, leaving=False)
             fresh = Vertex(self, v.res)
+            fresh.secret_fields, fresh.secrets = v.secret_fields, v.secrets
             old[v.ident] = fresh
             new_vs.append(fresh)
             replaced[v.ident] = v
@@ -297,9 +299,11 @@ class Engine:
         log.info(
             "%s: received %s",
             v.ident,
-            ", ".join(
-                f"{k}={'<secret>' if k in v.secret_fields else _short(val)}"
-                for k, val in values.items()
+            v.mask(
+                ", ".join(
+                    f"{k}={'<secret>' if k in v.secret_fields else _short(val)}"
+                    for k, val in values.items()
+                )
             ),
         )
         return new
@@ -308,17 +312,25 @@ class Engine:
         values = v.res.sent()
         if not values:
             return
-        secret = v.res.secret_sends
+        secret = v.res.secret_sent()
         for send, c, recv in v.send_edges:
             if send not in values:
                 continue
             value = values[send]
+            # Secrets are marked before the receiver sees the value: a value its
+            # sender marks, or one that is a secret the sender received; and what
+            # the sender knew is masked for the receiver too (a command that got a
+            # password may print it).
+            if v.secrets:
+                c.secrets |= v.secrets
+            if send in secret or (isinstance(value, str) and value in v.secrets):
+                c.secret_fields.add(recv)
+                if isinstance(value, str) and value:
+                    c.secrets.add(value)
             current = c.inbox.get(recv, c.received.get(recv, getattr(c.res, recv, None)))
             if current != value:
                 c.inbox[recv] = value
                 c.pending = True
-                if send in secret:
-                    c.secret_fields.add(recv)
 
     def _write_graphviz(self, model: GraphModel) -> None:
         from evergraph.engine.render import to_dot
@@ -460,7 +472,7 @@ class Engine:
             if not clean:
                 log.info("%s: %s", v.ident, "applied" if apply else "would change (noop)")
         except Exception as e:
-            log.error("%s: could not be realized before removal: %s", v.ident, e)
+            log.error("%s: could not be realized before removal: %s", v.ident, v.mask(str(e)))
 
     async def _parents_settled(self, v: Vertex) -> Vertex | None:
         """Wait until every parent of `v` is clean: None then. Else the ancestor that
@@ -508,7 +520,7 @@ class Engine:
             try:
                 await res.cleanup()
             except Exception as e:
-                log.error("%s: cleanup failed: %s", res.ident, e)
+                log.error("%s: cleanup failed: %s", res.ident, v.mask(str(e)))
 
     async def _follow(self, updates: AsyncIterator[GraphModel]) -> None:
         async for model in updates:
@@ -539,7 +551,7 @@ class Engine:
                     return
                 if retries > 0:
                     retries -= 1
-                log.warning("%s: watch failed (%s); restarting it", v.ident, e)
+                log.warning("%s: watch failed (%s); restarting it", v.ident, v.mask(str(e)))
                 await asyncio.sleep(v.res.meta.delay / 1000)
 
     def vertex_ready(self, v: Vertex) -> None:
@@ -818,6 +830,7 @@ class Engine:
             self._poke(v)
 
     def _record_failure(self, v: Vertex, error: str) -> None:
+        error = v.mask(error)
         v.ok = False
         v.fail_count += 1
         v.last_error = error
@@ -852,6 +865,7 @@ class Engine:
         self._check_idle()
 
     def _fail_permanently(self, v: Vertex, error: str) -> None:
+        error = v.mask(error)
         v.ok = False
         v.failed = True
         v.pending = False

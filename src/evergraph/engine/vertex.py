@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from evergraph.engine.contract import PathWatcher, Resource
+from evergraph.engine.masking import MaskingLogger, mask
 from evergraph.engine.status import State, VertexStatus
 from evergraph.errors import ResourceError
 
@@ -28,7 +29,6 @@ _loggers: dict[str, logging.Logger] = {}
 class Vertex:
     __slots__ = (
         "apply_task",
-        "intent",
         "bucket_at",
         "changed_count",
         "children",
@@ -39,6 +39,7 @@ class Vertex:
         "failed",
         "ident",
         "inbox",
+        "intent",
         "last_error",
         "notify_children",
         "ok",
@@ -54,6 +55,7 @@ class Vertex:
         "reversal_saved",
         "running",
         "secret_fields",
+        "secrets",
         "send_edges",
         "since",
         "state",
@@ -77,6 +79,9 @@ class Vertex:
         self.inbox: dict[str, object] = {}
         #: received fields whose sender marked them secret: never logged
         self.secret_fields: set[str] = set()
+        #: secret values this vertex received or its senders knew: masked in any
+        #: text about it (log lines, errors, status); kept after a new value came
+        self.secrets: set[str] = set()
         hidden = res.meta.hidden
         #: needs a check: at startup, after an event, a refresh or a retry
         self.pending = not hidden
@@ -121,7 +126,7 @@ class Vertex:
             self.res.name,
             self.state,
             self.since,
-            self.last_error,
+            self.mask(self.last_error) if self.last_error is not None else None,
             self.changed_count,
             self.clean_count,
             self.fail_count,
@@ -129,6 +134,10 @@ class Vertex:
 
     def __repr__(self) -> str:
         return f"<Vertex {self.ident}>"
+
+    def mask(self, text: str) -> str:
+        """`text` with the secrets this vertex knows replaced by `********`."""
+        return mask(text, self.secrets) if self.secrets else text
 
     @property
     def clean(self) -> bool:
@@ -142,6 +151,8 @@ class Vertex:
         lg = _loggers.get(kind)
         if lg is None:
             lg = _loggers[kind] = logging.getLogger(f"evergraph.resource.{kind}")
+        if self.secrets:  # what the resource logs passes through the mask
+            return MaskingLogger(lg, self.mask)
         return lg
 
     @property
@@ -182,6 +193,9 @@ class Vertex:
 
     def refresh(self) -> bool:
         return self.refresh_now
+
+    def is_secret(self, field: str) -> bool:
+        return field in self.secret_fields
 
 
 def vertex_dir(state_dir: Path, kind: str, name: str) -> Path:

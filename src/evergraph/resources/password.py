@@ -22,6 +22,10 @@ refresh (notify edge) generates a new password, as does a change of `length`.
 
 The password is never logged and never part of an error; the value it sends
 prints as `'<secret>'` (in the engine's "received" log line, for example).
+It is marked secret (`secret_sends`), so whichever resource receives it, the
+engine masks it as `********` in that resource's log lines, errors and status;
+`kv` stores it sealed, `file` makes it 0600 unless given a `mode`, and a
+`meta.reverse` receiver's reversal is kept sealed.
 """
 
 from __future__ import annotations

@@ -1,0 +1,91 @@
+"""Secrets stay secret whichever resource receives them (issue 13, item 4).
+
+A `password` marks what it sends as a secret; every test learns the generated
+password by opening its sealed state file with the agent's host key, then
+looks for it where it must not be: log lines (text and JSON), error messages,
+the status view, the World, `reversal.json`, a file's mode, `ps`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from evergraph.engine.masking import MASK
+from evergraph.world.hostkeys import HostKeys
+
+from .conftest import Agent, run_cli, wait_for
+
+
+def password_of(state: Path, name: str = "p") -> str:
+    """The password `password[name]` generated, opened with the agent's host key."""
+    sealed = state / "vertices" / "password" / name / "password.sealed"
+    return HostKeys(state).open_local(sealed.read_bytes()).decode()
+
+
+def http_url(agent: Agent) -> str:
+    """The agent's HTTP API address, from its log (text or JSON)."""
+    found: list[str] = []
+
+    def listening() -> bool:
+        found[:] = re.findall(r"HTTP API on (http://[^\s\"]+)", agent.log.read_text())
+        return bool(found)
+
+    wait_for(listening, what="the HTTP API to listen")
+    return found[0]
+
+
+def edge(to: str, recv: str, sender: str = "p") -> str:
+    kind, _, name = to.partition(":")
+    return (
+        f"- from: {{kind: password, name: {sender}, send: password}}\n"
+        f"  to: {{kind: {kind}, name: '{name}', recv: {recv}}}\n"
+    )
+
+
+def run(g: Path, state: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return run_cli("run", g, "--state-dir", state, "--converged-exit", "-vv", *extra)
+
+
+def world_get(state: Path, key: str) -> str:
+    r = run_cli("world", "get", key, "--state-dir", state)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_log_lines_errors_and_the_status_view_mask_it(tmp_path: Path, agents: Any) -> None:
+    # print logs what it receives; a command made of it fails and quotes it
+    g, state = tmp_path / "g.yaml", tmp_path / "s"
+    g.write_text(
+        "graph: sec\nresources:\n  password:\n  - {name: p}\n"
+        "  print:\n  - {name: show}\n"
+        "  exec:\n  - {name: use, shell: /bin/sh, cmd: 'true'}\n"
+        "edges:\n" + edge("print:show", "msg") + edge("exec:use", "cmd")
+    )
+    r = run(g, state)
+    assert r.returncode == 1, r.stderr  # exec[use] failed
+    password = password_of(state)
+    assert password not in r.stderr
+    assert f"print[show]: {MASK}" in r.stderr
+    assert "exec[use]: cmd exited with status 127" in r.stderr
+    assert f"{MASK}: not found" in r.stderr
+    # the JSON log format, and the status snapshot the HTTP view serves
+    agent: Agent = agents(g, state, "--log-format", "json", "-vv", "--http", "127.0.0.1:0")
+    agent.wait_converged()
+    with httpx.Client(base_url=http_url(agent), timeout=10) as c:
+        vertices = c.get("/api/v1/graph").json()["vertices"]
+    [use] = [v for v in vertices if v["ident"] == "exec[use]"]
+    assert use["state"] == "failed"
+    assert MASK in use["error"]
+    assert password not in json.dumps(vertices)
+    agent.stop()
+    log = agent.log.read_text()
+    lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert any(rec["msg"] == f"print[show]: {MASK}" for rec in lines), log
+    assert any("exec[use]: cmd exited with status 127" in rec["msg"] for rec in lines), log
+    assert password not in log
