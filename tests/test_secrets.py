@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -89,3 +90,20 @@ def test_log_lines_errors_and_the_status_view_mask_it(tmp_path: Path, agents: An
     assert any(rec["msg"] == f"print[show]: {MASK}" for rec in lines), log
     assert any("exec[use]: cmd exited with status 127" in rec["msg"] for rec in lines), log
     assert password not in log
+
+
+def test_a_file_receiving_it_without_mode_is_0600(tmp_path: Path) -> None:
+    g, state, out, old = tmp_path / "g.yaml", tmp_path / "s", tmp_path / "pw", tmp_path / "old"
+    old.write_text("an older file\n")
+    old.chmod(0o644)
+    g.write_text(
+        "graph: sec\nresources:\n  password:\n  - {name: p}\n"
+        f"  file:\n  - {{name: {out}}}\n  - {{name: {old}}}\n"
+        "edges:\n" + edge(f"file:{out}", "content") + edge(f"file:{old}", "content")
+    )
+    r = run(g, state)
+    assert r.returncode == 0, r.stderr
+    password = password_of(state)
+    for f in (out, old):  # created private, and an existing file made private
+        assert f.read_text() == password
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f

@@ -9,7 +9,9 @@ removes what nobody manages from a directory: entries neither copied from
 Writes are atomic: new content goes to a temporary file in the same
 directory, gets its mode (and the old file's owner), then is renamed over the
 path, so a reader — or a crash — never sees half a file. Missing parent
-directories are created (0755), as `install -D` does.
+directories are created (0755), as `install -D` does. A file whose `content`
+is received from a sender that marks it secret (a `password`) is made 0600
+unless `mode` says otherwise.
 
 Check and apply run in the event loop on purpose: on a local filesystem each
 syscall takes microseconds and a hop to a thread costs more than the work.
@@ -223,6 +225,8 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         self._is_dir = path.endswith("/")
         self._path = os.path.normpath(path)
         self._mode = parse_mode(self.mode) if self.mode is not None else None
+        if self._mode is None and handle.is_secret("content"):
+            self._mode = 0o600  # a secret (a received password) is not for every reader
         self._data = self.content.encode() if self.content is not None else None
         self._own_ino = 0  # inode of our last atomic write, until its rename is seen
         self._watch: PathSubscription | None = None
