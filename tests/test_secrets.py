@@ -107,3 +107,37 @@ def test_a_file_receiving_it_without_mode_is_0600(tmp_path: Path) -> None:
     for f in (out, old):  # created private, and an existing file made private
         assert f.read_text() == password
         assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+
+
+def test_kv_stores_it_sealed_and_reads_it_back_on_this_host(tmp_path: Path) -> None:
+    g, state = tmp_path / "g.yaml", tmp_path / "s"
+    g.write_text(
+        "graph: sec\nresources:\n  password:\n  - {name: p}\n"
+        "  kv:\n  - {name: db, value: ''}\n"
+        "edges:\n" + edge("kv:db", "value")
+    )
+    r = run(g, state)
+    assert r.returncode == 0, r.stderr
+    password = password_of(state)
+    stored = world_get(state, "kv/db")
+    assert stored.startswith("sealed:local:"), stored  # marked: readers know
+    assert password not in stored
+    for f in state.glob("world.sqlite*"):
+        assert password.encode() not in f.read_bytes(), f
+    assert password not in r.stderr
+    # a second run finds the sealed value equal to the secret: clean
+    r = run(g, state)
+    assert r.returncode == 0, r.stderr
+    assert "kv[db]: applied" not in r.stderr
+    # read back on this host: the secret again, and still a secret (file 0600)
+    back = tmp_path / "back"
+    g.write_text(
+        f"graph: back\nresources:\n  kv:\n  - {{name: db}}\n  file:\n  - {{name: {back}}}\n"
+        f"edges:\n- from: {{kind: kv, name: db, send: value}}\n"
+        f"  to: {{kind: file, name: {back}, recv: content}}\n"
+    )
+    r = run(g, state)
+    assert r.returncode == 0, r.stderr
+    assert back.read_text() == password
+    assert stat.S_IMODE(back.stat().st_mode) == 0o600
+    assert password not in r.stderr

@@ -3,6 +3,13 @@
 The World key is `kv/<key>`; with `mapped`, each host writes its own
 `kv/<key>/<hostname>` (e.g. "which version does each host run"). Without a
 `value`, the resource only reads: it sends the stored value to its children.
+
+A `value` received from a sender that marks it secret (a `password`) is
+stored sealed with this host's key, never in plain text: the World holds
+`sealed:local:` followed by the token, so any reader knows it is sealed and
+only this host opens it. Reading a sealed value back on this host gives the
+secret (sent on as a secret); a sealed value this host cannot open is sent as
+nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from evergraph.errors import ResourceError
 from evergraph.world.follow import watch_one
 
 PREFIX = "kv/"
+#: how a sealed value starts in the World (then the host-key token, base64)
+SEALED = b"sealed:local:"
 
 
 def _number(text: str) -> float | None:
@@ -49,9 +58,27 @@ class KeyValue(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         key = self.key or self.name
         self._key = f"{PREFIX}{key}/{handle.hostname}" if self.mapped else f"{PREFIX}{key}"
         self._stored: str | None = None
+        #: the stored value was sealed (so what we send of it is a secret)
+        self._sealed = False
 
     def sent(self) -> dict[str, object]:
         return {"value": self._stored} if self._stored is not None else {}
+
+    def secret_sent(self) -> frozenset[str]:
+        return frozenset({"value"}) if self._sealed else frozenset()
+
+    def _open(self, raw: bytes) -> str | None:
+        """The stored text (a sealed one opened); None when it cannot be read here."""
+        self._sealed = raw.startswith(SEALED)
+        if self._sealed:
+            try:
+                raw = self.handle.keys.open_local(raw[len(SEALED) :])
+            except Exception:  # keys.KeyError_: sealed by another host
+                return None
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            return None
 
     async def watch(self) -> None:
         # watch_one: resumes a broken stream, re-reads after a compaction or a
@@ -69,12 +96,13 @@ class KeyValue(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         kv = self.handle.world
         refresh = self.handle.refresh()
         item = await kv.get(self._key)
-        stored = None
-        if item is not None:
-            with contextlib.suppress(UnicodeDecodeError):
-                stored = item.value.decode()
+        self._sealed = False
+        stored = self._open(item.value) if item is not None else None
         self._stored = stored
-        if self.value is None or (stored == self.value and not refresh):
+        secret = self.handle.is_secret("value")  # then it is stored only sealed
+        if self.value is None or (
+            stored == self.value and (self._sealed or not secret) and not refresh
+        ):
             return True
         if self.skiplessthan and stored is not None:
             have, want = _number(stored), _number(self.value)
@@ -82,9 +110,12 @@ class KeyValue(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 return True
         if not apply:
             return False
+        data = self.value.encode()
+        if secret:
+            data = SEALED + self.handle.keys.seal_local(data)
         try:
-            await kv.put(self._key, self.value.encode())
+            await kv.put(self._key, data)
         except Exception as e:
             raise ResourceError(f"world: {e}") from None
-        self._stored = self.value
+        self._stored, self._sealed = self.value, secret
         return False
