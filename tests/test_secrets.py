@@ -141,3 +141,41 @@ def test_kv_stores_it_sealed_and_reads_it_back_on_this_host(tmp_path: Path) -> N
     assert back.read_text() == password
     assert stat.S_IMODE(back.stat().st_mode) == 0o600
     assert password not in r.stderr
+
+
+def test_reversal_of_a_receiver_is_sealed(tmp_path: Path) -> None:
+    g, state, out = tmp_path / "g.yaml", tmp_path / "s", tmp_path / "pw"
+    spec = f"  file:\n  - {{name: {out}, mode: '0640'{{meta}}}}\n"
+
+    def graph(sender: str, with_file: bool = True, meta: str = "") -> None:
+        body = spec.replace("{meta}", meta) + "edges:\n" + edge(f"file:{out}", "content", sender)
+        g.write_text(
+            f"graph: sec\nresources:\n  password:\n  - {{name: {sender}, length: 20}}\n"
+            + (body if with_file else "")
+        )
+
+    graph("p")
+    r = run(g, state)
+    assert r.returncode == 0, r.stderr
+    first = password_of(state, "p")
+    # another password replaces it, reversibly: what it restores is the first one
+    graph("q", meta=", meta: {reverse: true}")
+    r = run(g, state)
+    assert r.returncode == 0, r.stderr
+    second = password_of(state, "q")
+    assert out.read_text() == second
+    [reversal] = state.rglob("reversal.json")
+    data = reversal.read_bytes()
+    assert first.encode() not in data
+    assert second.encode() not in data
+    assert set(json.loads(data)) == {"sealed"}
+    # the file leaves the graph: the first password comes back, never shown
+    graph("q", with_file=False)
+    r = run(g, state)
+    assert r.returncode == 0, r.stderr
+    assert f"file[{out}]: left the graph: reversed" in r.stderr
+    assert out.read_text() == first
+    assert stat.S_IMODE(out.stat().st_mode) == 0o640
+    assert not list(state.rglob("reversal.json"))
+    assert first not in r.stderr
+    assert second not in r.stderr

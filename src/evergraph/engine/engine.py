@@ -413,15 +413,25 @@ class Engine:
         rev = res.reversal()
         if rev is None:
             return
+        record: dict[str, Any] = {"kind": rev.kind, "params": msgspec.to_builtins(rev)}
         try:
-            self.store.save_reversal(
-                res.kind, res.name, {"kind": rev.kind, "params": msgspec.to_builtins(rev)}
-            )
-        except OSError as e:
-            log.error("%s: cannot persist its reversal: %s", v.ident, e)
+            if v.secrets:
+                # what it restores may be the previous secret: sealed with the host key
+                record["secret_fields"] = sorted(v.secret_fields)
+                self.store.save_reversal(res.kind, res.name, record, seal=self.keys().seal_local)
+            else:
+                self.store.save_reversal(res.kind, res.name, record)
+        except (OSError, ResourceError) as e:
+            log.error("%s: cannot persist its reversal: %s", v.ident, v.mask(str(e)))
 
     async def _reverse(self, ident: str, record: dict[str, Any]) -> None:
         """Apply a persisted reversal once; on success forget it."""
+        if self.store.is_sealed(record):
+            try:
+                record = self.store.open_reversal(record, self.keys().open_local)
+            except Exception as e:
+                log.error("%s: sealed reversal does not open here (kept): %s", ident, e)
+                return
         kind_name = str(record.get("kind"))
         if self.registry.get(kind_name) is None:
             log.error("%s: reversal of unknown kind %r kept for later", ident, kind_name)
@@ -437,12 +447,21 @@ class Engine:
             log.info("%s: would reverse (noop)", ident)
             return
         scratch = Vertex(self, rev)
+        params, fields = record.get("params"), record.get("secret_fields")
+        if isinstance(params, dict) and isinstance(fields, list):
+            for f in fields:
+                value = params.get(f) if isinstance(f, str) else None
+                if isinstance(value, str) and value:
+                    scratch.secret_fields.add(f)
+                    scratch.secrets.add(value)
         try:
             await rev.init(scratch)
             await rev.check_apply(True)
             await rev.cleanup()
         except Exception as e:
-            log.error("%s: reversal failed (kept, retried at next start): %s", ident, e)
+            log.error(
+                "%s: reversal failed (kept, retried at next start): %s", ident, scratch.mask(str(e))
+            )
             return
         kind, _, rest = ident.partition("[")
         self.store.reversal_done(kind, rest[:-1])

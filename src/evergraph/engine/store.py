@@ -14,7 +14,9 @@
   child's apply starting and its flag being removed right after it returned.
 - `reversal.json`: how to undo a `meta.reverse` resource (its kind and the
   parameters that restore the state found before its first apply). Applied
-  when the resource leaves the graph, also across a restart.
+  when the resource leaves the graph, also across a restart. Of a vertex that
+  received a secret, it is sealed with the host key (`{"sealed": TOKEN}`):
+  the state it restores may be the previous secret.
 
 Every write is temp file + fsync + rename.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +44,8 @@ log = logging.getLogger("evergraph.engine")
 REFRESH = "refresh"
 INTENT = "intent.json"
 REVERSAL = "reversal.json"
+#: the key of a reversal record kept sealed (it may hold a secret)
+SEALED = "sealed"
 
 
 @dataclass
@@ -96,8 +101,34 @@ class VertexStore:
     def has_reversal(self, kind: str, name: str) -> bool:
         return self._path(kind, name, REVERSAL).exists()
 
-    def save_reversal(self, kind: str, name: str, record: dict[str, Any]) -> None:
-        atomic_write(self._path(kind, name, REVERSAL), json.dumps(record).encode())
+    def save_reversal(
+        self,
+        kind: str,
+        name: str,
+        record: dict[str, Any],
+        seal: Callable[[bytes], bytes] | None = None,
+    ) -> None:
+        """`seal` (the host key's): the record may hold a secret, kept only sealed as
+        `{"sealed": TOKEN}`; `open_reversal` gives it back."""
+        data = json.dumps(record).encode()
+        if seal is not None:
+            data = json.dumps({SEALED: seal(data).decode("ascii")}).encode()
+        atomic_write(self._path(kind, name, REVERSAL), data)
+
+    @staticmethod
+    def is_sealed(record: dict[str, Any]) -> bool:
+        return SEALED in record
+
+    @staticmethod
+    def open_reversal(record: dict[str, Any], unseal: Callable[[bytes], bytes]) -> dict[str, Any]:
+        """The record a sealed one holds (ValueError if it is not one)."""
+        token = record.get(SEALED)
+        if not isinstance(token, str):
+            raise ValueError("not a sealed reversal record")
+        opened = json.loads(unseal(token.encode("ascii")))
+        if not isinstance(opened, dict) or "params" not in opened:
+            raise ValueError("not a reversal record")
+        return opened
 
     def load_reversal(self, kind: str, name: str) -> dict[str, Any] | None:
         try:
@@ -133,7 +164,9 @@ class VertexStore:
                     try:
                         with open(rev, "rb") as f:
                             record = json.loads(f.read())
-                        if not isinstance(record, dict) or "params" not in record:
+                        if not isinstance(record, dict) or (
+                            "params" not in record and SEALED not in record
+                        ):
                             raise ValueError("not a reversal record")
                         owed.reversals[ident] = record
                     except (OSError, ValueError) as e:
