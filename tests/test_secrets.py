@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from evergraph.engine.masking import MASK
+from evergraph.world.etcd_server import FAST_TIMING, EtcdServer
 from evergraph.world.hostkeys import HostKeys
 
 from .conftest import Agent, run_cli, wait_for
@@ -179,3 +180,66 @@ def test_reversal_of_a_receiver_is_sealed(tmp_path: Path) -> None:
     assert not list(state.rglob("reversal.json"))
     assert first not in r.stderr
     assert second not in r.stderr
+
+
+def _etcd_with_auth(shm: Path, servers: list[EtcdServer], password: str) -> str:
+    server = EtcdServer(shm / "data", timing=FAST_TIMING, extra_args=["--bcrypt-cost=4"])
+    servers.append(server)
+    server.start()
+    ctl = ["etcdctl", f"--endpoints={server.client_url}"]
+    for args in (
+        ["user", "add", "root", f"--new-user-password={password}", "--interactive=false"],
+        ["user", "grant-role", "root", "root"],
+        ["auth", "enable"],
+    ):
+        r = subprocess.run(
+            ctl + args, capture_output=True, text=True, env={"ETCDCTL_API": "3"}, timeout=30
+        )
+        assert r.returncode == 0, r.stderr
+    return server.client_url
+
+
+def test_the_etcd_password_is_not_on_the_command_line(
+    tmp_path: Path, shm: Path, servers: list[EtcdServer], agents: Any, monkeypatch: Any
+) -> None:
+    secret = "etcd-s3cret-7f2c"
+    url = _etcd_with_auth(shm, servers, secret)
+    pw_file = tmp_path / "etcd.pass"
+    pw_file.write_text(secret + "\n")
+    pw_file.chmod(0o600)
+    env_out = tmp_path / "env.txt"
+    g = tmp_path / "g.yaml"
+    # the exec writes the environment its commands get
+    g.write_text(
+        "graph: e\nresources:\n  kv:\n  - {name: k, value: v}\n"
+        f"  exec:\n  - {{name: env, shell: /bin/sh, cmd: 'env > {env_out}', creates: {env_out}}}\n"
+    )
+    world = ("--seeds", url, "--etcd-user", "root")
+    # from a file
+    agent: Agent = agents(g, tmp_path / "s1", *world, "--etcd-password-file", pw_file)
+    agent.wait_converged()
+    cmdline = Path(f"/proc/{agent.proc.pid}/cmdline").read_bytes()
+    assert str(pw_file).encode() in cmdline
+    assert secret.encode() not in cmdline
+    assert agent.stop() == 0
+    assert secret not in agent.log.read_text()
+    # from the environment: not on the command line, not handed to the commands it runs
+    env_out.unlink()
+    monkeypatch.setenv("EVERGRAPH_ETCD_PASSWORD", secret)
+    agent = agents(g, tmp_path / "s2", *world, "--hostname", "other")
+    agent.wait_converged()
+    assert secret.encode() not in Path(f"/proc/{agent.proc.pid}/cmdline").read_bytes()
+    assert agent.stop() == 0
+    assert "EVERGRAPH_ETCD_PASSWORD" not in env_out.read_text()
+    monkeypatch.delenv("EVERGRAPH_ETCD_PASSWORD")
+    r = run_cli("world", "get", "kv/k", "--state-dir", tmp_path / "s1", *world)
+    assert r.returncode != 0  # no password at all: refused by etcd
+    # the flag still works, with a warning; the flag and the file together are refused
+    r = run_cli("world", "get", "kv/k", "--state-dir", tmp_path / "s1", *world,
+                "--etcd-password", secret)  # fmt: skip
+    assert (r.returncode, r.stdout) == (0, "v\n"), r.stderr
+    assert "warning: --etcd-password is visible to every user of this host" in r.stderr
+    r = run_cli("world", "get", "kv/k", "--state-dir", tmp_path / "s1", *world,
+                "--etcd-password", secret, "--etcd-password-file", pw_file)  # fmt: skip
+    assert r.returncode == 2
+    assert "not both" in r.stderr

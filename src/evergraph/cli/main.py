@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
     from evergraph.world.open import WorldOptions
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+#: where the etcd password may come from, rather than a command line
+ETCD_PASSWORD_ENV = "EVERGRAPH_ETCD_PASSWORD"
 
 
 def _die(e: InputError) -> NoReturn:
@@ -95,10 +98,15 @@ def world_options(f: Callable[..., None]) -> Callable[..., None]:
         ),
         click.option("--etcd-user", default=None, help="etcd user name (auth enabled)."),
         click.option(
+            "--etcd-password-file",
+            type=click.Path(dir_okay=False, path_type=Path),
+            default=None,
+            help=f"Read the etcd password from this file (or set {ETCD_PASSWORD_ENV}).",
+        ),
+        click.option(
             "--etcd-password",
             default=None,
-            envvar="EVERGRAPH_ETCD_PASSWORD",
-            help="etcd password [env: EVERGRAPH_ETCD_PASSWORD].",
+            help="etcd password; visible to every user in `ps`: prefer --etcd-password-file.",
         ),
     ]
     for opt in reversed(opts):
@@ -166,6 +174,41 @@ def _http_service(addr: str, anonymous: str | None) -> Service:
     return serve
 
 
+def _etcd_password(world: dict[str, object]) -> str | None:
+    """From --etcd-password-file, else the environment, else --etcd-password (warned:
+    a command line is visible to every user of the host)."""
+    # Taken out of the environment: the commands the agent runs inherit it.
+    env = os.environ.pop(ETCD_PASSWORD_ENV, None)
+    given, file = world.get("etcd_password"), world.get("etcd_password_file")
+    if given is not None and file is not None:
+        raise InputError(
+            "give --etcd-password-file or --etcd-password, not both", "--etcd-password"
+        )
+    if file is not None:
+        try:
+            with open(str(file), "rb") as f:
+                data = f.read(65537)
+        except OSError as e:
+            raise InputError(f"cannot read {file}: {e.strerror}", "--etcd-password-file") from None
+        if len(data) > 65536:
+            raise InputError(f"{file} is over 64 KiB: not a password", "--etcd-password-file")
+        try:
+            password = data.decode().rstrip("\r\n")  # one line, as `echo` writes it
+        except UnicodeDecodeError:
+            raise InputError(f"{file} is not UTF-8 text", "--etcd-password-file") from None
+        if not password:
+            raise InputError(f"{file} is empty", "--etcd-password-file")
+        return password
+    if given is not None:
+        click.echo(
+            "evergraph: warning: --etcd-password is visible to every user of this host "
+            f"(ps): use --etcd-password-file FILE or {ETCD_PASSWORD_ENV}",
+            err=True,
+        )
+        return str(given) or None
+    return env or None
+
+
 def _world_opts(world: dict[str, object]) -> WorldOptions:
     from evergraph.world.open import WorldOptions
 
@@ -193,7 +236,7 @@ def _world_opts(world: dict[str, object]) -> WorldOptions:
         cert=path("etcd_cert"),
         key=path("etcd_key"),
         user=str(world["etcd_user"]) if world.get("etcd_user") else None,
-        password=str(world["etcd_password"]) if world.get("etcd_password") else None,
+        password=_etcd_password(world),
     )
 
 
