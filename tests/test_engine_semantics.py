@@ -158,7 +158,9 @@ def test_hidden_vertex_takes_values_and_refreshes_without_applying(tmp_path: Pat
     assert [c[0] for c in Receiver.calls] == ["k"], Receiver.calls
     h = eng.vertices["receiver[h]"]
     assert h.res.msg == "hello", "the value still reached the hidden receiver"
-    assert h.ok and not h.pending and h.changed_count == 0
+    assert h.ok
+    assert not h.pending
+    assert h.changed_count == 0
     assert not h.refresh_flag
     assert not list((tmp_path / "vertices" / "receiver").glob("h/refresh*"))
 
@@ -243,3 +245,94 @@ def test_realize_does_not_hold_a_swap_when_its_parent_fails(tmp_path: Path) -> N
 
     asyncio.run(main())
     assert j.runs("r") == 0
+
+
+# -- 4. the runtime bound and stopping -----------------------------------------------
+
+
+def test_stop_ends_waiters_at_once_and_in_flight_applies_after_the_grace(
+    tmp_path: Path,
+) -> None:
+    """A stop request always ends the run: a run waiting for a semaphore is cancelled
+    at once (it changed nothing), a hung apply once the stop grace is over."""
+    j = Journal()
+    model = make(
+        j,
+        ["holder", "waiter"],
+        [],
+        holder={"meta": Meta(sema=["s"])},
+        waiter={"meta": Meta(sema=["s"])},
+    )
+
+    async def main() -> tuple[int, float]:
+        for n in ("holder", "waiter"):
+            j.gates[n] = asyncio.Event()  # never set: both would hang for ever
+            j.started[n] = asyncio.Event()
+        eng = Engine(
+            settings(tmp_path, converged_exit=False, converged_timeout=None, stop_grace=0.3)
+        )
+        task = asyncio.create_task(eng.run(model))
+        await asyncio.wait_for(j.started["holder"].wait(), 5)
+        await until(lambda: eng.vertices["probe[waiter]"] in eng._waiting)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        eng.request_stop()  # once
+        await until(lambda: eng.vertices["probe[waiter]"].apply_task is None, 1)
+        assert not task.done(), "the in-flight apply has its grace"
+        rc = await asyncio.wait_for(task, 5)
+        return rc, loop.time() - t0
+
+    rc, took = asyncio.run(main())
+    assert rc == 1
+    assert 0.25 <= took < 2, took
+    assert j.runs("waiter") == 0
+    assert not j.stamps("holder", "end")
+
+
+def test_max_runtime_is_a_hard_bound(tmp_path: Path) -> None:
+    """`--max-runtime 1` with a 30 s command: the command is cancelled (SIGTERM) and
+    the agent exits within 2 s of the bound, leaving no process behind."""
+    import subprocess
+    import sys
+    import time
+
+    pidfile = tmp_path / "pid"
+    g = tmp_path / "g.yaml"
+    g.write_text(
+        "graph: t\nresources:\n  exec:\n  - name: slow\n    shell: /bin/sh\n"
+        f"    cmd: 'echo $$ > {pidfile}; exec sleep 30'\n"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "evergraph.cli.main",
+            "run",
+            str(g),
+            "--state-dir",
+            str(tmp_path / "s"),
+            "--max-runtime",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not (pidfile.exists() and pidfile.read_text().strip()):
+            assert proc.poll() is None, "the agent exited before its command ran"
+            assert time.monotonic() < deadline, "the command never ran"
+            time.sleep(0.005)
+        started = time.monotonic()  # the engine started before the command did
+        out, _ = proc.communicate(timeout=40)
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert took < 1 + 2, f"exited {took:.1f}s after the command started:\n{out}"
+    assert proc.returncode == 1, out
+    assert "max runtime of 1.0s reached" in out
+    pid = int(pidfile.read_text())
+    assert not Path(f"/proc/{pid}").exists(), "the command outlived the agent"

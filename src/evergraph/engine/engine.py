@@ -26,7 +26,7 @@ import collections
 import contextlib
 import logging
 import types
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -90,6 +90,8 @@ class Engine:
         self._global_sema = asyncio.Semaphore(settings.sema) if settings.sema > 0 else None
         self._semas: dict[str, asyncio.Semaphore] = {}
         self._timers: set[asyncio.Task[None]] = set()
+        #: vertices whose run waits for a token or a semaphore: it changed nothing yet
+        self._waiting: set[Vertex] = set()
         #: woken whenever a run ends or the engine may have turned idle (see _check_idle)
         self._progress: list[asyncio.Future[None]] = []
         #: vertices poked and waiting for the next drain (see _poke)
@@ -114,11 +116,12 @@ class Engine:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 aux: list[asyncio.Task[Any]] = []
+                if self.settings.max_runtime is not None:
+                    # counted from the engine's creation (the wait for a first graph too)
+                    aux.append(tg.create_task(self._max_runtime(self.settings.max_runtime)))
                 await self.swap(model)
                 if updates is not None:
                     aux.append(tg.create_task(self._follow(updates)))
-                if self.settings.max_runtime is not None:
-                    aux.append(tg.create_task(self._max_runtime(self.settings.max_runtime)))
                 self._check_idle()
                 await self._stop.wait()
                 await self._shutdown(aux)
@@ -143,7 +146,9 @@ class Engine:
             self.observer(v.status())
 
     def request_stop(self) -> None:
-        """First call: graceful (finish in-flight applies). Second: cancel them too."""
+        """First call: graceful (finish in-flight applies, for at most
+        `settings.stop_grace` seconds; runs still waiting for a semaphore or a token
+        end at once). Second: cancel them too (a command gets SIGTERM, then SIGKILL)."""
         if self._stop.is_set():
             log.warning("second stop request: cancelling in-flight applies")
             self._hard_stop.set()
@@ -753,20 +758,22 @@ class Engine:
     async def _guarded_check_apply(self, v: Vertex, res: Resource, apply: bool) -> bool:
         meta = res.meta
         if meta.limit > 0:
-            await self._take_token(v, meta.limit, meta.burst)
+            with self._waiting_for(v):
+                await self._take_token(v, meta.limit, meta.burst)
         grouped = getattr(res, "_group_members", None)
         if grouped:
             # a group holds the semaphores of all its members
             semas = semaphores(s for r in (res, *grouped) for s in r.meta.sema)
-            return await self._guarded(lambda: res.check_apply_group(apply), semas, meta.timeout)
+            return await self._guarded(v, lambda: res.check_apply_group(apply), semas, meta.timeout)
         if not meta.sema and meta.timeout is None and self._global_sema is None:
             return bool(await res.check_apply(apply))  # the common case, kept lean
         return await self._guarded(
-            lambda: res.check_apply(apply), semaphores(meta.sema), meta.timeout
+            v, lambda: res.check_apply(apply), semaphores(meta.sema), meta.timeout
         )
 
     async def _guarded(
         self,
+        v: Vertex,
         call: Callable[[], Awaitable[bool]],
         sema: list[tuple[str, int]],
         timeout: float | None,
@@ -778,13 +785,26 @@ class Engine:
         if self._global_sema is not None:
             semas.insert(0, self._global_sema)
         async with contextlib.AsyncExitStack() as stack:
-            for s in semas:
-                await stack.enter_async_context(s)
+            with self._waiting_for(v):
+                for s in semas:
+                    await stack.enter_async_context(s)
             if timeout is not None:
                 async with asyncio.timeout(timeout):
                     return bool(await call())
             return bool(await call())
         raise AssertionError("unreachable")  # pragma: no cover
+
+    @contextlib.contextmanager
+    def _waiting_for(self, v: Vertex) -> Iterator[None]:
+        """While `v`'s run waits for a token or a semaphore: a stop cancels it at once."""
+        mine = v.apply_task is not None and v.apply_task is asyncio.current_task()
+        if mine:
+            self._waiting.add(v)
+        try:
+            yield
+        finally:
+            if mine:
+                self._waiting.discard(v)
 
     async def _take_token(self, v: Vertex, limit: float, burst: int) -> None:
         """Token bucket: `burst` starts at once, then `limit` per second."""
@@ -926,8 +946,11 @@ class Engine:
             self._stop.set()
 
     async def _max_runtime(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
-        log.info("max runtime of %ss reached: stopping", seconds)
+        """A hard bound: in-flight applies are cancelled (their commands get SIGTERM,
+        then SIGKILL after a grace)."""
+        await asyncio.sleep(max(0.0, self.started + seconds - self.clock.monotonic()))
+        log.info("max runtime of %ss reached: stopping, cancelling in-flight applies", seconds)
+        self._hard_stop.set()
         self._stop.set()
 
     async def _shutdown(self, aux: list[asyncio.Task[Any]]) -> None:
@@ -939,22 +962,38 @@ class Engine:
             self._unsubscribe(v)
             if v.watch_task is not None:
                 v.watch_task.cancel()
-        applies = [v.apply_task for v in self.vertices.values() if v.apply_task is not None]
+        for v in self._waiting:  # changed nothing yet: nothing to finish
+            if v.apply_task is not None:
+                v.apply_task.cancel()
+        applies = {v.apply_task for v in self.vertices.values() if v.apply_task is not None}
         if applies:
-            hard = asyncio.ensure_future(self._hard_stop.wait())
-            try:
-                done, _ = await asyncio.wait([*applies, hard], return_when=asyncio.FIRST_COMPLETED)
-                while hard not in done and not all(t.done() for t in applies):
-                    done, _ = await asyncio.wait(
-                        [*applies, hard], return_when=asyncio.FIRST_COMPLETED
-                    )
-                if hard in done:
-                    for t in applies:
-                        t.cancel()
-            finally:
-                hard.cancel()
+            await self._end_applies(applies)
         for v in self.vertices.values():
             await self._call_cleanup(v)
+
+    async def _end_applies(self, applies: set[asyncio.Task[None]]) -> None:
+        """Let in-flight applies finish, for `settings.stop_grace` seconds at most, or
+        until a hard stop; then cancel what still runs and wait for it to end."""
+        loop = asyncio.get_running_loop()
+        grace = self.settings.stop_grace
+        deadline = loop.time() + grace
+        hard = asyncio.ensure_future(self._hard_stop.wait())
+        try:
+            while applies and not hard.done():
+                left = deadline - loop.time()
+                if left <= 0:
+                    log.warning("applies still running %ss after the stop: cancelling them", grace)
+                    break
+                done, _ = await asyncio.wait(
+                    [*applies, hard], timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
+                applies -= done
+            for t in applies:
+                t.cancel()
+            if applies:
+                await asyncio.wait(applies)
+        finally:
+            hard.cancel()
 
 
 def _parents_first(idents: list[str], vertices: dict[str, Vertex]) -> list[str]:

@@ -29,6 +29,8 @@ class Settings:
     converged_exit: bool = False
     converged_status_file: Path | None = None
     max_runtime: float | None = None
+    #: seconds a stop request lets in-flight applies finish before cancelling them
+    stop_grace: float = 30.0
     #: write the running graph as dot here after each swap
     graphviz: Path | None = None
     autoedges: bool = True
