@@ -336,3 +336,47 @@ def test_max_runtime_is_a_hard_bound(tmp_path: Path) -> None:
     assert "max runtime of 1.0s reached" in out
     pid = int(pidfile.read_text())
     assert not Path(f"/proc/{pid}").exists(), "the command outlived the agent"
+
+
+# -- 5. --no-watch -------------------------------------------------------------------
+
+
+def test_no_watch_returns_once_converged(tmp_path: Path) -> None:
+    j = Journal()
+    model = make(j, ["a", "b"], [("a", "b")], b={"fail_times": 1, "meta": Meta(retry=1)})
+    no_watch = settings(tmp_path, watch=False, converged_timeout=None, converged_exit=False)
+
+    async def main() -> int:
+        return await asyncio.wait_for(Engine(no_watch).run(model), 10)
+
+    assert asyncio.run(main()) == 0
+    assert j.runs("b") == 2, "a retry still runs before the exit"
+
+
+def test_no_watch_cli_exits_with_the_status(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    target = tmp_path / "x.txt"
+    g = tmp_path / "g.yaml"
+    g.write_text(
+        f"graph: t\nresources:\n  file:\n  - name: x\n    path: {target}\n    content: hi\n"
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "evergraph.cli.main",
+            "run",
+            str(g),
+            "--no-watch",
+            "--state-dir",
+            str(tmp_path / "s"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert r.returncode == 0, r.stderr
+    assert target.read_text() == "hi"
+    assert "converged: 1 vertices clean" in r.stderr

@@ -259,7 +259,11 @@ def _world_opts(world: dict[str, object]) -> WorldOptions:
     show_default=True,
     help="At most N check_apply calls at once (0 = no bound).",
 )
-@click.option("--no-watch", is_flag=True, help="Check each resource once; do not watch.")
+@click.option(
+    "--no-watch",
+    is_flag=True,
+    help="Check each resource once, do not watch; exit once converged (as --converged-exit).",
+)
 @click.option(
     "--no-autoedges",
     is_flag=True,

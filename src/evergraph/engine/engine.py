@@ -103,8 +103,11 @@ class Engine:
         self._edges: list[Edge] = []
         self.registry = registry or default_registry
         self._swap_lock = asyncio.Lock()
+        converged_timeout = settings.converged_timeout
+        if converged_timeout is None and not settings.watch:
+            converged_timeout = 0.0  # --no-watch: nothing can change once converged
         self.converger = Converger(
-            settings.converged_timeout, settings.converged_status_file, self._on_converged
+            converged_timeout, settings.converged_status_file, self._on_converged
         )
         self.started = clock.monotonic()
         self.graph_name = ""
@@ -942,8 +945,8 @@ class Engine:
                 changed,
                 took,
             )
-        if self.settings.converged_exit:
-            self._stop.set()
+        if self.settings.converged_exit or not self.settings.watch:
+            self._stop.set()  # without watches, nothing would ever run again
 
     async def _max_runtime(self, seconds: float) -> None:
         """A hard bound: in-flight applies are cancelled (their commands get SIGTERM,

@@ -22,7 +22,7 @@ class Settings:
     noop: bool = False
     #: global bound on concurrent check_apply calls; 0 = none
     sema: int = 0
-    #: False: check once, never watch (`--no-watch`)
+    #: False: check once, never watch, exit once converged (`--no-watch`)
     watch: bool = True
     #: seconds idle and clean before "converged"; None = never
     converged_timeout: float | None = None
