@@ -1,21 +1,95 @@
 """The one atomic file write: a reader (or a restart after kill -9) sees the old
-file or the new one, never a mix or a half.
+file or the new one, never a mix or a half. Every writer of state or managed
+files goes through here.
 
-A temporary sibling is written (mode and owner set before it is visible),
-fsynced, renamed over the target, and the directory fsynced so the rename
-itself survives a power cut. With `dir_fd` the file is named relative to an
-open directory, so no path component (a symlink planted by a user in their own
-home, say) is followed.
+The new content goes to a temporary sibling named `.<name>.<12 hex>.tmp`,
+random (unpredictable) and created with O_CREAT|O_EXCL|O_NOFOLLOW in the
+target's own directory: a symlink or file planted at that name by another
+user is never opened, written or chmod-ed (we retry with another name). Mode
+and owner are set on the open file before it gets its real name, so it is
+never visible with the wrong ones.
+
+Fsync policy: the temporary file is fsynced before the rename (its content is
+on disk before a name points at it), and the directory is fsynced after the
+rename (the new name is on disk before we return); a directory we create on
+the way is fsynced into its parent too. So after a power cut the target is
+the old file or the complete new one, and a returned write is durable.
+
+With `dir_fd` the file is named relative to an open directory, so no path
+component (a symlink planted by a user in their own home, say) is followed.
+
+A kill -9 between the create and the rename leaves the temporary file:
+`sweep_temps` removes those from a state directory at start, and
+`sweep_leftovers_of` those next to a managed file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
+import shutil
+import stat
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+#: bytes of the target's name kept in a temporary name (NAME_MAX is 255)
+_NAME_KEEP = 200
+#: fresh names tried when one is taken (by a planted file, or a leftover)
+_TRIES = 16
+#: what a temporary name of ours looks like; group 1: the (maybe shortened) target name
+TEMP_RE = re.compile(r"\A\.(.+)\.[0-9a-f]{12}\.tmp\Z", re.DOTALL)
+#: the temporary names earlier versions used next to managed files (pid, object id)
+_LEGACY_RE = re.compile(r"\A\.(.+)\.evergraph-[0-9]+(?:-[0-9a-f]+)?\Z", re.DOTALL)
+
+
+def _suffix() -> str:
+    return secrets.token_hex(6)
+
+
+def _short(name: str) -> str:
+    """`name` cut to _NAME_KEEP bytes (at a character boundary)."""
+    raw = name.encode("utf-8", "surrogateescape")
+    if len(raw) <= _NAME_KEEP:
+        return name
+    return raw[:_NAME_KEEP].decode("utf-8", "ignore")
+
+
+def temp_name(name: str) -> str:
+    """A fresh temporary name for a sibling of `name` (`.<name>.<12 hex>.tmp`)."""
+    return f".{_short(name)}.{_suffix()}.tmp"
+
+
+def fsync_dir(path: Path | str) -> None:
+    """Make the entries of a directory durable (errors ignored: not every fs can)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, _DIR)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def make_dirs(path: Path | str, mode: int = 0o700) -> None:
+    """`mkdir -p` whose every new directory is fsynced into its parent."""
+    missing: list[Path] = []
+    p = Path(path)
+    while not p.is_dir():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=mode)
+        except FileExistsError:
+            if not d.is_dir():
+                raise
+            continue
+        fsync_dir(d.parent)
 
 
 def atomic_write(
@@ -27,33 +101,92 @@ def atomic_write(
     exclusive: bool = False,
     dir_mode: int = 0o700,
     dir_fd: int | None = None,
+    before_rename: Callable[[int], None] | None = None,
+    durable: bool = True,
 ) -> bool:
-    """Write `data` to `path` atomically with `mode` (and `owner`: uid, gid).
+    """Write `data` to `path` atomically with `mode` (and `owner`: uid, gid; -1
+    keeps ours).
 
     Without `dir_fd`, missing parents are created (`dir_mode`); with it, `path` is a
     plain name inside that open directory. `exclusive`: never replace an existing
     file (the first writer wins, e.g. two processes creating one key at once);
-    returns False if one was there.
+    returns False if one was there. `before_rename(fd)`: called with the written
+    temporary file open, just before it takes the name (file.py notes its inode).
+    `durable=False`: no fsync (a record that matters only while the machine stays
+    up, like a running child's pid: still atomic across a kill -9 of ours).
     """
+
+    def fill(fd: int) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+
+    return _write(path, fill, mode, owner, exclusive, dir_mode, dir_fd, before_rename, durable)
+
+
+def atomic_copy(
+    src: Path | str,
+    path: Path | str,
+    *,
+    mode: int = 0o600,
+    owner: tuple[int, int] | None = None,
+    dir_mode: int = 0o700,
+    before_rename: Callable[[int], None] | None = None,
+) -> None:
+    """`atomic_write` of the content of the regular file `src` (streamed, not read
+    whole; a symlink at `src` is refused)."""
+    sfd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+
+        def fill(fd: int) -> None:
+            while chunk := os.read(sfd, 1 << 20):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
+
+        _write(path, fill, mode, owner, False, dir_mode, None, before_rename, True)
+    finally:
+        os.close(sfd)
+
+
+def _write(
+    path: Path | str,
+    fill: Callable[[int], None],
+    mode: int,
+    owner: tuple[int, int] | None,
+    exclusive: bool,
+    dir_mode: int,
+    dir_fd: int | None,
+    before_rename: Callable[[int], None] | None,
+    durable: bool,
+) -> bool:
     if dir_fd is None:
         target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True, mode=dir_mode)
-        dfd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        make_dirs(target.parent, dir_mode)
+        dfd = os.open(target.parent, _DIR)
         name = target.name
     else:
         dfd, name = dir_fd, str(path)
-    tmp = f".{name}.{secrets.token_hex(6)}.tmp"
     try:
-        fd = os.open(tmp, _CREATE, 0o600, dir_fd=dfd)
+        for attempt in range(_TRIES):
+            tmp = temp_name(name)
+            try:
+                fd = os.open(tmp, _CREATE, 0o600, dir_fd=dfd)
+                break
+            except FileExistsError:  # planted, or a leftover: never opened
+                if attempt == _TRIES - 1:
+                    raise
+        placed = False
         try:
             try:
                 if owner is not None and owner != (os.geteuid(), os.getegid()):
                     os.fchown(fd, *owner)
-                os.fchmod(fd, mode)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
+                os.fchmod(fd, mode)  # after chown, which clears set-id bits
+                fill(fd)
+                if durable:
+                    os.fsync(fd)
+                if before_rename is not None:
+                    before_rename(fd)
             finally:
                 os.close(fd)
             if exclusive:
@@ -63,12 +196,127 @@ def atomic_write(
                     return False
             else:
                 os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            with contextlib.suppress(OSError):
-                os.fsync(dfd)
+                placed = True
+            if durable:
+                with contextlib.suppress(OSError):
+                    os.fsync(dfd)
             return True
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp, dir_fd=dfd)
+            if not placed:  # ours until renamed; after, the name may be another's
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=dfd)
     finally:
         if dir_fd is None:
             os.close(dfd)
+
+
+# -- leftovers of a kill ----------------------------------------------------------------
+
+
+def is_temp(name: str) -> bool:
+    """A temporary name in a state directory: ours (`.<name>.<hex>.tmp`) or an
+    earlier version's (`.<name>.tmp`, e.g. `.refresh.tmp`)."""
+    return name.startswith(".") and name.endswith(".tmp") and len(name) > 5
+
+
+def sweep_temps(
+    root: Path | str, prune: Iterable[str] = (), temp_dirs_in: Iterable[str] = ()
+) -> list[str]:
+    """Remove what a kill left in the state directory `root`: every temporary file
+    (`is_temp`) in it or below it, except below the relative directories `prune`
+    (`*` matches one name: `deploys/*` spares the insides of materialised deploys),
+    and the temporary directories directly in the relative directories
+    `temp_dirs_in` (an interrupted deploy fetch). Returns the paths removed. Only for
+    directories that are entirely ours."""
+    skip = [_glob(p) for p in prune]
+    dir_homes = set(temp_dirs_in)
+    removed: list[str] = []
+    top = os.fspath(root)
+    for here, dirs, files in os.walk(top):
+        rel = os.path.relpath(here, top)
+        for d in list(dirs):
+            sub = d if rel == "." else f"{rel}/{d}"
+            if rel in dir_homes and is_temp(d):
+                dirs.remove(d)
+                path = os.path.join(here, d)
+                with contextlib.suppress(OSError):
+                    shutil.rmtree(path)  # never follows a symlink
+                    removed.append(path)
+            elif any(p.match(sub) for p in skip):
+                dirs.remove(d)
+        for f in files:
+            path = os.path.join(here, f)
+            if is_temp(f):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    removed.append(path)
+    return removed
+
+
+def _glob(pattern: str) -> re.Pattern[str]:
+    return re.compile(re.escape(pattern).replace(r"\*", "[^/]*") + r"\Z")
+
+
+def leftover_of(name: str) -> str | None:
+    """The (maybe shortened) name whose temporary file `name` looks like, or None."""
+    m = TEMP_RE.match(name) or _LEGACY_RE.match(name)
+    return m.group(1) if m is not None else None
+
+
+def is_leftover(path: str, of: str) -> bool:
+    """`path` is a temporary file of ours for a sibling named `of`, left by a kill:
+    named so (`leftover_of`), a regular file, and owned by us."""
+    if leftover_of(os.path.basename(path)) not in (of, _short(of)):
+        return False
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
+#: directory -> (its mtime when scanned, {shortened name: [leftover names]})
+_scans: dict[str, tuple[int, dict[str, list[str]]]] = {}
+
+
+def sweep_leftovers_of(path: Path | str) -> list[str]:
+    """Remove the temporary files a killed write of ours left next to `path` (a
+    managed file, in a directory that may be shared with other users): regular
+    files owned by us, named like our temporary files for `path`. Returns the
+    paths removed.
+
+    A directory is listed once while it does not change (its mtime), so a graph
+    of many files in one directory lists it once at start, not once per file."""
+    parent, _, base = os.fspath(path).rpartition("/")
+    parent = parent or "/"
+    try:
+        mtime = os.stat(parent).st_mtime_ns
+    except OSError:
+        return []
+    scan = _scans.get(parent)
+    if scan is None or scan[0] != mtime:
+        found: dict[str, list[str]] = {}
+        try:
+            with os.scandir(parent) as it:
+                for e in it:
+                    of = leftover_of(e.name)
+                    if of is not None:
+                        found.setdefault(of, []).append(e.name)
+        except OSError:
+            return []
+        _scans[parent] = scan = (mtime, found)
+    names = scan[1].pop(_short(base), [])
+    if base != _short(base):
+        names += scan[1].pop(base, [])  # a legacy name kept it whole
+    removed: list[str] = []
+    me = os.geteuid()
+    for name in names:
+        leftover = f"{parent.rstrip('/')}/{name}"
+        try:
+            st = os.lstat(leftover)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == me:
+                os.unlink(leftover)
+                removed.append(leftover)
+        except OSError:
+            continue
+    return removed

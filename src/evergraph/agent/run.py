@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from evergraph._util.atomic import sweep_temps
 from evergraph._version import __version__
 from evergraph.engine.build import build
 from evergraph.engine.contract import Registry, default_registry
@@ -118,6 +119,13 @@ class FarmOptions:
     settings: FarmSettings | None = None
 
 
+def sweep_state_dir(state_dir: Path) -> None:
+    """What a kill -9 of the last run with this state dir left: temporary files.
+    Only under the state dir's lock."""
+    for path in sweep_temps(state_dir, prune=("etcd", "deploys/*"), temp_dirs_in=("deploys",)):
+        log.info("removed %s (an interrupted write's)", path)
+
+
 class _StateLock:
     """One agent per state dir: an flock on STATE/agent.lock (released by the kernel
     when the process dies, so kill -9 leaves nothing stale)."""
@@ -175,6 +183,7 @@ async def run_agent(
             loop.add_signal_handler(sig, agent.request_stop)
     try:
         with _StateLock(settings.state_dir):
+            sweep_state_dir(settings.state_dir)
             return await agent.run(flush)
     except InputError as e:
         log.error("%s", e)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from evergraph._util.atomic import atomic_write
 from evergraph._util.clock import SYSTEM, Clock
 from evergraph._util.crash import crash_point
 from evergraph._util.gc import gc_paused
@@ -345,10 +346,8 @@ class Engine:
 
         path = self.settings.graphviz
         assert path is not None
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            tmp.write_text(to_dot(model))
-            tmp.replace(path)
+        try:  # maybe in /tmp: never through a symlink planted at a temporary name
+            atomic_write(path, to_dot(model).encode(), mode=0o644, dir_mode=0o755)
         except OSError as e:
             log.error("cannot write the graphviz file %s: %s", path, e)
 

@@ -30,9 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote
 
-from evergraph.engine.vertex import vertex_dir
+from evergraph.engine.vertex import vertex_dir, vertex_name
 
 if TYPE_CHECKING:
     from evergraph.engine.vertex import Vertex
@@ -155,7 +154,7 @@ class VertexStore:
             if not kind.is_dir():
                 continue
             for name in os.scandir(kind.path):
-                ident = f"{kind.name}[{unquote(name.name)}]"
+                ident = f"{kind.name}[{vertex_name(name.path)}]"
                 if os.path.exists(os.path.join(name.path, REFRESH)):
                     owed.refresh.add(ident)
                 self._recover_intent(ident, os.path.join(name.path, INTENT), owed)

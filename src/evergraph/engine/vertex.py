@@ -7,12 +7,16 @@ The vertex is also the `Handle` a resource receives in `init`, so a graph of
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
+from evergraph._util.atomic import atomic_write
 from evergraph.engine.contract import PathWatcher, Resource
 from evergraph.engine.masking import MaskingLogger, mask
 from evergraph.engine.status import State, VertexStatus
@@ -160,7 +164,7 @@ class Vertex:
         return self.engine.hostname
 
     def state_path(self) -> Path:
-        """`vertices/<kind>/<name-encoded>` under the state dir (not created)."""
+        """`vertices/<kind>/<name-encoded>` under the state dir (see `vertex_dir`)."""
         return vertex_dir(self.engine.settings.state_dir, self.res.kind, self.res.name)
 
     @property
@@ -198,5 +202,49 @@ class Vertex:
         return field in self.secret_fields
 
 
+#: longest encoded name used as it is (NAME_MAX is 255 bytes)
+_ENCODED_MAX = 200
+#: in a directory named by a hash (a name too long for a path component): the name
+NAME_FILE = "@name"
+
+
+def encode_name(name: str) -> str:
+    """A resource name as one safe path component, unique per name and reversible
+    (`vertex_name`): percent-encoded (`/`, NUL, `%`, non-ASCII...), `.` and `..`
+    encoded whole; when too long, a prefix, `%~` and the name's SHA-256 (the whole
+    name is then kept in the directory's `@name` file)."""
+    enc = quote(name, safe="", errors="surrogatepass")
+    if enc in (".", ".."):
+        return enc.replace(".", "%2E")
+    if len(enc) > _ENCODED_MAX:
+        head = enc[:100]
+        cut = head.rfind("%", len(head) - 2)  # not in the middle of a %XX
+        if cut >= 0:
+            head = head[:cut]
+        digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+        return f"{head}%~{digest}"  # quote never makes "%~": no plain name looks so
+    return enc
+
+
 def vertex_dir(state_dir: Path, kind: str, name: str) -> Path:
-    return state_dir / "vertices" / kind / quote(name, safe="")
+    """`vertices/<kind>/<encode_name(name)>` under the state dir. For a hashed
+    (long) name the directory is made here with its `@name` file, so the
+    start-up scan can read the name back."""
+    enc = encode_name(name)
+    d = state_dir / "vertices" / kind / enc
+    if "%~" in enc and not (d / NAME_FILE).exists():
+        with contextlib.suppress(OSError):  # a write into `d` reports it
+            atomic_write(d / NAME_FILE, name.encode("utf-8", "surrogatepass"))
+    return d
+
+
+def vertex_name(path: str | os.PathLike[str]) -> str:
+    """The resource name of a vertex directory (`vertex_dir`'s inverse)."""
+    base = os.path.basename(os.fspath(path))
+    if "%~" in base:
+        try:
+            with open(os.path.join(path, NAME_FILE), "rb") as f:
+                return f.read().decode("utf-8", "surrogatepass")
+        except (OSError, UnicodeDecodeError):
+            return base
+    return unquote(base, errors="surrogatepass")

@@ -31,9 +31,17 @@ import os
 import pwd
 import shutil
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Annotated, Literal
 
+from evergraph._util.atomic import (
+    atomic_copy,
+    atomic_write,
+    is_leftover,
+    leftover_of,
+    make_dirs,
+    sweep_leftovers_of,
+)
 from evergraph.engine.contract import (
     Handle,
     PathSubscription,
@@ -229,6 +237,9 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             self._mode = 0o600  # a secret (a received password) is not for every reader
         self._data = self.content.encode() if self.content is not None else None
         self._own_ino = 0  # inode of our last atomic write, until its rename is seen
+        if not self._is_dir:
+            for left in sweep_leftovers_of(self._path):
+                handle.logger.info("%s: removed %s (an interrupted write's)", self.ident, left)
         self._watch: PathSubscription | None = None
         #: extra watches (source, fragments, listed directories) by path
         self._extra: dict[str, PathSubscription] = {}
@@ -422,6 +433,9 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                     stack.append(f"{rel}/{name}" if rel else name)
             for name in sorted(mine - set(theirs)):
                 target = f"{here}/{name}"
+                if apply and _left_by_us(target, name, theirs):
+                    _remove(target)  # a copy's temporary file, left by a kill
+                    continue
                 if self.purge and not self._kept(target):
                     clean = False
                     if apply:
@@ -546,7 +560,7 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             return b""
 
     def _write(self, st: os.stat_result | None, data: bytes, uid: int, gid: int) -> None:
-        parent, _, base = self._path.rpartition("/")
+        parent = self._path.rpartition("/")[0]
         parent = parent or "/"
         if self._watch is not None:
             # the parent may exist by now (made by us or a sibling resource):
@@ -561,34 +575,16 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         if st is not None:  # keep the old file's owner unless told otherwise
             uid = st.st_uid if uid < 0 else uid
             gid = st.st_gid if gid < 0 else gid
-        tmp = f"{parent}/.{base}.evergraph-{os.getpid()}-{id(self):x}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-        try:
-            fd = os.open(tmp, flags, 0o600)
-        except FileNotFoundError:
-            os.makedirs(parent, mode=0o755, exist_ok=True)  # as `install -D` does
+        if not os.path.isdir(parent):
+            make_dirs(parent, 0o755)  # as `install -D` does
             if self._watch is not None:
                 self._watch.settle()
-            fd = os.open(tmp, flags, 0o600)
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-                if (uid, gid) != (-1, -1) and (uid, gid) != (os.geteuid(), os.getegid()):
-                    os.fchown(fd, uid, gid)
-                os.fchmod(fd, mode)  # after chown, which clears set-id bits
-                self._own_ino = os.fstat(fd).st_ino
-            finally:
-                os.close(fd)
-            os.rename(tmp, self._path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        # a random O_EXCL|O_NOFOLLOW temporary name: nothing planted there is followed
+        owner = None if (uid, gid) == (-1, -1) else (uid, gid)
+        atomic_write(self._path, data, mode=mode, owner=owner, before_rename=self._note_ino)
+
+    def _note_ino(self, fd: int) -> None:
+        self._own_ino = os.fstat(fd).st_ino
 
 
 def _lookup(value: str | None, by_name: Callable[[str], int], field: str, what: str) -> int:
@@ -654,16 +650,11 @@ def _remove(path: str) -> None:
         pass
 
 
+def _left_by_us(target: str, name: str, theirs: Iterable[str]) -> bool:
+    of = leftover_of(name)
+    return of is not None and any(is_leftover(target, t) for t in theirs if t.startswith(of))
+
+
 def _atomic_copy(src: str, target: str, mode: int | None, uid: int, gid: int) -> None:
-    parent, _, base = target.rpartition("/")
-    tmp = f"{parent}/.{base}.evergraph-{os.getpid()}"
-    try:
-        shutil.copyfile(src, tmp)
-        _set_attrs(tmp, mode, uid, gid)
-        os.rename(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    owner = None if (uid, gid) == (-1, -1) else (uid, gid)
+    atomic_copy(src, target, mode=0o666 & ~_UMASK if mode is None else mode, owner=owner)

@@ -56,7 +56,6 @@ import os
 import re
 import shutil
 import socket
-import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
@@ -65,6 +64,7 @@ from typing import NamedTuple
 import msgspec
 import nacl.signing
 
+from evergraph._util.atomic import fsync_dir, make_dirs, temp_name
 from evergraph.world.follow import Tombstone, watch_one
 from evergraph.world.hostkeys import HostKeys, check_verify_key, fingerprint
 from evergraph.world.kv import KV, KeyValue, WorldError
@@ -666,20 +666,31 @@ async def fetch(kv: KV, deploy: Deploy, dest: Path) -> Path:
             raise DeployError(f"{p}: its blobs do not make its content (deploy {deploy.n})")
         contents[f.sha] = data
     try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+        make_dirs(dest.parent)
+        # `.<name>.<hex>.tmp` (the agent sweeps those at start); mkdir never follows
+        tmp = dest.parent / temp_name(dest.name)
+        tmp.mkdir(mode=0o700)
     except OSError as e:
         raise DeployError(f"{dest}: {e.strerror}") from None
     try:
+        made = {tmp}
         for p, f in deploy.files.items():
             target = tmp / p
-            target.parent.mkdir(parents=True, exist_ok=True)
+            for d in reversed(target.parents):
+                if d not in made and d.is_relative_to(tmp):
+                    d.mkdir(exist_ok=True)
+                    made.add(d)
             # O_EXCL|O_NOFOLLOW: the names were checked, but never write through a link
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as out:
                 out.write(contents[f.sha])
+                out.flush()
                 os.fchmod(out.fileno(), f.mode)  # exactly the mode, whatever the umask
+                os.fsync(out.fileno())  # on disk before the tree gets its name
+        for d in made:
+            fsync_dir(d)
         os.rename(tmp, dest)
+        fsync_dir(dest.parent)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise DeployError(f"{dest}: cannot write deploy {deploy.n}: {e.strerror or e}") from None
