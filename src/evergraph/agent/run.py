@@ -120,8 +120,11 @@ class FarmOptions:
 
 
 def sweep_state_dir(state_dir: Path) -> None:
-    """What a kill -9 of the last run with this state dir left: temporary files.
-    Only under the state dir's lock."""
+    """What a kill -9 of the last run with this state dir left: commands still
+    running (killed), temporary files. Only under the state dir's lock."""
+    from evergraph.resources._proc import sweep_survivors
+
+    sweep_survivors(state_dir)
     for path in sweep_temps(state_dir, prune=("etcd", "deploys/*"), temp_dirs_in=("deploys",)):
         log.info("removed %s (an interrupted write's)", path)
 

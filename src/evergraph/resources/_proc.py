@@ -1,18 +1,179 @@
-"""Subprocesses for resources: asyncio, own process group, terminate -> grace -> kill."""
+"""Subprocesses for resources: asyncio, own process group, terminate -> grace -> kill.
+
+Every child dies with the agent: it asks the kernel for SIGKILL when its parent
+dies (`PR_SET_PDEATHSIG`, set in the child after its user and group are, since
+a change of credentials clears it). The parent is the thread that forked: asyncio
+forks in the event loop's thread, which lives as long as the agent. A child
+whose agent died before the request kills itself.
+
+The signal reaches the child only, not what it started in its process group
+(`sh -c 'a; b'` runs `b` as a grandchild). So a child started with `record`
+(a vertex's state dir) is recorded there as `proc.<pid>` (pid, start time,
+boot id) while it runs, and `sweep_survivors`, called by the agent at start
+(holding the state dir's lock), kills the process group of every recorded child
+that is still there: a restarted agent never runs a command beside a survivor
+of its previous run.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import grp
+import logging
 import os
 import pwd
 import signal
-from collections.abc import AsyncIterator, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+from evergraph._util.atomic import atomic_write
+
+log = logging.getLogger("evergraph.resource")
 
 #: seconds between SIGTERM and SIGKILL when a running command is cancelled
 KILL_GRACE = 3.0
+#: seconds the start-up sweep waits for killed survivors to be gone
+SWEEP_WAIT = 2.0
+#: a running child's record in its vertex's state dir: `proc.<pid>`
+RECORD_PREFIX = "proc."
+
+_PR_SET_PDEATHSIG = 1
+try:
+    _prctl: Callable[..., int] | None = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: no parent-death signal
+    _prctl = None
+
+
+def _tie_to(agent: int) -> Callable[[], None]:
+    """The child's last step before exec: die with `agent` (runs in the forked
+    child: no locks, no logging)."""
+
+    def tie() -> None:
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != agent:  # the agent died before we asked
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return tie
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:
+        return int(fields[19])  # field 22, starttime
+    except (IndexError, ValueError):
+        return None
+
+
+def _record(where: Path | None, pid: int) -> Path | None:
+    """Note a running child in `where` (its vertex's state dir); None if not noted."""
+    if where is None:
+        return None
+    started = start_time(pid)
+    if started is None:
+        return None  # already gone (and reaped)
+    path = where / f"{RECORD_PREFIX}{pid}"
+    try:
+        atomic_write(path, f"{pid} {started} {_boot_id()}\n".encode(), durable=False)
+    except OSError as e:
+        log.warning("cannot record child %d in %s: %s", pid, where, e)
+        return None
+    return path
+
+
+def _unrecord(path: Path | None, proc: asyncio.subprocess.Process) -> None:
+    if path is not None and proc.returncode is not None:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def sweep_survivors(state_dir: Path) -> list[int]:
+    """Kill (SIGKILL, by process group) every child recorded by an earlier run
+    with this state dir that is still running, remove the records, and wait up
+    to SWEEP_WAIT for those killed to be gone; the pids killed. Call it only
+    holding the state dir's lock (no live agent's children are recorded there)."""
+    boot = _boot_id()
+    killed: list[int] = []
+    for path in state_dir.glob(f"vertices/*/*/{RECORD_PREFIX}*"):
+        try:
+            pid_s, started_s, rec_boot = [*path.read_text().split(), "", "", ""][:3]
+            pid, started = int(pid_s), int(started_s)
+        except (OSError, ValueError):
+            pid = 0
+        if pid > 1 and rec_boot == boot and _kill_survivor(pid, started):
+            log.warning(
+                "killed process group %d, left running by the last run (%s)", pid, path.parent
+            )
+            killed.append(pid)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    deadline = time.monotonic() + SWEEP_WAIT
+    for pid in killed:
+        while _group_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return killed
+
+
+def _kill_survivor(pid: int, started: int) -> bool:
+    """Kill the group of the recorded child `pid` if it is ours. The child led its
+    own process group (its pid is the group's id), and the kernel never reuses a
+    pid while a group of that id has members: so if `pid` runs with the recorded
+    start time, the group is ours; if nothing runs as `pid`, any group `pid` is the
+    rest of ours (the child died, what it started lives on); if another process
+    runs as `pid`, ours is entirely gone."""
+    now = start_time(pid)
+    if now is not None and now != started:
+        return False  # the pid was reused: not ours
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        if now is None:
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return True
+
+
+def _group_alive(pgid: int) -> bool:
+    """A process of the group `pgid` is still there (a zombie does not count)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return False
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # after "(comm) ": state, ppid, pgrp
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 2 and fields[2] == b"%d" % pgid and fields[0] != b"Z":
+            return True
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +230,10 @@ async def _stop_group(proc: asyncio.subprocess.Process) -> None:
         await proc.wait()
 
 
-async def run(argv: Sequence[str], how: RunAs = RunAs()) -> Completed:
-    """Run to completion, capturing output; cancellation stops the process group."""
+async def run(argv: Sequence[str], how: RunAs = RunAs(), record: Path | None = None) -> Completed:
+    """Run to completion, capturing output; cancellation stops the process group.
+    `record`: a vertex's state dir, where the child is recorded while it runs (for
+    `sweep_survivors`)."""
     proc = await asyncio.create_subprocess_exec(
         *argv,
         cwd=how.cwd,
@@ -81,12 +244,16 @@ async def run(argv: Sequence[str], how: RunAs = RunAs()) -> Completed:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
+        preexec_fn=_tie_to(os.getpid()),
     )
+    noted = _record(record, proc.pid)
     try:
         out, err = await proc.communicate()
     except BaseException:
         await asyncio.shield(_stop_group(proc))
         raise
+    finally:
+        _unrecord(noted, proc)
     assert proc.returncode is not None
     return Completed(
         proc.returncode,
@@ -95,8 +262,11 @@ async def run(argv: Sequence[str], how: RunAs = RunAs()) -> Completed:
     )
 
 
-async def lines(argv: Sequence[str], how: RunAs = RunAs()) -> AsyncIterator[str]:
-    """Yield stdout lines of a long-running command; raises when it exits."""
+async def lines(
+    argv: Sequence[str], how: RunAs = RunAs(), record: Path | None = None
+) -> AsyncIterator[str]:
+    """Yield stdout lines of a long-running command; raises when it exits.
+    `record`: as for `run`."""
     proc = await asyncio.create_subprocess_exec(
         *argv,
         cwd=how.cwd,
@@ -107,7 +277,9 @@ async def lines(argv: Sequence[str], how: RunAs = RunAs()) -> AsyncIterator[str]
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
         start_new_session=True,
+        preexec_fn=_tie_to(os.getpid()),
     )
+    noted = _record(record, proc.pid)
     assert proc.stdout is not None
     try:
         async for raw in proc.stdout:
@@ -115,4 +287,5 @@ async def lines(argv: Sequence[str], how: RunAs = RunAs()) -> AsyncIterator[str]
         await proc.wait()
     finally:
         await asyncio.shield(_stop_group(proc))
+        _unrecord(noted, proc)
     raise RuntimeError(f"exited with status {proc.returncode}")

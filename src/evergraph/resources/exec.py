@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
+from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
 from evergraph.engine.contract import Handle, Resource, doc, register
@@ -111,7 +112,8 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             self.handle.ready()
             if not self.watchcmd:
                 await asyncio.Event().wait()  # events come through the callbacks
-            async for _line in _proc.lines(self._argv(self.watchcmd), self._as()):
+            argv = self._argv(self.watchcmd)
+            async for _line in _proc.lines(argv, self._as(), self._record_dir()):
                 self.handle.event()
         except FileNotFoundError as e:
             raise ResourceError(f"watchcmd: {e.strerror}: {e.filename}") from None
@@ -152,9 +154,16 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     def _as(self) -> _proc.RunAs:
         return _proc.RunAs.resolve(self.cwd, self.env, self.user, self.group)
 
+    def _record_dir(self) -> Path | None:
+        """Where a running command is recorded, for the sweep after a kill -9."""
+        try:
+            return self.handle.state_dir
+        except OSError:
+            return None
+
     async def _run(self, line: str, what: str) -> _proc.Completed:
         try:
-            return await _proc.run(self._argv(line), self._as())
+            return await _proc.run(self._argv(line), self._as(), self._record_dir())
         except LookupError as e:
             raise ResourceError(str(e)) from None
         except FileNotFoundError as e:
