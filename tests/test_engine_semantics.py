@@ -380,3 +380,86 @@ def test_no_watch_cli_exits_with_the_status(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert target.read_text() == "hi"
     assert "converged: 1 vertices clean" in r.stderr
+
+
+# -- 6. ranges -------------------------------------------------------------------------
+
+
+def _yaml(body: str) -> GraphModel:
+    from evergraph.agent.run import builtin_registry
+    from evergraph.frontends.yaml import parse_yaml
+
+    return parse_yaml("graph: g\nresources:\n" + body, "g.yaml", builtin_registry())
+
+
+def test_limit_inf_is_the_documented_default() -> None:
+    model = _yaml("  noop:\n  - name: n\n    meta: {limit: .inf}\n  - name: m\n")
+    assert model.resources["noop[n]"].meta.limit == float("inf")
+    assert model.resources["noop[m]"].meta == Meta()
+    assert Meta().limit == float("inf")
+
+
+BAD_META = {
+    "limit-zero": ("limit: 0", "noop[n].meta.limit", ".inf for no limit"),
+    "limit-negative": ("limit: -1", "noop[n].meta.limit", "between 1e-06"),
+    "limit-nan": ("limit: .nan", "noop[n].meta.limit", "not nan"),
+    "limit-tiny": ("limit: 1.0e-300", "noop[n].meta.limit", "between 1e-06"),
+    "burst-negative": ("limit: 2, burst: -1", "noop[n].meta.burst", ">= 0"),
+    "burst-missing": ("limit: 2", "noop[n].meta.burst", "burst >= 1"),
+    "delay-negative": ("delay: -5", "noop[n].meta.delay", "between 0 and 31536000000 ms"),
+    "delay-huge": ("delay: 100000000000000", "noop[n].meta.delay", "between 0 and"),
+    "timeout-nan": ("timeout: .nan", "noop[n].meta.timeout", "between 0.001 and 31536000"),
+    "timeout-inf": ("timeout: .inf", "noop[n].meta.timeout", "leave it out"),
+    "timeout-zero": ("timeout: 0", "noop[n].meta.timeout", "not 0"),
+    "timeout-tiny": ("timeout: 1.0e-300", "noop[n].meta.timeout", "between 0.001"),
+    "poll-nan": ("poll: .nan", "noop[n].meta.poll", "< 0 (check once)"),
+    "poll-inf": ("poll: .inf", "noop[n].meta.poll", "between 0.001 and 31536000"),
+    "poll-minus-inf": ("poll: -.inf", "noop[n].meta.poll", "not -inf"),
+    "poll-tiny": ("poll: 1.0e-300", "noop[n].meta.poll", "not 1e-300"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_META))
+def test_bad_meta_values_are_refused_with_the_range(case: str) -> None:
+    meta, where, says = BAD_META[case]
+    with pytest.raises(InputError) as e:
+        _yaml(f"  noop:\n  - name: n\n    meta: {{{meta}}}\n")
+    assert where in str(e.value), str(e.value)
+    assert says.replace(" ms", " milliseconds") in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("interval", ["0", "-1", ".nan", ".inf", "1.0e-300"])
+def test_timer_interval_range(interval: str) -> None:
+    with pytest.raises(InputError, match=r"timer\[t\]\.interval: must be between 0\.001 and"):
+        _yaml(f"  timer:\n  - name: t\n    interval: {interval}\n")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--max-runtime", "nan"),
+        ("--max-runtime", "inf"),
+        ("--max-runtime", "-1"),
+        ("--max-runtime", "1e-300"),
+        ("--converged-timeout", "nan"),
+        ("--converged-timeout", "-0.5"),
+    ],
+)
+def test_bad_duration_flags_are_one_line_and_exit_2(tmp_path: Path, flag: str, value: str) -> None:
+    from .conftest import run_cli
+
+    g = tmp_path / "g.yaml"
+    g.write_text("graph: g\nresources:\n  noop:\n  - name: n\n")
+    r = run_cli("run", g, "--state-dir", tmp_path / "s", flag, value, timeout=20)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"evergraph: {flag}: must be between "), r.stderr
+    assert not (tmp_path / "s").exists(), "refused before anything was created"
+
+
+def test_settings_refuse_nonsense_durations(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="--max-runtime"):
+        Settings(state_dir=tmp_path, max_runtime=float("nan"))
+    with pytest.raises(InputError, match="--converged-timeout"):
+        Settings(state_dir=tmp_path, converged_timeout=float("inf"))
+    Settings(state_dir=tmp_path, converged_timeout=0, max_runtime=0.5)

@@ -32,7 +32,7 @@ def test_timer_needs_a_positive_interval(tmp_path: Path) -> None:
     r = run_cli("check", g)
     assert r.returncode == 2
     assert f"{g}:5:" in r.stderr
-    assert "timer[never].interval: must be > 0 seconds" in r.stderr
+    assert "timer[never].interval: must be between 0.001 and 31536000 seconds" in r.stderr
 
 
 def test_reference_docs_are_generated_and_current() -> None:

@@ -272,7 +272,7 @@ def _world_opts(world: dict[str, object]) -> WorldOptions:
 @click.option("--no-autogroup", is_flag=True, help="No automatic grouping of groupable resources.")
 @click.option(
     "--converged-timeout",
-    type=click.FloatRange(min=0),
+    type=float,
     default=None,
     help="Seconds all vertices must stay clean and idle to count as converged "
     "(fractions allowed). [default: never, or 0 with --converged-exit]",
@@ -289,9 +289,9 @@ def _world_opts(world: dict[str, object]) -> WorldOptions:
 )
 @click.option(
     "--max-runtime",
-    type=click.FloatRange(min=0, min_open=True),
+    type=float,
     default=None,
-    help="Stop after this many seconds.",
+    help="Stop after this many seconds, cancelling applies still running (0.001 to a year).",
 )
 @click.option(
     "--graphviz",
@@ -417,9 +417,11 @@ def run(
     from evergraph.agent.api import frontend_for
     from evergraph.agent.api import run as run_graph
     from evergraph.cli.logs import FLUSH_INTERVAL, flush_logs, setup_logging
+    from evergraph.engine.settings import check_times
 
     setup_logging(log_format, verbose)
     try:
+        check_times(converged_timeout, max_runtime)
         frontend = frontend_for(file)
         if deployers:
             from evergraph.frontends.deploy import trust_deployers

@@ -18,6 +18,7 @@ Resources import this module and nothing else of the engine.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Protocol, TypeVar
@@ -43,13 +44,19 @@ class Meta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     noop: Annotated[bool, doc("check only, never change; reported as would-change")] = False
     retry: Annotated[int, doc("retries after a failure of watch or check_apply; -1 = forever")] = 0
     retryreset: Annotated[bool, doc("a success resets the retry counter")] = False
-    delay: Annotated[int, doc("milliseconds to wait between retries")] = 0
-    timeout: Annotated[float | None, doc("deadline in seconds for one check_apply")] = None
+    delay: Annotated[int, doc("milliseconds to wait between retries (at most a year)")] = 0
+    timeout: Annotated[
+        float | None, doc("deadline in seconds for one check_apply (0.001 to a year)")
+    ] = None
     poll: Annotated[
-        float, doc(">0: check every N s instead of watching; <0: check once, never watch")
+        float,
+        doc(">0: check every N s (>= 0.001) instead of watching; <0: check once, never watch"),
     ] = 0
-    limit: Annotated[float, doc("check_apply starts per second (token bucket); 0 = no limit")] = 0
-    burst: Annotated[int, doc("token bucket size for limit")] = 0
+    limit: Annotated[
+        float,
+        doc("check_apply starts per second (token bucket); `.inf` = no limit; 0 is refused"),
+    ] = math.inf
+    burst: Annotated[int, doc("token bucket size for a finite limit (>= 1)")] = 0
     sema: Annotated[list[str], doc("counting semaphores `id` or `id:N`, graph-wide")] = []
     rewatch: Annotated[bool, doc("on a graph swap, restart a vertex that failed permanently")] = (
         False
@@ -65,13 +72,39 @@ class Meta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     def check(self, where: str) -> None:
         if self.retry < -1:
             raise InputError("must be -1 (forever) or >= 0", f"{where}.meta.retry")
-        if self.delay < 0:
-            raise InputError("must be >= 0 (milliseconds)", f"{where}.meta.delay")
-        if self.timeout is not None and self.timeout <= 0:
-            raise InputError("must be > 0 seconds", f"{where}.meta.timeout")
-        if self.limit < 0:
-            raise InputError("must be >= 0", f"{where}.meta.limit")
-        if self.limit > 0 and self.burst < 1:
+        if not 0 <= self.delay <= MAX_SECONDS * 1000:
+            raise InputError(
+                f"must be between 0 and {MAX_SECONDS * 1000:.0f} milliseconds (a year), "
+                f"not {self.delay}",
+                f"{where}.meta.delay",
+            )
+        if self.timeout is not None and (why := seconds_problem(self.timeout)):
+            raise InputError(f"{why} (leave it out for no deadline)", f"{where}.meta.timeout")
+        poll = self.poll
+        if not (poll == 0 or -math.inf < poll < 0) and seconds_problem(poll):
+            raise InputError(
+                f"must be 0 (watch), < 0 (check once) or between {MIN_INTERVAL:g} and "
+                f"{MAX_SECONDS:.0f} seconds (a year), not {poll:g}",
+                f"{where}.meta.poll",
+            )
+        self._check_limit(where)
+
+    def _check_limit(self, where: str) -> None:
+        if self.limit == 0:
+            raise InputError(
+                "0 would never run it: give starts per second (> 0), or .inf for no limit "
+                "(the default)",
+                f"{where}.meta.limit",
+            )
+        if not (MIN_RATE <= self.limit <= math.inf):  # NaN too
+            raise InputError(
+                f"must be between {MIN_RATE:g} starts per second and .inf (no limit, the "
+                f"default), not {self.limit:g}",
+                f"{where}.meta.limit",
+            )
+        if self.burst < 0:
+            raise InputError(f"must be >= 0, not {self.burst}", f"{where}.meta.burst")
+        if self.limit != math.inf and self.burst < 1:
             raise InputError("a finite limit needs burst >= 1", f"{where}.meta.burst")
         for to in self.export:
             why = None if to == "*" else hostname_problem(to)
@@ -91,6 +124,22 @@ class Meta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
 
 
 DEFAULT_META = Meta()
+
+#: the longest duration or interval accepted (a year): a longer one is a mistake
+MAX_SECONDS = 365 * 24 * 3600.0
+#: the shortest interval or duration: a shorter one only spins (and floods the log)
+MIN_INTERVAL = 0.001
+#: the slowest finite meta.limit, starts per second
+MIN_RATE = 1e-6
+
+
+def seconds_problem(value: float, *, zero: bool = False) -> str | None:
+    """Why `value` is no duration in seconds (None: it is one): NaN, infinite,
+    negative, below `MIN_INTERVAL` (unless 0 and `zero`) or above `MAX_SECONDS`."""
+    if MIN_INTERVAL <= value <= MAX_SECONDS or (zero and value == 0):
+        return None
+    low = "0" if zero else f"{MIN_INTERVAL:g}"
+    return f"must be between {low} and {MAX_SECONDS:.0f} seconds (a year), not {value:g}"
 
 
 def parse_sema(spec: str) -> tuple[str, int] | None:

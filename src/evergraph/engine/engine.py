@@ -25,6 +25,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterator
 from typing import TYPE_CHECKING, Any
@@ -672,7 +673,7 @@ class Engine:
             res.eager
             and not meta.sema
             and meta.timeout is None
-            and meta.limit <= 0
+            and meta.limit == math.inf
             and self._global_sema is None
             and not v.inbox
             and not meta.reverse
@@ -759,7 +760,7 @@ class Engine:
 
     async def _guarded_check_apply(self, v: Vertex, res: Resource, apply: bool) -> bool:
         meta = res.meta
-        if meta.limit > 0:
+        if meta.limit != math.inf:
             with self._waiting_for(v):
                 await self._take_token(v, meta.limit, meta.burst)
         grouped = getattr(res, "_group_members", None)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 
 import msgspec
 
+from evergraph.engine.contract import Resource
 from evergraph.engine.model import GraphModel
 
 
@@ -46,6 +48,14 @@ def _params(res: object) -> dict[str, object]:
     return data
 
 
+def _meta(res: Resource) -> dict[str, object]:
+    """JSON has no infinity: an unlimited `limit` (`.inf`) is null."""
+    meta: dict[str, object] = msgspec.to_builtins(res.meta)
+    if meta.get("limit") == math.inf:
+        meta["limit"] = None
+    return meta
+
+
 def to_json(model: GraphModel) -> str:
     vertices = []
     for ident, res in model.resources.items():
@@ -55,7 +65,7 @@ def to_json(model: GraphModel) -> str:
                 "kind": res.kind,
                 "name": res.name,
                 "params": _params(res),
-                "meta": msgspec.to_builtins(res.meta),
+                "meta": _meta(res),
                 "group": [m.ident for m in res.group_members],
             }
         )

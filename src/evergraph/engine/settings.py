@@ -7,6 +7,9 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from evergraph.engine.contract import seconds_problem
+from evergraph.errors import InputError
+
 
 def default_state_dir() -> Path:
     if os.geteuid() == 0:
@@ -36,5 +39,19 @@ class Settings:
     autoedges: bool = True
     autogroup: bool = True
 
+    def __post_init__(self) -> None:
+        check_times(self.converged_timeout, self.max_runtime)
+        if why := seconds_problem(self.stop_grace, zero=True):
+            raise InputError(why, "stop_grace")
+
     def host(self) -> str:
         return self.hostname or socket.gethostname()
+
+
+def check_times(converged_timeout: float | None, max_runtime: float | None) -> None:
+    """Refuse run durations that make no sense (NaN, infinite, negative, absurdly
+    small or large), naming the flag and the valid range."""
+    if converged_timeout is not None and (why := seconds_problem(converged_timeout, zero=True)):
+        raise InputError(why, "--converged-timeout")
+    if max_runtime is not None and (why := seconds_problem(max_runtime)):
+        raise InputError(why, "--max-runtime")

@@ -10,18 +10,18 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated
 
-from evergraph.engine.contract import Handle, Resource, doc, register
+from evergraph.engine.contract import Handle, Resource, doc, register, seconds_problem
 
 
 @register("timer")
 class Timer(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     """Ticks every `interval` seconds; each tick counts as a change (notifies children)."""
 
-    interval: Annotated[float, doc("seconds between ticks (> 0)")] = 0
+    interval: Annotated[float, doc("seconds between ticks (0.001 to a year)")] = 0
 
     def validate(self) -> None:
-        if self.interval <= 0:
-            raise self.bad("interval", "must be > 0 seconds")
+        if why := seconds_problem(self.interval):
+            raise self.bad("interval", why)
 
     async def init(self, handle: Handle) -> None:
         await super().init(handle)
