@@ -463,3 +463,74 @@ def test_settings_refuse_nonsense_durations(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="--converged-timeout"):
         Settings(state_dir=tmp_path, converged_timeout=float("inf"))
     Settings(state_dir=tmp_path, converged_timeout=0, max_runtime=0.5)
+
+
+# -- 7. two resources managing one thing ---------------------------------------------
+
+
+FIGHTS = {
+    "file-content": (
+        "  file:\n  - name: a\n    path: /etc/x\n    content: one\n"
+        "  - name: b\n    path: /etc/x\n    content: two\n",
+        "file[b]",
+        "file[a]",
+        "file:/etc/x",
+    ),
+    "file-name-is-path": (
+        "  file:\n  - name: /etc/x\n    content: one\n  - name: b\n    path: /etc//x\n",
+        "file[b]",
+        "file[/etc/x]",
+        "file:/etc/x",
+    ),
+    "file-and-directory": (
+        "  file:\n  - name: a\n    path: /srv/d\n  - name: b\n    path: /srv/d/\n",
+        "file[b]",
+        "file[a]",
+        "file:/srv/d",
+    ),
+    "svc-unit": (
+        "  svc:\n  - name: nginx\n    state: running\n"
+        "  - name: nginx.service\n    state: stopped\n",
+        "svc[nginx.service]",
+        "svc[nginx]",
+        "svc:system:nginx.service",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FIGHTS))
+def test_two_resources_managing_one_thing_are_a_load_error_naming_both(case: str) -> None:
+    body, second, first, key = FIGHTS[case]
+    with pytest.raises(InputError) as e:
+        _yaml(body)
+    text = str(e.value)
+    assert text.startswith("g.yaml:"), text
+    assert f"{second}: manages {key}, as {first} does" in text
+
+
+def test_equal_resources_under_two_names_or_different_things_pass() -> None:
+    model = _yaml(
+        "  file:\n  - name: a\n    path: /etc/x\n    content: same\n"
+        "  - name: b\n    path: /etc/x\n    content: same\n    meta: {noop: true}\n"
+        "  - name: c\n    path: /etc/x.d/\n"
+        "  svc:\n  - name: nginx\n  - name: nginx.socket\n  - name: other\n"
+        "  - name: own\n    session: true\n"
+    )
+    assert len(model.resources) == 7
+
+
+def test_check_cli_refuses_two_files_of_one_path(tmp_path: Path) -> None:
+    from .conftest import run_cli
+
+    target = tmp_path / "x"
+    g = tmp_path / "g.yaml"
+    g.write_text(
+        "graph: g\nresources:\n  file:\n"
+        f"  - name: a\n    path: {target}\n    content: one\n"
+        f"  - name: b\n    path: {target}\n    content: two\n"
+    )
+    r = run_cli("check", g)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert f"{g}:7:" in r.stderr
+    assert f"file[b]: manages file:{target}, as file[a] does" in r.stderr

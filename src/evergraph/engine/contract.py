@@ -287,6 +287,12 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
         """
         return []
 
+    def claims(self) -> Iterable[str]:
+        """What this resource manages on the machine, as keys (`file:/etc/x`,
+        `user:alice`, `svc:system:nginx.service`). Two resources of a graph that
+        claim one key would fight: a load error, unless they are equal."""
+        return ()
+
     def managed_under(self) -> str | None:
         """A directory (ending in `/`) under which this resource needs the paths that
         other resources of the graph manage (file.purge keeps them). None: not needed."""

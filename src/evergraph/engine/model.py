@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from types import UnionType
 from typing import Annotated, Any, NamedTuple, Union, get_args, get_origin
 
+import msgspec
+
 from evergraph.engine.contract import DEFAULT_META, Resource, semaphores
 from evergraph.errors import InputError
 from evergraph.graph import DAG, CycleError, topo_order
@@ -94,6 +96,8 @@ class GraphModel:
         """Validate every resource and the shape; returns a topological order."""
         #: semaphore id -> (its count, the first resource that gave it)
         semas: dict[str, tuple[int, Resource]] = {}
+        #: what each resource manages (`file:/etc/x`) -> the first resource claiming it
+        claimed: dict[str, Resource] = {}
         for res in self.resources.values():
             if res.meta is not DEFAULT_META:
                 res.meta.check(res.ident)
@@ -104,12 +108,25 @@ class GraphModel:
                     f"{res.kind} resources cannot be reversed", f"{res.ident}.meta.reverse"
                 )
             res.validate()
+            for key in res.claims():
+                first = claimed.setdefault(key, res)
+                if first is not res and not _same_but_named(first, res):
+                    self._fight(key, first, res)
         try:
             return self.order()
         except CycleError as e:
             cyc = [str(v) for v in e.cycle]
             where = self.origins.get(cyc[0], "")
             raise GraphCycleError(cyc, where) from None
+
+    def _fight(self, key: str, first: Resource, res: Resource) -> None:
+        where = self.origins.get(first.ident, "")
+        raise InputError(
+            f"manages {key}, as {first.ident}" + (f" (at {where})" if where else "") + " does "
+            "with other parameters: the two would undo each other's changes for ever; "
+            "keep one",
+            res.ident,
+        )
 
     def _check_semas(self, res: Resource, seen: dict[str, tuple[int, Resource]]) -> None:
         """A semaphore id has one count graph-wide (`a` is `a:1`)."""
@@ -123,6 +140,11 @@ class GraphModel:
                     + f" but {n} in {res.ident}: one count per id (`{sid}` is `{sid}:1`)",
                     f"{res.ident}.meta.sema",
                 )
+
+
+def _same_but_named(a: Resource, b: Resource) -> bool:
+    """Equal resources under two names (apart from meta): they do not fight."""
+    return type(a) is type(b) and msgspec.structs.replace(b, name=a.name, meta=a.meta) == a
 
 
 class GraphCycleError(InputError):

@@ -171,6 +171,13 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         if self.state == "absent" and (self.source or self.fragments or self.purge):
             raise self.bad("state", "absent cannot be combined with source, fragments or purge")
 
+    def claims(self) -> list[str]:
+        # a directory and a file of one path are one thing to manage
+        path = self.path or self.name
+        if "//" in path or "/." in path or path.endswith("/"):
+            path = os.path.normpath(path)  # (only then: graphs of 50k files are checked)
+        return [f"file:{path}"]
+
     # Keys: "dir:/a/b/" for a managed directory, "path:/a/b" for a file (an exec
     # wants the file of its program); separate namespaces let the autoedge
     # driver skip the parent walk when no directory is managed at all.

@@ -178,6 +178,9 @@ class Pkg(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         state = self.state if self.state in KEYWORDS else "version"
         return (*super().group_key(), state, self.allowuntrusted)
 
+    def claims(self) -> list[str]:
+        return [f"pkg:{self.name}"]
+
     def autoedge_provides(self) -> list[str]:
         # path: for an exec running one of its programs; pkgfile: for a file
         # resource managing one of its files (a file provides path: itself)

@@ -383,6 +383,10 @@ class Svc(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         if self.name.startswith(".") or self.name.endswith("."):
             raise self.bad("name", f"{self.name!r} is not a systemd unit name")
 
+    def claims(self) -> list[str]:
+        # `nginx` and `nginx.service` are one unit
+        return [f"svc:{'session' if self.session else 'system'}:{unit_name(self.name)}"]
+
     def autoedge_wants(self) -> list[list[str]]:
         unit = unit_name(self.name)
         dirs = (

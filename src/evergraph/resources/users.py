@@ -333,6 +333,9 @@ class User(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             if value is not None and (why := _path_problem(value)) is not None:
                 raise self.bad(field, why)
 
+    def claims(self) -> list[str]:
+        return [f"user:{self.name}"]
+
     def autoedge_provides(self) -> list[str]:
         return [f"user:{self.name}"]
 
@@ -532,6 +535,9 @@ class Group(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             raise self.bad("name", why)
         if self.gid is not None and not 0 <= self.gid <= ID_MAX:
             raise self.bad("gid", f"{self.gid} is not between 0 and {ID_MAX}")
+
+    def claims(self) -> list[str]:
+        return [f"group:{self.name}"]
 
     def autoedge_provides(self) -> list[str]:
         if self.state == "absent":
