@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
+import errno
 import grp
 import logging
 import os
 import pwd
+import shutil
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,24 +42,25 @@ SWEEP_WAIT = 2.0
 #: a running child's record in its vertex's state dir: `proc.<pid>`
 RECORD_PREFIX = "proc."
 
-_PR_SET_PDEATHSIG = 1
-try:
-    _prctl: Callable[..., int] | None = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux: no parent-death signal
-    _prctl = None
+#: util-linux's setpriv sets the parent-death signal and execs the command. Done
+#: by exec, not by a `preexec_fn`: Python code in a child forked from a process
+#: with other threads (gRPC's, with an etcd World) can deadlock or crash there.
+_SETPRIV = shutil.which("setpriv")
 
 
-def _tie_to(agent: int) -> Callable[[], None]:
-    """The child's last step before exec: die with `agent` (runs in the forked
-    child: no locks, no logging)."""
-
-    def tie() -> None:
-        if _prctl is not None:
-            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != agent:  # the agent died before we asked
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return tie
+def _tied(argv: Sequence[str], env: Mapping[str, str] | None) -> list[str]:
+    """`argv` wrapped so the command dies (SIGKILL) when the agent's thread that
+    started it dies. A command that does not exist is FileNotFoundError here, as
+    without the wrapper. (Should the agent die between the fork and setpriv's
+    call, the start-up sweep of the next run kills the survivor.)"""
+    cmd = argv[0]
+    path = (env if env is not None else os.environ).get("PATH", os.defpath)
+    found = cmd if "/" in cmd else shutil.which(cmd, path=path)
+    if found is None or not os.path.exists(found):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), cmd)
+    if _SETPRIV is None:
+        return list(argv)
+    return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]  # setpriv finds it the same way
 
 
 def _boot_id() -> str:
@@ -235,7 +237,7 @@ async def run(argv: Sequence[str], how: RunAs = RunAs(), record: Path | None = N
     `record`: a vertex's state dir, where the child is recorded while it runs (for
     `sweep_survivors`)."""
     proc = await asyncio.create_subprocess_exec(
-        *argv,
+        *_tied(argv, how.env),
         cwd=how.cwd,
         env=how.env,
         user=how.user,
@@ -244,7 +246,6 @@ async def run(argv: Sequence[str], how: RunAs = RunAs(), record: Path | None = N
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
-        preexec_fn=_tie_to(os.getpid()),
     )
     noted = _record(record, proc.pid)
     try:
@@ -268,7 +269,7 @@ async def lines(
     """Yield stdout lines of a long-running command; raises when it exits.
     `record`: as for `run`."""
     proc = await asyncio.create_subprocess_exec(
-        *argv,
+        *_tied(argv, how.env),
         cwd=how.cwd,
         env=how.env,
         user=how.user,
@@ -277,7 +278,6 @@ async def lines(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
         start_new_session=True,
-        preexec_fn=_tie_to(os.getpid()),
     )
     noted = _record(record, proc.pid)
     assert proc.stdout is not None
