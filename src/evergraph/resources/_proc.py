@@ -35,8 +35,9 @@ from evergraph._util.atomic import atomic_write
 
 log = logging.getLogger("evergraph.resource")
 
-#: seconds between SIGTERM and SIGKILL when a running command is cancelled
-KILL_GRACE = 3.0
+#: seconds between SIGTERM and SIGKILL when a running command is cancelled (under 2 s:
+#: --max-runtime promises an exit within 2 s of its bound)
+KILL_GRACE = 1.5
 #: seconds the start-up sweep waits for killed survivors to be gone
 SWEEP_WAIT = 2.0
 #: a running child's record in its vertex's state dir: `proc.<pid>`
