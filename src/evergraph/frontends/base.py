@@ -15,6 +15,9 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import logging
+import os
+import stat
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +30,8 @@ from evergraph.errors import InputError
 if TYPE_CHECKING:
     from evergraph.world.exports import Collector, Exported
     from evergraph.world.kv import KV
+
+log = logging.getLogger("evergraph.frontend")
 
 #: graph file types, by suffix
 SUFFIXES = (".yaml", ".yml", ".py")
@@ -131,13 +136,72 @@ async def merged(*streams: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[tupl
                 await t
 
 
+#: the largest graph file read (a graph of 100,000 resources is a few MiB): a file
+#: that never ends (a symlink to /dev/zero) must not fill the memory
+MAX_GRAPH_FILE = 16 * 1024 * 1024
+
+
+def _file_type(mode: int) -> str:
+    for test, what in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return what
+    return "a special file"
+
+
 def read_graph_file(path: Path) -> str:
+    """The text of a graph file (InputError naming the file if it cannot be one):
+    a regular file (symlinks followed) of at most MAX_GRAPH_FILE bytes of UTF-8.
+    Opened without blocking, so a FIFO is refused rather than waited on."""
     try:
-        return path.read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise InputError("no such file", str(path)) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read: {e}", str(path)) from None
+    except OSError as e:
+        raise InputError(f"cannot read: {e.strerror}", str(path)) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(
+                f"{_file_type(st.st_mode)}, not a regular file: a graph file must be a "
+                "regular file",
+                str(path),
+            )
+        cap = MAX_GRAPH_FILE
+        if st.st_size > cap:
+            raise InputError(_too_large(st.st_size), str(path))
+        chunks: list[bytes] = []
+        size = 0
+        while True:  # the size can grow while we read: never more than the cap
+            chunk = os.read(fd, min(1 << 20, cap + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > cap:
+                raise InputError(_too_large(None), str(path))
+    except OSError as e:
+        raise InputError(f"cannot read: {e.strerror}", str(path)) from None
+    finally:
+        os.close(fd)
+    try:
+        return b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(
+            f"not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x})", str(path)
+        ) from None
+
+
+def _too_large(size: int | None) -> str:
+    """`size`: the file's size, or None if it grew past the cap while being read."""
+    limit = f"{MAX_GRAPH_FILE // 1024 // 1024} MiB"
+    shown = f"{size / 1024 / 1024:.1f} MiB" if size is not None else f"more than {limit}"
+    return f"too large ({shown}): a graph file may be at most {limit}"
 
 
 #: wait this long after a change of a watched file before reading it: editors
@@ -159,9 +223,11 @@ async def file_changes(watcher: Any, path: Path, text: str) -> AsyncIterator[str
             await asyncio.sleep(DEBOUNCE)
             changed.clear()
             try:
-                new = path.read_text()
-            except OSError:
-                continue  # mid-save (removed before rename); the next event follows
+                new = read_graph_file(path)
+            except InputError as e:
+                if path.exists():  # else mid-save (removed before rename): an event follows
+                    log.error("%s (the running graph is kept)", e)
+                continue
             if new != text:
                 text = new
                 yield new
