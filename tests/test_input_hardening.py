@@ -44,6 +44,51 @@ def run_once(graph: Path, state: Path, *extra: str) -> subprocess.CompletedProce
     return timed("run", graph, "--state-dir", state, "--converged-exit", *extra)
 
 
+# --------------------------------------------------------------------------- YAML
+
+
+def deep_yaml(levels: int) -> str:
+    """`content:` nested `levels` mappings deep (block style: yaml_rs reads it, the
+    error path's PyYAML locator recursed once per level), and so a type error."""
+    lines = ["graph: g", "resources:", "  file:", "  - name: a", "    path: /tmp/eg-deep"]
+    lines.append("    content:")
+    indent = "      "
+    for _ in range(levels):
+        lines.append(indent + "k:")
+        indent += "  "
+    lines[-1] += " 1"
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("command", ["check", "run", "graph"])
+def test_yaml_nested_600_levels_with_a_type_error(tmp_path: Path, command: str) -> None:
+    f = tmp_path / "deep.yaml"
+    f.write_text(deep_yaml(600))
+    args = ("--state-dir", tmp_path / "st", "--converged-exit") if command == "run" else ()
+    r = timed(command, f, *args)
+    one_line_exit_2(r, str(f), "nested too deeply")
+    assert not Path("/tmp/eg-deep").exists()
+
+
+def test_yaml_nested_a_little_is_still_located(tmp_path: Path) -> None:
+    f = tmp_path / "deep.yaml"
+    f.write_text(deep_yaml(50))
+    one_line_exit_2(timed("check", f), f"{f}:7:7: file[a].content: expected str")
+
+
+def test_yaml_mapping_as_a_key_is_located(tmp_path: Path) -> None:
+    f = tmp_path / "key.yaml"
+    f.write_text(HELLO + "edges:\n- {from: {kind: noop, name: a}}: x\n")
+    one_line_exit_2(timed("check", f), f"{f}:6:3: YAML error: a mapping key must be a scalar")
+
+
+@pytest.mark.parametrize("field", ["gid", "uid"])
+def test_yaml_number_too_long_to_print_is_located(tmp_path: Path, field: str) -> None:
+    f = tmp_path / "big.yaml"
+    f.write_text(f"graph: g\nresources:\n  user:\n  - name: u\n    {field}: {'9' * 5000}\n")
+    one_line_exit_2(timed("check", f), f"{f}:5:{len(field) + 7}: a number of more than 4300")
+
+
 # --------------------------------------------------------------------------- graph files
 
 

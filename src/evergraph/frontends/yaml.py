@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -87,8 +88,16 @@ class _Locator:
         m = target.start_mark
         return f"{self.filename}:{m.line + 1}:{m.column + 1}"
 
+    def complex_key(self) -> str:
+        """Location of the first mapping key that is a mapping or a list."""
+        return self._first_key(lambda k, seen: k.id != "scalar")
+
     def duplicate_key(self) -> str:
         """Location of the first repeated mapping key (yaml_rs does not tell)."""
+        return self._first_key(lambda k, seen: k.id == "scalar" and k.value in seen)
+
+    def _first_key(self, bad: Callable[[Any, set[object]], bool]) -> str:
+        """Location of the first mapping key `bad(key, scalar keys before it)` is true for."""
         root = self._tree()
         stack = [root] if root is not None else []
         while stack:
@@ -96,10 +105,11 @@ class _Locator:
             if n.id == "mapping":
                 seen: set[object] = set()
                 for k, v in n.value:
-                    if k.value in seen:
+                    if bad(k, seen):
                         m = k.start_mark
                         return f"{self.filename}:{m.line + 1}:{m.column + 1}"
-                    seen.add(k.value)
+                    if k.id == "scalar":
+                        seen.add(k.value)
                     stack.append(v)
             elif n.id == "sequence":
                 stack.extend(n.value)
@@ -109,7 +119,33 @@ class _Locator:
 def parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
     """Parse and validate a yamlgraph document; every error names `file:line:col`."""
     with gc_paused():
-        return _parse_yaml(text, filename, registry)
+        try:
+            return _parse_yaml(text, filename, registry)
+        except RecursionError:
+            # the parsers and the error path's locator recurse per level of nesting
+            raise InputError(
+                "nested too deeply to read: flatten the data (a graph needs a few levels)",
+                filename,
+            ) from None
+        except ValueError as e:
+            # an integer too long to print (sys.get_int_max_str_digits()), in a message
+            if "integer string conversion" not in str(e):
+                raise
+            raise InputError(
+                f"a number of more than {sys.get_int_max_str_digits()} digits: "
+                "quote it if it is text",
+                _long_number(text, filename),
+            ) from None
+
+
+def _long_number(text: str, filename: str) -> str:
+    """`file:line:col` of the first number too long to print."""
+    m = re.search(rf"\d{{{sys.get_int_max_str_digits() + 1},}}", text)
+    if m is None:
+        return filename
+    line = text.count("\n", 0, m.start()) + 1
+    col = m.start() - (text.rfind("\n", 0, m.start()) + 1) + 1
+    return f"{filename}:{line}:{col}"
 
 
 def _parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
@@ -129,6 +165,15 @@ def _parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
         if msg.startswith("duplicate mapping key"):
             raise InputError(msg, loc.duplicate_key()) from None
         raise InputError(f"YAML error: {msg}", filename) from None
+    except RecursionError:
+        raise
+    except TypeError as e:  # a mapping or a list as a mapping key: unhashable
+        raise InputError(
+            f"YAML error: a mapping key must be a scalar, not a mapping or a list ({e})",
+            loc.complex_key(),
+        ) from None
+    except Exception as e:  # the parser refused the text in some other way
+        raise InputError(f"YAML error: {e}", filename) from None
     if doc is None:
         raise InputError("the file is empty: expected `graph:` and `resources:`", filename)
     if not isinstance(doc, dict):
