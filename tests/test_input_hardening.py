@@ -155,3 +155,38 @@ def test_a_running_graph_file_replaced_by_a_fifo_is_refused_not_waited_on(
     assert a.stop() == 0  # SIGTERM is still served
     assert time.monotonic() - t0 < 5
     assert "Traceback" not in a.log.read_text()
+
+
+# --------------------------------------------------------------------------- --seeds
+
+BAD_SEEDS = [
+    "http://[::1",  # urlsplit: Invalid IPv6 URL (raised from the etcd client: exit 1)
+    "http://[::1]:99999",
+    "http://h:port",
+    "http://",
+    "http://a b:2379",
+    "ftp://h:2379",
+    "http://h:2379/v3",
+    "http://h:0",
+]
+
+
+@pytest.mark.parametrize("url", BAD_SEEDS)
+def test_a_malformed_seed_url_names_seeds(tmp_path: Path, url: str) -> None:
+    graph = tmp_path / "g.yaml"
+    graph.write_text(HELLO)
+    one_line_exit_2(run_once(graph, tmp_path / "st", "--seeds", url), "--seeds")
+
+
+@pytest.mark.parametrize("command", [("world", "get", "k"), ("members",), ("deploys",)])
+def test_every_command_validates_seeds(tmp_path: Path, command: tuple[str, ...]) -> None:
+    r = timed(*command, "--seeds", "http://[::1", "--state-dir", tmp_path / "st")
+    one_line_exit_2(r, "--seeds", "http://[::1")
+
+
+def test_a_seed_url_with_a_password_is_not_echoed(tmp_path: Path) -> None:
+    graph = tmp_path / "g.yaml"
+    graph.write_text(HELLO)
+    r = run_once(graph, tmp_path / "st", "--seeds", "http://u:s3cret@h:2379")
+    line = one_line_exit_2(r, "--seeds")
+    assert "s3cret" not in line

@@ -210,12 +210,13 @@ def _etcd_password(world: dict[str, object]) -> str | None:
 
 
 def _world_opts(world: dict[str, object]) -> WorldOptions:
-    from evergraph.world.open import WorldOptions
+    from evergraph.world.open import WorldOptions, seed_problem
 
     seeds = tuple(u.strip() for u in str(world.get("seeds") or "").split(",") if u.strip())
     for url in seeds:
-        if not url.startswith(("http://", "https://")):
-            raise InputError(f"{url!r} is not an http:// or https:// URL", "--seeds")
+        why = seed_problem(url)
+        if why:
+            raise InputError(why, "--seeds")
     for flag in ("etcd_ca", "etcd_cert", "etcd_key"):
         p = world.get(flag)
         if p is not None and not Path(str(p)).is_file():

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+from evergraph.errors import InputError
 from evergraph.world.kv import KV, WorldError
 
 BACKENDS = ("sqlite", "memory", "etcd")
@@ -32,6 +34,29 @@ class WorldOptions:
         return bool(self.seeds or self.embedded) or self.backend == "etcd"
 
 
+def seed_problem(url: str) -> str | None:
+    """Why `url` is not an etcd client URL, `http(s)://host[:port]`; None if it is."""
+    if any(c.isspace() or not c.isprintable() for c in url):
+        return f"{url!r} contains a space or a control character"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        return f"{url!r} is not a URL ({e})"
+    if parts.scheme not in ("http", "https") or not url.startswith(parts.scheme + "://"):
+        return f"{url!r} is not an http:// or https:// URL"
+    if not parts.hostname:
+        return f"{url!r} names no host: expected http(s)://host:port"
+    if port == 0:
+        return f"{url!r}: a port is 1-65535"
+    if parts.username is not None or parts.password is not None:
+        # not echoed: it may hold a password
+        return "a seed URL holds no user or password: give --etcd-user and --etcd-password"
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        return f"{url!r}: expected http(s)://host:port, with no path, query or fragment"
+    return None
+
+
 class OpenWorld:
     """The KV plus what must be stopped with it (an embedded etcd)."""
 
@@ -46,7 +71,12 @@ class OpenWorld:
 
 
 async def open_world(opts: WorldOptions, state_dir: Path) -> OpenWorld:
-    """Raises WorldError with a one-line reason when the World cannot be opened."""
+    """Raises WorldError with a one-line reason when the World cannot be opened
+    (InputError for a malformed seed URL)."""
+    for url in opts.seeds:
+        why = seed_problem(url)
+        if why:
+            raise InputError(why, "--seeds")
     backend = "etcd" if (opts.seeds or opts.embedded) else opts.backend
     if backend == "sqlite":
         from evergraph.world.sqlite import SQLiteKV
