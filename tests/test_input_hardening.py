@@ -190,3 +190,106 @@ def test_a_seed_url_with_a_password_is_not_echoed(tmp_path: Path) -> None:
     r = run_once(graph, tmp_path / "st", "--seeds", "http://u:s3cret@h:2379")
     line = one_line_exit_2(r, "--seeds")
     assert "s3cret" not in line
+
+
+# --------------------------------------------------------------------------- Python
+
+PY_BAD = {
+    # a BaseException of the user's own (not an Exception)
+    "base-exception": (
+        "class Boom(BaseException):\n    pass\n\n"
+        "def graph(g, world):\n    g.add('noop', 'a')\n    raise Boom('out')\n",
+        ":6: Boom: out",
+    ),
+    "generator-exit": ("def graph(g, world):\n    raise GeneratorExit\n", ":2: GeneratorExit"),
+    "keyboard-interrupt-in-graph": (
+        "def graph(g, world):\n    raise KeyboardInterrupt\n",
+        ":2: KeyboardInterrupt",
+    ),
+    "stop-iteration": ("def graph(g, world):\n    raise StopIteration\n", ":2: StopIteration"),
+    "str-raises": (
+        "class Bad(Exception):\n    def __str__(self):\n        raise RuntimeError('no')\n\n"
+        "def graph(g, world):\n    raise Bad()\n",
+        ":6: Bad (its message cannot be shown: str() raised RuntimeError)",
+    ),
+    "str-raises-itself": (
+        "class Bad(BaseException):\n    def __str__(self):\n        raise Bad()\n\n"
+        "def graph(g, world):\n    raise Bad()\n",
+        ":6: Bad (its message cannot be shown: str() raised Bad)",
+    ),
+    "str-not-a-string": (
+        "class Bad(Exception):\n    def __str__(self):\n        return 5\n\n"
+        "def graph(g, world):\n    raise Bad()\n",
+        ":6: Bad (its message cannot be shown: str() raised TypeError)",
+    ),
+    "multi-line-message": (
+        "def graph(g, world):\n    raise ValueError('first\\nsecond\\nthird')\n",
+        ":2: ValueError: first ...",
+    ),
+    "base-exception-at-import": (
+        "class Boom(BaseException):\n    pass\n\nraise Boom('at import')\n",
+        ":4: Boom: at import",
+    ),
+    "async-def": (
+        "\nasync def graph(g, world):\n    g.add('noop', 'a')\n",
+        ":2: graph() is `async def`: write a plain `def graph(g, world)`",
+    ),
+    "generator": (
+        "def graph(g, world):\n    yield g.add('noop', 'a')\n",
+        ":1: graph() is a generator (it yields)",
+    ),
+    "async-generator": (
+        "async def graph(g, world):\n    yield g.add('noop', 'a')\n",
+        ":1: graph() is an async generator",
+    ),
+    "async-callable-object": (
+        "class Graph:\n    async def __call__(self, g, world):\n        g.add('noop', 'a')\n\n"
+        "graph = Graph()\n",
+        ":2: graph() returned a coroutine, so none of it ran",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PY_BAD))
+@pytest.mark.parametrize("command", ["check", "run"])
+def test_python_graphs_that_raise_oddly_are_one_line(
+    tmp_path: Path, case: str, command: str
+) -> None:
+    text, says = PY_BAD[case]
+    mod = tmp_path / "site.py"
+    mod.write_text(text)
+    if command == "run":
+        r = run_once(mod, tmp_path / "st", "--world", "memory")
+    else:
+        r = timed("check", mod)
+    line = one_line_exit_2(r, f"{mod}{says}")
+    assert "RuntimeWarning" not in r.stderr, line  # "coroutine ... was never awaited"
+
+
+def test_a_live_swap_to_an_async_graph_keeps_the_running_graph(
+    tmp_path: Path,
+    agents: Callable[..., Agent],
+) -> None:
+    kept = tmp_path / "kept"
+    mod = tmp_path / "site.py"
+    mod.write_text(f"def graph(g, world):\n    g.add('file', 'kept', path={str(kept)!r})\n")
+    a: Agent = agents(mod, tmp_path / "st", "--world", "memory")
+    a.wait_converged()
+    assert kept.exists()
+    # unfixed: accepted as an empty graph, and the swap removed every resource
+    mod.write_text(f"async def graph(g, world):\n    g.add('file', 'kept', path={str(kept)!r})\n")
+    wait_for(lambda: "async def" in a.log.read_text(), what="the refusal logged")
+    assert (
+        f"{mod}:1: graph() is `async def`: write a plain `def graph(g, world)` "
+        "(the running graph is kept)" in a.log.read_text()
+    )
+    # an async callable slips past the load check: refused when it runs
+    mod.write_text(
+        "class G:\n    async def __call__(self, g, world):\n        pass\n\ngraph = G()\n"
+    )
+    wait_for(lambda: "returned a coroutine" in a.log.read_text(), what="the re-run refused")
+    kept.unlink()  # drift: the kept graph still repairs it
+    wait_for(kept.exists, what="the running graph still converging")
+    assert a.proc.poll() is None
+    assert a.stop() == 0
+    assert "Traceback" not in a.log.read_text()

@@ -20,11 +20,12 @@ import contextlib
 import inspect
 import logging
 import os
+import signal
 import sys
 import threading
 import traceback
 import types
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -66,17 +67,86 @@ def _user_frame() -> str:
     return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else ""
 
 
+#: the longest message of a user's exception shown (it goes on one line)
+_MAX_MESSAGE = 500
+
+
+def _message(e: BaseException) -> str:
+    """`Type: message` of a user's exception on one line, even when its `__str__`
+    fails (raises anything, or returns a non-string)."""
+    name = type(e).__name__
+    try:
+        text = str(e)
+    except BaseException as why:  # user code: anything, even a BaseException
+        return f"{name} (its message cannot be shown: str() raised {type(why).__name__})"
+    lines = text.strip().splitlines()
+    if not lines:
+        return name
+    first = lines[0] + (" ..." if len(lines) > 1 else "")
+    if len(first) > _MAX_MESSAGE:
+        first = first[:_MAX_MESSAGE] + " ..."
+    return f"{name}: {first}"
+
+
 def _user_error(e: BaseException, path: Path) -> InputError:
     """An exception from user code as an input error at the user's deepest line."""
     if isinstance(e, InputError):
         return e
     where = str(path)
     home = str(path.parent) + os.sep
-    for fs in traceback.extract_tb(e.__traceback__):
+    try:
+        frames = traceback.extract_tb(e.__traceback__)
+    except Exception:  # a frame whose source cannot be read: the module's name will do
+        frames = traceback.StackSummary()
+    for fs in frames:
         name = os.path.abspath(fs.filename)
         if name.startswith(home) and not name.startswith(_OURS):
             where = f"{fs.filename}:{fs.lineno}"  # the deepest line of the user's own files
-    return InputError(f"{type(e).__name__}: {e}", where)
+    return InputError(_message(e), where)
+
+
+@contextlib.contextmanager
+def _user_code() -> Iterator[list[int]]:
+    """Around user code: the SIGINTs received meanwhile, to tell a real Ctrl-C (the
+    user stops `check`) from user code raising KeyboardInterrupt (an input error).
+    Only the main thread receives one, and only under Python's own handler (the
+    agent handles SIGINT itself, and runs graph() in a thread)."""
+    seen: list[int] = []
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield seen
+        return
+
+    def interrupted(signum: int, frame: object) -> None:
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _not_plain(fn: Callable[..., Any]) -> str | None:
+    """Why `fn` cannot be graph(): it is async or a generator (calling it runs none of
+    its body: it would give an empty graph, and a swap to that removes everything)."""
+    if inspect.iscoroutinefunction(fn):
+        return "graph() is `async def`"
+    if inspect.isasyncgenfunction(fn):
+        return "graph() is an async generator"
+    if inspect.isgeneratorfunction(fn):
+        return "graph() is a generator (it yields)"
+    return None
+
+
+def _def_line(fn: Callable[..., Any], path: Path) -> str:
+    """`file:line` of graph()'s definition (of its `__call__` for an object)."""
+    code = getattr(fn, "__code__", None) or getattr(type(fn).__call__, "__code__", None)
+    line = getattr(code, "co_firstlineno", 0)
+    return f"{path}:{line}" if line else str(path)
 
 
 # --------------------------------------------------------------------------- Graph
@@ -366,19 +436,24 @@ def load_module(path: Path) -> _Module:
     module = types.ModuleType(f"evergraph_graph_{path.stem}")
     module.__file__ = str(path)
     _fresh_imports(str(path.parent))
-    try:
-        exec(code, module.__dict__)
-    except (Exception, SystemExit) as e:
-        raise _user_error(e, path) from None
+    with _user_code() as sigints:
+        try:
+            exec(code, module.__dict__)
+        except BaseException as e:  # user code: sys.exit(), GeneratorExit, its own kinds...
+            if sigints:
+                raise  # a real Ctrl-C
+            raise _user_error(e, path) from None
     fn = module.__dict__.get("graph")
     if not callable(fn):
         raise InputError("the module defines no `def graph(g, world)`", str(path))
+    why = _not_plain(fn)
+    if why:
+        raise InputError(f"{why}: write a plain `def graph(g, world)`", _def_line(fn, path))
     try:
         inspect.signature(fn).bind(None, None)
     except TypeError:
-        line = getattr(getattr(fn, "__code__", None), "co_firstlineno", 0)
         raise InputError(
-            "graph() must take two arguments: (g, world)", f"{path}:{line}" if line else str(path)
+            "graph() must take two arguments: (g, world)", _def_line(fn, path)
         ) from None
     except ValueError:
         pass  # no signature to check (a builtin): let the call tell
@@ -400,15 +475,26 @@ async def _in_thread(fn: Callable[..., T], *args: Any, what: str) -> T:
             return
         if ok:
             fut.set_result(value)
-        else:
+            return
+        try:
             fut.set_exception(value)
+        except TypeError:  # StopIteration: a Future cannot hold one
+            err = RuntimeError(f"{what} raised {type(value).__name__}")
+            err.__cause__ = value
+            fut.set_exception(err)
 
     def body() -> None:
         outcome: tuple[bool, Any]
         try:
             outcome = (True, fn(*args))
-        except BaseException as e:
+        except Exception as e:
             outcome = (False, e)
+        except BaseException as e:
+            # not an Exception (GeneratorExit, KeyboardInterrupt, a user's own kind):
+            # raised in the loop, it would end the agent; a Future refuses some outright
+            err = RuntimeError(f"{what} raised {type(e).__name__}")
+            err.__cause__ = e
+            outcome = (False, err)
         with contextlib.suppress(RuntimeError):  # the agent stopped meanwhile
             loop.call_soon_threadsafe(settle, *outcome)
 
@@ -472,12 +558,26 @@ class PythonFrontend(Frontend):
         mod = self._loaded()
         g = Graph(self.path.stem, registry=self.registry)
         self.runs += 1
-        try:
-            mod.fn(g, world)
-        except WorldError:
-            raise  # the World failed, not the user's code
-        except (Exception, SystemExit) as e:  # sys.exit() in graph() is not the agent's
-            raise _user_error(e, self.path) from None
+        with _user_code() as sigints:
+            try:
+                result = mod.fn(g, world)
+            except WorldError:
+                raise  # the World failed, not the user's code
+            except BaseException as e:  # sys.exit(), GeneratorExit... in graph() are not ours
+                if sigints:
+                    raise  # a real Ctrl-C
+                raise _user_error(e, self.path) from None
+        if inspect.isawaitable(result) or inspect.isgenerator(result) or inspect.isasyncgen(result):
+            # an async graph() that _not_plain could not see (a callable object, ...):
+            # its body never ran, so this graph is empty, not what the user meant
+            if inspect.iscoroutine(result) or inspect.isgenerator(result):
+                result.close()  # never started: nothing runs, no "never awaited" warning
+            raise InputError(
+                f"graph() returned a {type(result).__name__}, so none of it ran (it is async "
+                "or a generator): "
+                "write a plain `def graph(g, world)`",
+                _def_line(mod.fn, self.path),
+            )
         model = g.model()
         if world.collected:
             model = merge(model, to_resources(self.registry, world.collected))
