@@ -293,3 +293,29 @@ def test_a_live_swap_to_an_async_graph_keeps_the_running_graph(
     assert a.proc.poll() is None
     assert a.stop() == 0
     assert "Traceback" not in a.log.read_text()
+
+
+# --------------------------------------------------------------------------- host keys
+
+
+@pytest.mark.parametrize("which", ["box.key", "sign.key"])
+@pytest.mark.parametrize("damage", [b"garbage\n", b"QUJD\n"])
+def test_a_damaged_host_key_is_one_line_for_every_command(
+    tmp_path: Path, which: str, damage: bytes
+) -> None:
+    state = tmp_path / "st"
+    graph = tmp_path / "g.yaml"
+    graph.write_text(HELLO)
+    r = run_once(graph, state)
+    assert r.returncode == 0, r.stderr
+    key = state / "keys" / which
+    key.write_bytes(damage)
+    for args in (
+        ("run", graph, "--state-dir", state, "--converged-exit"),
+        ("run", graph, "--state-dir", state, "--converged-exit", "--world", "memory"),
+        ("hosts", "key", "--state-dir", state),
+        ("deploy", graph, "--no-git", "--state-dir", state),
+    ):
+        r = timed(*args)
+        line = one_line_exit_2(r, f"{key}: damaged host key", "restore it from a backup")
+        assert "stopped because a service failed" not in line

@@ -44,7 +44,7 @@ from evergraph.world.exports import (
     Publisher,
     publish_hostkeys,
 )
-from evergraph.world.hostkeys import HostKeys
+from evergraph.world.hostkeys import HostKeys, KeyError_
 from evergraph.world.kv import KV, WorldError
 from evergraph.world.members import HostnameTaken, Member, Membership
 from evergraph.world.names import hostname_problem
@@ -270,8 +270,8 @@ class Agent:
                 except WorldError as e:
                     log.error("world: %s", e)
                     status = 1
-                except (HostnameTaken, PinsError, InputError) as e:
-                    log.error("%s", e)
+                except (HostnameTaken, PinsError, InputError, KeyError_) as e:
+                    log.error("%s", e)  # KeyError_: this host's key files are damaged
                     status = 2
                 finally:
                     for t, coro in self._services:

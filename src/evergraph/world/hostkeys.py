@@ -29,19 +29,39 @@ class KeyError_(Exception):
     """A key file is unreadable or a ciphertext does not open with our key."""
 
 
+#: what to do about a damaged key file (the rest of its one-line message)
+_REPAIR = (
+    "restore it from a backup, or remove it to make a new one (hosts that pinned the "
+    "old key then refuse this one until they `evergraph hosts forget` it, and secrets "
+    "sealed with it are lost)"
+)
+
+
+def _damaged(path: Path, why: str) -> KeyError_:
+    return KeyError_(f"{path}: damaged host key ({why}): {_REPAIR}")
+
+
 def _load_or_create(path: Path) -> bytes:
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        # exclusive: if another process created it first, theirs wins
-        atomic_write(path, base64.b64encode(nacl.utils.random(32)) + b"\n", exclusive=True)
-        raw = path.read_bytes()
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            # exclusive: if another process created it first, theirs wins
+            atomic_write(path, base64.b64encode(nacl.utils.random(32)) + b"\n", exclusive=True)
+            raw = path.read_bytes()
+    except OSError as e:
+        raise KeyError_(
+            f"{path}: cannot read or create this host's key: {e.strerror} (the state "
+            "directory must be readable and writable by the agent's user)"
+        ) from None
+    if len(raw) > 1024:
+        raise _damaged(path, f"{len(raw)} bytes; a key file holds 45")
     try:
         seed = base64.b64decode(raw.strip(), validate=True)
-    except ValueError as e:
-        raise KeyError_(f"{path}: not a base64 key ({e})") from None
+    except ValueError:
+        raise _damaged(path, "not base64") from None
     if len(seed) != 32:
-        raise KeyError_(f"{path}: a key is 32 bytes, this one is {len(seed)}")
+        raise _damaged(path, f"a key is 32 bytes, this one is {len(seed)}")
     return seed
 
 
@@ -50,8 +70,14 @@ class HostKeys:
 
     def __init__(self, state_dir: Path) -> None:
         d = state_dir / "keys"
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(d, 0o700)
+        try:
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(d, 0o700)
+        except OSError as e:
+            raise KeyError_(
+                f"{d}: cannot make the host key directory: {e.strerror} (the state "
+                "directory must be writable by the agent's user)"
+            ) from None
         self.dir = d
         self.box_key = nacl.public.PrivateKey(_load_or_create(d / "box.key"))
         self.sign_key = nacl.signing.SigningKey(_load_or_create(d / "sign.key"))
