@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from .conftest import Agent, run_cli, wait_for
+from .conftest import EVERGRAPH, Agent, run_cli, wait_for
 
 #: a case answers within this (a second of work, plus interpreter start-up under load)
 QUICK = 10.0
@@ -319,3 +320,39 @@ def test_a_damaged_host_key_is_one_line_for_every_command(
         r = timed(*args)
         line = one_line_exit_2(r, f"{key}: damaged host key", "restore it from a backup")
         assert "stopped because a service failed" not in line
+
+
+# --------------------------------------------------------------------------- state dir
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A directory another user may enter (pytest's tmp_path is 0700)."""
+    d = Path(tempfile.mkdtemp(prefix="evergraph-ro-"))
+    os.chmod(d, 0o755)
+    yield d
+    subprocess.run(["chmod", "-R", "u+w", str(d)], check=False)
+    subprocess.run(["rm", "-rf", str(d)], check=False)
+
+
+@pytest.mark.parametrize("world", ["memory", "sqlite"])
+def test_a_read_only_state_dir_is_one_line_naming_it(shared_tmp: Path, world: str) -> None:
+    graph = shared_tmp / "g.yaml"
+    graph.write_text(HELLO)
+    os.chmod(graph, 0o644)
+    state = shared_tmp / "st"
+    state.mkdir(mode=0o555)
+    os.chmod(state, 0o555)
+    args = ["run", str(graph), "--state-dir", str(state), "--converged-exit", "--world", world]
+    as_user: list[str] = []
+    if os.geteuid() == 0:  # root writes anywhere: run as nobody
+        as_user = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    r = subprocess.run([*as_user, *EVERGRAPH, *args], capture_output=True, text=True, timeout=QUICK)
+    if "setpriv" in r.stderr and r.returncode != 2:
+        pytest.skip(f"cannot run as nobody here: {r.stderr.strip()}")
+    # the log line carries a time stamp before the message
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert f"{state}: cannot write the state directory (Permission denied" in lines[0]

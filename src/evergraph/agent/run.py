@@ -138,7 +138,14 @@ class _StateLock:
         self.fd = -1
 
     def __enter__(self) -> _StateLock:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise InputError(
+                f"cannot write the state directory ({e.strerror} on {self.path.name}): "
+                "give a --state-dir the agent's user may write",
+                str(self.path.parent),
+            ) from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -191,6 +198,11 @@ async def run_agent(
     except InputError as e:
         log.error("%s", e)
         return 2
+    except OSError as e:
+        if agent.engine is not None:
+            raise  # not a failure to start: keep its traceback
+        log.error("agent: cannot start: %s", e)  # e.g. no inotify instance left
+        return 1
     finally:
         if handle_signals:
             for sig in (signal.SIGINT, signal.SIGTERM):
