@@ -356,3 +356,13 @@ def test_a_read_only_state_dir_is_one_line_naming_it(shared_tmp: Path, world: st
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert f"{state}: cannot write the state directory (Permission denied" in lines[0]
+
+
+# --------------------------------------------------------------------------- messages
+
+
+def test_unprintable_input_is_escaped_in_the_message(tmp_path: Path) -> None:
+    f = tmp_path / "esc.yaml"
+    f.write_text("graph: g\nresources:\n  noop:\n  - name: a\n    co\x1b[2Jm\u2028ent: x\n")
+    line = one_line_exit_2(timed("check", f), "noop[a].co\\x1b[2Jm\\u2028ent: unknown parameter")
+    assert "\x1b" not in line

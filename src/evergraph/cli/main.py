@@ -23,8 +23,16 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 ETCD_PASSWORD_ENV = "EVERGRAPH_ETCD_PASSWORD"
 
 
+def one_line(text: str) -> str:
+    """`text` with every unprintable character escaped (`\\n`, `\\x1b`, `\\u2028`): a
+    message quoting the user's input stays one line, and cannot drive the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 def _die(e: InputError) -> NoReturn:
-    click.echo(f"evergraph: {e}", err=True)
+    click.echo(f"evergraph: {one_line(str(e))}", err=True)
     sys.exit(2)
 
 

@@ -233,6 +233,8 @@ class SshAuthorizedKey(Resource, kw_only=True, dict=True, forbid_unknown_fields=
             raise self.bad("key", "is empty: give the base64 blob of the public key")
         if any(c.isspace() for c in self.key):
             raise self.bad("key", "contains whitespace: give only the base64 blob")
+        if not self.key.isascii():
+            raise self.bad("key", "is not valid base64: it holds non-ASCII characters")
         try:
             blob = base64.b64decode(self.key, validate=True)
         except binascii.Error as e:
