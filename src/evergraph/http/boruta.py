@@ -33,7 +33,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 from evergraph._version import __version__
 from evergraph.farm.model import (
@@ -1418,6 +1418,7 @@ def parse_workers_list(body: bytes) -> WorkersListSpec:
 
 
 _Item = TypeVar("_Item")
+_Item_contra = TypeVar("_Item_contra", contravariant=True)
 
 
 def _time_key(t: float) -> float:
@@ -1470,6 +1471,39 @@ def _page(
     return matching[index : index + size], total, remaining
 
 
+class _Filter(Protocol[_Item_contra]):
+    def matches(self, item: _Item_contra) -> bool: ...
+
+
+def _list(
+    items: Iterable[_Item],
+    ident: Callable[[_Item], object],
+    pid: object,
+    filter: _Filter[_Item] | None,
+    key: Callable[[_Item], Any],
+    descending: bool,
+    backward: bool,
+    limit: int,
+    what: str,
+) -> tuple[list[_Item], int, int]:
+    """One page of `items` matching `filter`, sorted by `key`; the pivot `pid`
+    (falsy: none) is kept even if the filter drops it. 404 `<what> not found` for
+    an unknown pivot."""
+    pivot: _Item | None = None
+    matching: list[_Item] = []
+    for item in items:
+        if pid and ident(item) == pid:
+            pivot = item
+            matching.append(item)
+        elif filter is None or filter.matches(item):
+            matching.append(item)
+    if pid and pivot is None:
+        raise not_found(what)
+    matching.sort(key=key, reverse=descending)
+    kept = pivot is None or filter is None or filter.matches(pivot)
+    return _page(matching, pivot, kept, backward, limit)
+
+
 def list_requests(
     items: Iterable[Request],
     filter: RequestsFilter | None = None,
@@ -1479,25 +1513,17 @@ def list_requests(
     """One page of the requests matching `filter`, sorted: (page, total matching,
     remaining after the page in its direction). `items` are all the requests the
     caller may see; a paginator naming none of them is 404 `request not found`."""
-    pid = paginator.id if paginator is not None else 0
-    pivot: Request | None = None
-    matching: list[Request] = []
-    for r in items:
-        if pid and r.id == pid:
-            pivot = r
-            matching.append(r)
-        elif filter is None or filter.matches(r):
-            matching.append(r)
-    if pid and pivot is None:
-        raise not_found("request")
     sorter = sorter or Sorter()
-    matching.sort(key=_REQUEST_KEYS[sorter.item], reverse=sorter.descending)
-    return _page(
-        matching,
-        pivot,
-        pivot is None or filter is None or filter.matches(pivot),
+    return _list(
+        items,
+        lambda r: r.id,
+        paginator.id if paginator is not None else 0,
+        filter,
+        _REQUEST_KEYS[sorter.item],
+        sorter.descending,
         paginator is not None and paginator.backward,
         _limit(paginator.limit) if paginator is not None else MAX_PAGE_LIMIT,
+        "request",
     )
 
 
@@ -1509,23 +1535,15 @@ def list_workers(
 ) -> tuple[list[Worker], int, int]:
     """As `list_requests`, for workers (paged by UUID; an unknown one is 404
     `worker not found`)."""
-    pid = paginator.id if paginator is not None else ""
-    pivot: Worker | None = None
-    matching: list[Worker] = []
-    for w in items:
-        if pid and w.uuid == pid:
-            pivot = w
-            matching.append(w)
-        elif filter is None or filter.matches(w):
-            matching.append(w)
-    if pid and pivot is None:
-        raise not_found("worker")
     sorter = sorter or Sorter()
-    matching.sort(key=_WORKER_KEYS[sorter.item], reverse=sorter.descending)
-    return _page(
-        matching,
-        pivot,
-        pivot is None or filter is None or filter.matches(pivot),
+    return _list(
+        items,
+        lambda w: w.uuid,
+        paginator.id if paginator is not None else "",
+        filter,
+        _WORKER_KEYS[sorter.item],
+        sorter.descending,
         paginator is not None and paginator.backward,
         _limit(paginator.limit) if paginator is not None else MAX_PAGE_LIMIT,
+        "worker",
     )
