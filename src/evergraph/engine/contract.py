@@ -17,9 +17,10 @@ Resources import this module and nothing else of the engine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Protocol, TypeVar
 
@@ -204,6 +205,19 @@ class Handle(Protocol):
         secret (a password): keep it sealed, make files of it private. Whatever
         the resource logs or raises is masked by the engine anyway."""
         ...
+
+
+async def watch_snapshots(handle: Handle, snapshots: AsyncIterator[object]) -> None:
+    """A watch over a stream of snapshots (the World's `watch_one` and its kin): the
+    first one means ready, each later one an event; the stream is closed after."""
+    first = True
+    async with contextlib.aclosing(snapshots):  # type: ignore[type-var]
+        async for _ in snapshots:
+            if first:
+                first = False
+                handle.ready()
+            else:
+                handle.event()
 
 
 class PathSubscription(Protocol):

@@ -14,10 +14,9 @@ nothing.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Annotated, Any, ClassVar
 
-from evergraph.engine.contract import Handle, Resource, doc, register
+from evergraph.engine.contract import Handle, Resource, doc, register, watch_snapshots
 from evergraph.errors import ResourceError
 from evergraph.world.follow import watch_one
 
@@ -83,14 +82,7 @@ class KeyValue(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     async def watch(self) -> None:
         # watch_one: resumes a broken stream, re-reads after a compaction or a
         # replaced World; the first snapshot is the state as the watch starts
-        first = True
-        async with contextlib.aclosing(watch_one(self.handle.world, self._key)) as snaps:
-            async for _snap in snaps:
-                if first:
-                    first = False
-                    self.handle.ready()
-                else:
-                    self.handle.event()
+        await watch_snapshots(self.handle, watch_one(self.handle.world, self._key))
 
     async def check_apply(self, apply: bool) -> bool:
         kv = self.handle.world

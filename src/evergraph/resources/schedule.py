@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 from typing import Annotated, Any, ClassVar
 
-from evergraph.engine.contract import Handle, Resource, doc, register
+from evergraph.engine.contract import Handle, Resource, doc, register, watch_snapshots
 from evergraph.errors import ResourceError
 from evergraph.world.kv import WorldError
 from evergraph.world.scheduler import (
@@ -103,14 +103,7 @@ class Schedule(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
 
         async with asyncio.TaskGroup() as tg:
             tg.create_task(volunteer(), name=f"schedule-{self._ns()}")
-            first = True
-            async with contextlib.aclosing(watch_chosen(kv, self._ns())) as choices:
-                async for _hosts in choices:
-                    if first:
-                        first = False
-                        self.handle.ready()
-                    else:
-                        self.handle.event()
+            await watch_snapshots(self.handle, watch_chosen(kv, self._ns()))
 
     async def check_apply(self, apply: bool) -> bool:
         kv = self.handle.world
