@@ -26,6 +26,7 @@ import collections
 import contextlib
 import logging
 import math
+import time
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterator
 from typing import TYPE_CHECKING, Any
@@ -146,7 +147,10 @@ class Engine:
         return tuple(v.status() for v in self.vertices.values())
 
     def _observe(self, v: Vertex, state: State) -> None:
-        v.state, v.since = state, self.clock.monotonic()
+        now = self.clock.monotonic()
+        if v.state == "running" and state != "running":
+            v.duration = now - v.since
+        v.state, v.since = state, now
         if self.observer is not None:
             self.observer(v.status())
 
@@ -851,6 +855,7 @@ class Engine:
             self._observe(v, "clean")
         else:
             v.changed_count += 1
+            v.last_changed = time.time()
             if applied:
                 log.info("%s: applied", v.ident)
                 crash_point("parent-changed")

@@ -11,6 +11,18 @@ State = Literal["pending", "running", "clean", "changed", "failed", "retrying"]
 
 
 @dataclass(frozen=True, slots=True)
+class Change:
+    """One thing a check_apply changed, or would change under noop: a field with its
+    old and new value as text (secrets already masked); for file content, `diff` is a
+    unified diff (truncated past a size)."""
+
+    field: str
+    old: str | None
+    new: str | None
+    diff: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class VertexStatus:
     ident: str
     kind: str
@@ -22,6 +34,12 @@ class VertexStatus:
     changed_count: int = 0
     clean_count: int = 0
     fail_count: int = 0
+    #: seconds the last check_apply took
+    duration: float = 0.0
+    #: when it last changed something (wall clock, seconds since the epoch)
+    last_changed: float | None = None
+    #: what it changed (or would change) on its last run that changed something
+    changes: tuple[Change, ...] = ()
 
 
 #: called with each vertex's new status as it changes

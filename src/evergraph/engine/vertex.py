@@ -19,7 +19,7 @@ from urllib.parse import quote, unquote
 from evergraph._util.atomic import atomic_write
 from evergraph.engine.contract import PathWatcher, Resource
 from evergraph.engine.masking import MaskingLogger, mask
-from evergraph.engine.status import State, VertexStatus
+from evergraph.engine.status import Change, State, VertexStatus
 from evergraph.errors import ResourceError
 
 if TYPE_CHECKING:
@@ -35,8 +35,10 @@ class Vertex:
         "apply_task",
         "bucket_at",
         "changed_count",
+        "changes",
         "children",
         "clean_count",
+        "duration",
         "engine",
         "ever_ok",
         "fail_count",
@@ -44,6 +46,7 @@ class Vertex:
         "ident",
         "inbox",
         "intent",
+        "last_changed",
         "last_error",
         "notify_children",
         "ok",
@@ -122,6 +125,11 @@ class Vertex:
         #: the state observers last saw, and since when
         self.state: State = "pending"
         self.since = 0.0
+        #: how long the last check_apply took (seconds), and when it last changed
+        #: something (wall clock), with what it changed (resources report it)
+        self.duration = 0.0
+        self.last_changed: float | None = None
+        self.changes: tuple[Change, ...] = ()
 
     def status(self) -> VertexStatus:
         return VertexStatus(
@@ -134,6 +142,9 @@ class Vertex:
             self.changed_count,
             self.clean_count,
             self.fail_count,
+            self.duration,
+            self.last_changed,
+            self.changes,
         )
 
     def __repr__(self) -> str:
