@@ -3,12 +3,16 @@
 "Converged" means every vertex idle (clean, or failed for good) for
 `timeout` seconds. Transitions are appended to a status file (`true`/`false`,
 one per line) so that scripts and tests can wait on a file, not on sleeps.
+The file is appended to, never followed through a symlink, and must be a
+regular file (a FIFO or device there is refused, not blocked on).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,8 +62,14 @@ class Converger:
     def _write(self, state: bool) -> None:
         if self.status_file is None:
             return
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
-            with open(self.status_file, "a") as f:
-                f.write("true\n" if state else "false\n")
+            fd = os.open(self.status_file, flags | os.O_CLOEXEC, 0o644)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OSError("not a regular file")
+                os.write(fd, b"true\n" if state else b"false\n")
+            finally:
+                os.close(fd)
         except OSError as e:
             log.error("cannot write converged status file %s: %s", self.status_file, e)
