@@ -47,7 +47,8 @@ def test_grouping_keeps_every_order_and_never_groups_a_notified_vertex(seed: int
         for member in res.group_members:
             leader[member.ident] = ident
             assert member.kind == res.kind  # one key per group
-            assert member.ident not in notified and ident not in notified
+            assert member.ident not in notified
+            assert ident not in notified
     assert merged == n - len(m.resources)
     assert sorted(leader) == sorted(kinds)
     quotient = {(e.from_id, e.to_id, e.notify) for e in m.edges}
@@ -66,7 +67,9 @@ def test_vertices_with_edges_group_by_depth() -> None:
     for a, b in (("root", "a"), ("root", "b"), ("a", "c"), ("b", "c"), ("c", "tail")):
         m.connect(Edge(f"noop[{a}]", f"noop[{b}]"))
     assert autogroup.group_vertices(m) == 2
-    groups = {ident: sorted(r.ident for r in res.group_members) for ident, res in m.resources.items()}
+    groups = {
+        ident: sorted(r.ident for r in res.group_members) for ident, res in m.resources.items()
+    }
     # a and b are both at depth 1; lone has no edge and joins the first group
     assert groups == {
         "noop[root]": ["noop[lone]"],
