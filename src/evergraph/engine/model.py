@@ -110,7 +110,7 @@ class GraphModel:
             res.validate()
             for key in res.claims():
                 first = claimed.setdefault(key, res)
-                if first is not res and not _same_but_named(first, res):
+                if first is not res and not same_but_named(first, res):
                     self._fight(key, first, res)
         try:
             return self.order()
@@ -118,6 +118,14 @@ class GraphModel:
             cyc = [str(v) for v in e.cycle]
             where = self.origins.get(cyc[0], "")
             raise GraphCycleError(cyc, where) from None
+
+    def claimed(self) -> dict[str, Resource]:
+        """What the graph's resources manage (`file:/etc/x`) -> the first claiming it."""
+        out: dict[str, Resource] = {}
+        for res in self.resources.values():
+            for key in res.claims():
+                out.setdefault(key, res)
+        return out
 
     def _fight(self, key: str, first: Resource, res: Resource) -> None:
         where = self.origins.get(first.ident, "")
@@ -142,7 +150,7 @@ class GraphModel:
                 )
 
 
-def _same_but_named(a: Resource, b: Resource) -> bool:
+def same_but_named(a: Resource, b: Resource) -> bool:
     """Equal resources under two names (apart from meta): they do not fight."""
     return type(a) is type(b) and msgspec.structs.replace(b, name=a.name, meta=a.meta) == a
 
@@ -156,7 +164,13 @@ class GraphCycleError(InputError):
 
 
 def _type_name(t: object) -> str:
-    return getattr(t, "__name__", None) or str(t).replace("typing.", "")
+    """`str`, `str | None`, `list[str]`: a declared type as its user wrote it, without
+    the `Annotated[..., doc(...)]` wrapper every parameter has."""
+    if get_origin(t) is Annotated:
+        t = get_args(t)[0]
+    if isinstance(t, type) and not get_args(t):
+        return t.__name__
+    return str(t).replace("typing.", "").replace("NoneType", "None")
 
 
 def _accepts(field_type: object, value_type: object) -> bool:

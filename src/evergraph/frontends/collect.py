@@ -11,7 +11,7 @@ import msgspec
 
 from evergraph.engine.build import build
 from evergraph.engine.contract import Registry, Resource
-from evergraph.engine.model import CollectSpec, GraphModel
+from evergraph.engine.model import CollectSpec, GraphModel, same_but_named
 from evergraph.errors import InputError
 from evergraph.world.exports import Exported, ExportItem
 
@@ -51,11 +51,36 @@ def to_resources(registry: Registry, exports: list[Exported]) -> list[Resource]:
 
 
 def merge(model: GraphModel, collected: list[Resource]) -> GraphModel:
-    """`model` plus the collected resources; a local resource wins over a collected one."""
+    """`model` plus the collected resources; a local resource wins over a collected one,
+    and so does one that manages the same thing (a file path, a user…) with other
+    parameters: an export must not make this host's graph fight itself, nor make it
+    fail to load (another host wrote it)."""
+    if not collected:
+        return model
+    claimed = model.claimed()
     for res in collected:
         if res.ident in model.resources:
             if not model.resources[res.ident].cmp(res):
                 log.warning("collected %s conflicts with a local resource: skipped", res.ident)
             continue
+        clash = next(
+            (
+                (key, claimed[key])
+                for key in res.claims()
+                if key in claimed and not same_but_named(claimed[key], res)
+            ),
+            None,
+        )
+        if clash is not None:
+            key, first = clash
+            log.warning(
+                "collected %s manages %s, as %s does with other parameters: skipped",
+                res.ident,
+                key,
+                first.ident,
+            )
+            continue
         model.add(res, origin="collected")
+        for key in res.claims():
+            claimed.setdefault(key, res)
     return model
