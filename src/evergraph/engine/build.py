@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import difflib
 import re
+import types
+import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -43,6 +45,57 @@ def known_kinds_hint(kinds: list[str], word: str) -> str:
     close = difflib.get_close_matches(word, kinds, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"(known: {', '.join(kinds)}){hint}"
+
+
+def _declared_type(cls: type, sub: tuple[PathPart, ...]) -> object:
+    """The type declared for the data path `sub` below a `cls` (`Annotated` and
+    `Optional` removed), or None when the path leaves the declared fields."""
+    t: object = cls
+    for part in sub:
+        if isinstance(part, int):
+            args = typing.get_args(t)
+            if typing.get_origin(t) is not list or not args:
+                return None
+            t = args[0]
+            continue
+        if not isinstance(t, type) or not issubclass(t, msgspec.Struct):
+            return None
+        t = next((f.type for f in msgspec.structs.fields(t) if f.name == part), None)
+        if t is None:
+            return None
+        if typing.get_origin(t) is Annotated:
+            t = typing.get_args(t)[0]
+    args = typing.get_args(t)
+    if (isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union) and (
+        len(args) == 2 and type(None) in args
+    ):
+        t = next(a for a in args if a is not type(None))
+    return t
+
+
+def _value_at(item: object, sub: tuple[PathPart, ...]) -> object:
+    """The value at the data path `sub` in `item`, or None."""
+    for part in sub:
+        in_list = isinstance(part, int) and isinstance(item, list) and part < len(item)
+        if not in_list and not (isinstance(item, dict) and part in item):
+            return None
+        item = item[part]  # type: ignore[index]
+    return item
+
+
+def _type_hint(declared: object, value: object, field: str) -> str:
+    """What to add to a type error: a Literal's valid values; a number or a boolean
+    given where text is wanted is to be quoted (YAML reads `mode: 0644` as the
+    number 644, `on` as text but `true` as a boolean)."""
+    if typing.get_origin(declared) is Literal:
+        # no "did you mean": the closest spelling of `present` is `absent`
+        return f" (valid values: {', '.join(repr(v) for v in typing.get_args(declared))})"
+    if declared is str and isinstance(value, bool | int) and field:
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        return f': quote it, e.g. {field}: "{text}"'
+    if declared is str and isinstance(value, float):
+        return ": quote it (as text, exactly as written)"
+    return ""
 
 
 def _where(where: str) -> Fail:
@@ -85,6 +138,13 @@ def build_resource(
             ) from None
         dotted = ".".join(str(p) for p in sub)
         reason = reason.replace("Expected", "expected").replace("`", "")
+        value = _value_at(item, sub)
+        if isinstance(value, int) and value.bit_length() > 64:
+            value = None  # too long to quote back
+        if reason.startswith("expected") and isinstance(value, bool | int | float):
+            reason += f" {value!r}"
+        field = next((p for p in reversed(sub) if isinstance(p, str)), "")
+        reason += _type_hint(_declared_type(cls, sub), value, field)
         raise fail(
             f"{ident}.{dotted}: {reason}" if dotted else f"{ident}: {reason}", (*path, *sub)
         ) from None
