@@ -499,32 +499,76 @@ def check(file: Path) -> None:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["dot", "json"]),
+    type=click.Choice(["dot", "svg", "png", "json"]),
     default="dot",
     show_default=True,
-    help="Graphviz dot, or JSON for scripts.",
+    help="Graphviz dot, a picture (svg, png: drawn by Graphviz's `dot` program), or JSON "
+    "for scripts.",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write to this file (replaced atomically) instead of standard output; needed for "
+    "png on a terminal.",
 )
 @click.option("--no-autoedges", is_flag=True, help="Without automatic edges.")
 @click.option("--no-autogroup", is_flag=True, help="Without automatic grouping.")
-def graph(file: Path, fmt: str, no_autoedges: bool, no_autogroup: bool) -> None:
+def graph(
+    file: Path, fmt: str, output: Path | None, no_autoedges: bool, no_autogroup: bool
+) -> None:
     """Print the graph in FILE as the engine would run it (after automatic
     edges and grouping); change nothing.
 
+    Resources are ellipses (boxes for groups, dashed if hidden); auto edges
+    are dotted; notify and send/recv edges are labelled.
+
+    \b
+    Exit status: 0 ok; 1 Graphviz's `dot` is missing (install the graphviz
+    package) or failed, or the output could not be written; 2 bad input.
     \b
     Examples:
-      evergraph graph site.yaml | dot -Tsvg > site.svg
+      evergraph graph site.yaml -o site.svg --format svg
+      evergraph graph site.yaml --format png -o site.png
+      evergraph graph site.yaml | dot -Tpdf > site.pdf
       evergraph graph site.yaml --format json | jq '.edges[] | select(.auto)'
     """
     from evergraph.agent.api import frontend_for
     from evergraph.engine.prepare import prepare
-    from evergraph.engine.render import to_dot, to_json
+    from evergraph.engine.render import GraphvizError, to_dot, to_image, to_json
 
     try:
+        if output is not None and not output.parent.is_dir():
+            raise InputError(f"no such directory: {output.parent}", "--output")
+        if output is None and fmt == "png" and sys.stdout.isatty():
+            raise InputError(
+                "png is binary and would garble the terminal: give -o FILE.png "
+                "(or redirect standard output)",
+                "--format png",
+            )
         model = frontend_for(file).load()
         prepare(model, autoedges=not no_autoedges, autogroup=not no_autogroup)
     except InputError as e:
         _die(e)
-    click.echo(to_dot(model) if fmt == "dot" else to_json(model), nl=False)
+    if fmt in ("dot", "json"):
+        data = (to_dot(model) if fmt == "dot" else to_json(model)).encode()
+    else:
+        try:
+            data = to_image(to_dot(model), fmt)
+        except GraphvizError as e:
+            click.echo(f"evergraph: {one_line(str(e))}", err=True)
+            sys.exit(1)
+    if output is None:
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+        return
+    from evergraph._util.atomic import atomic_write
+
+    try:  # readable by others, as a file a shell redirect would make
+        atomic_write(output, data, mode=0o644)
+    except OSError as e:
+        click.echo(f"evergraph: cannot write {output}: {e.strerror or e}", err=True)
+        sys.exit(1)
 
 
 @cli.group(context_settings=CONTEXT)
