@@ -610,6 +610,10 @@ _hosts_cli.register(cli, world_options)
 _schedule_cli.register(cli, world_options)
 _farm_cli.register(cli, world_options)
 
+from evergraph.cli import setup as _setup_cli  # noqa: E402  (needs the run command)
+
+_setup_cli.register(cli)
+
 
 def main() -> None:
     cli(prog_name="evergraph")
