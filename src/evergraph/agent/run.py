@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from evergraph._util.atomic import sweep_temps
 from evergraph._version import __version__
+from evergraph.agent.observe import ObserverHub, TimedKV
 from evergraph.engine.build import build
 from evergraph.engine.contract import Registry, default_registry
 from evergraph.engine.engine import Engine
@@ -239,6 +240,8 @@ class Agent:
         self.kv: KV | None = None
         self.publisher: Publisher | None = None
         self.collector: Collector | None = None
+        #: the engine's observer: services (the HTTP view) subscribe to it
+        self.observers = ObserverHub()
 
     def request_stop(self) -> None:
         self.stop.set()
@@ -274,7 +277,8 @@ class Agent:
                 try:
                     if self.world_opts is not None:
                         opened = await open_world(self.world_opts, self.settings.state_dir)
-                        self.kv = opened.kv
+                        # every World call the agent makes is timed (for metrics)
+                        opened.kv = self.kv = TimedKV(opened.kv)
                         membership = await self._join(opened)
                     status = await self._converge(hub, opened)
                     if membership is not None:
@@ -386,6 +390,11 @@ class Agent:
         settings = self.settings
         self.engine = engine = Engine(
             settings,
+            # fed only when a service may listen: snapshots cost the hot path (a
+            # service that never subscribes says so: `observes = False`)
+            observer=self.observers
+            if any(getattr(s, "observes", True) for s in self.extra)
+            else None,
             watcher=hub,
             world=opened.kv if opened is not None else None,
             keys=self.keys,

@@ -173,11 +173,14 @@ def _http_service(addr: str, anonymous: str | None) -> Service:
         from evergraph.farm.service import Farm
         from evergraph.http.app import create_app
         from evergraph.http.farm_api import FarmApi
+        from evergraph.http.observe import AgentView
 
         farm = None
         if agent.kv is not None:
             farm = Farm(agent.kv, host=agent.settings.host(), collector=agent.collector)
-        await HttpServer(create_app(agent.status, FarmApi(farm, anonymous)), sock).run()
+        view = AgentView(agent, farm=farm is not None)
+        app = create_app(agent.status, FarmApi(farm, anonymous), view)
+        await view.serve(HttpServer(app, sock, on_stop=view.close))
 
     return serve
 

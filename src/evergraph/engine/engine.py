@@ -42,7 +42,7 @@ from evergraph.engine.contract import Registry, Resource, default_registry, sema
 from evergraph.engine.converger import Converger
 from evergraph.engine.model import Edge, GraphModel
 from evergraph.engine.settings import Settings
-from evergraph.engine.status import Observer, State, VertexStatus
+from evergraph.engine.status import Observer, State, VertexStatus, masked_params
 from evergraph.engine.store import Owed, VertexStore
 from evergraph.engine.vertex import Vertex
 from evergraph.errors import InputError, ResourceError
@@ -78,6 +78,8 @@ class Engine:
         self.settings = settings
         self.hostname = settings.host()
         self.observer = observer
+        #: watch events received (`handle.event()` calls of current vertices)
+        self.events = 0
         self.vertices: dict[str, Vertex] = {}
         self.watcher = watcher
         self.world = world
@@ -145,6 +147,22 @@ class Engine:
     def status(self) -> tuple[VertexStatus, ...]:
         """A snapshot of every vertex, for observers."""
         return tuple(v.status() for v in self.vertices.values())
+
+    # read-only views for observers (HTTP, metrics): tuples and plain values
+    def edges(self) -> tuple[Edge, ...]:
+        return tuple(self._edges)
+
+    def state_counts(self) -> collections.Counter[str]:
+        return collections.Counter(v.state for v in self.vertices.values())
+
+    def busy(self) -> bool:
+        """A run is in flight, queued or due (retry), or a watch is not ready yet."""
+        return bool(self._running or self._retrying or self._unready or self._queued)
+
+    def params(self, ident: str) -> dict[str, object] | None:
+        """`ident`'s parameters with its secrets masked (None: no such vertex)."""
+        v = self.vertices.get(ident)
+        return None if v is None else masked_params(v.res, v.secret_fields, v.mask)
 
     def _observe(self, v: Vertex, state: State) -> None:
         now = self.clock.monotonic()
@@ -596,9 +614,12 @@ class Engine:
     def vertex_event(self, v: Vertex) -> None:
         if v.failed or v.res.meta.hidden or self.vertices.get(v.ident) is not v:
             return  # a late event of a vertex already swapped out is dropped
+        self.events += 1
         if not v.pending:
             v.pending = True
             self.converger.busy()
+            if v.state == "clean" or v.state == "changed":
+                self._observe(v, "pending")  # observers time a repair from here
         self._poke(v)
 
     # -- scheduling ---------------------------------------------------------------

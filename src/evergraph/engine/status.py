@@ -3,9 +3,16 @@ live `Vertex` objects (the CLI's status now, HTTP and metrics later)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+
+from evergraph.engine.masking import MASK
+
+if TYPE_CHECKING:
+    from evergraph.engine.contract import Resource
 
 State = Literal["pending", "running", "clean", "changed", "failed", "retrying"]
 
@@ -44,3 +51,28 @@ class VertexStatus:
 
 #: called with each vertex's new status as it changes
 Observer = Callable[[VertexStatus], None]
+
+
+def masked_params(
+    res: Resource, secret_fields: Collection[str], mask: Callable[[str], str]
+) -> dict[str, object]:
+    """A resource's parameters as plain values that observers may show: a field
+    holding a received secret is `MASK` whole, and every text anywhere in the
+    others goes through `mask` (the secrets the vertex knows)."""
+    out: dict[str, object] = {}
+    for f in res.params():
+        if f.name in secret_fields:
+            out[f.name] = MASK
+        else:
+            out[f.name] = _masked(msgspec.to_builtins(getattr(res, f.name)), mask)
+    return out
+
+
+def _masked(value: object, mask: Callable[[str], str]) -> object:
+    if isinstance(value, str):
+        return mask(value)
+    if isinstance(value, list):
+        return [_masked(x, mask) for x in value]
+    if isinstance(value, dict):
+        return {mask(str(k)): _masked(x, mask) for k, x in value.items()}
+    return value

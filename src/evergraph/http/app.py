@@ -1,10 +1,13 @@
-"""The routes: status of the running graph now; the farm's Boruta-compatible API v1
-joins them. Handlers read immutable snapshots, never the engine's live objects."""
+"""The routes: status of the running graph now (with an agent's view: metrics, the
+graph's edges, its live events and the web page, see observe.py); the farm's
+Boruta-compatible API v1 joins them. Handlers read immutable snapshots, never
+the engine's live objects."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -15,11 +18,17 @@ from evergraph._version import __version__
 from evergraph.engine.status import VertexStatus
 from evergraph.http.farm_api import FarmApi
 
+if TYPE_CHECKING:
+    from evergraph.http.observe import AgentView
+
 Snapshot = Callable[[], tuple[VertexStatus, ...]]
 
 
-def create_app(status: Snapshot, farm: FarmApi | None = None) -> Starlette:
-    """The app: status routes, and the farm's API v1 (`farm`: None, not served)."""
+def create_app(
+    status: Snapshot, farm: FarmApi | None = None, view: AgentView | None = None
+) -> Starlette:
+    """The app: status routes, and the farm's API v1 (`farm`: None, not served);
+    `view`: an agent's metrics, graph, events and web page (None: the status only)."""
 
     async def healthz(_: Request) -> Response:
         return JSONResponse({"ok": True, "version": __version__})
@@ -39,7 +48,7 @@ def create_app(status: Snapshot, farm: FarmApi | None = None) -> Starlette:
 
     routes = [
         Route("/healthz", healthz),
-        Route("/api/v1/graph", graph),
+        *(view.routes() if view is not None else [Route("/api/v1/graph", graph)]),
         *(farm.routes() if farm is not None else []),
         Route("/api/{path:path}", unversioned, methods=["GET", "POST", "PUT", "DELETE"]),
     ]

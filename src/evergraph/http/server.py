@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import uvicorn
@@ -57,10 +57,15 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    """One listening socket and the app behind it; `run()` until cancelled."""
+    """One listening socket and the app behind it; `run()` until cancelled.
+    `on_stop`: called first when cancelled (to end endless responses, such as
+    event streams, which would otherwise hold the shutdown for its grace)."""
 
-    def __init__(self, app: Any, sock: socket.socket) -> None:
+    def __init__(
+        self, app: Any, sock: socket.socket, on_stop: Callable[[], None] | None = None
+    ) -> None:
         self.sock = sock
+        self.on_stop = on_stop
         host, port = sock.getsockname()[:2]
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         config = uvicorn.Config(
@@ -74,6 +79,8 @@ class HttpServer:
         try:
             await asyncio.shield(serving)
         except asyncio.CancelledError:
+            if self.on_stop is not None:
+                self.on_stop()
             self.server.should_exit = True
             with contextlib.suppress(Exception):
                 await serving
