@@ -1,6 +1,6 @@
 """Run every benchmark, print one table each, write bench/results/latest.json.
 
-Usage: `scripts/bench [--quick] [--only engine|graphops|files|drift ...]`
+Usage: `scripts/bench [--quick] [--only engine|graphops|files|drift|http ...]`
 (or `.venv/bin/python -m bench ...`, or `.venv/bin/python bench/run.py ...`).
 """
 
@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
 from bench import common
 
-BENCHMARKS = ("engine", "graphops", "drift", "files", "world", "farm", "soak")
+BENCHMARKS = ("engine", "graphops", "drift", "files", "world", "farm", "soak", "http")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench import soak
 
             out["soak"], text = soak.run(args.quick)
+        elif name == "http":
+            from bench import http
+
+            out["http"], text = http.run(args.quick)
         else:
             from bench import drift
 

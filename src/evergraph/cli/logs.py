@@ -3,7 +3,17 @@
 When stderr is not a terminal (a pipe, a file, the journal) log lines are
 written through a 64 KiB buffer that `run` flushes every 100 ms and at exit:
 writing 10k "applied" lines one syscall each cost more than the 10k file
-writes they report. On a terminal every line appears at once.
+writes they report. On a terminal (text format) lines go through `rich`,
+coloured (changed yellow, failed red), and while the live display
+(`cli/progress.py`) is shown they are held and printed above it each tick.
+
+Text lines are escaped: resource names, errors and command output come from
+users and machines, and a control character in them must not forge a log line
+or drive the terminal. Every non-printable character is written as its Python
+escape (`\\x1b`, `\\r`, `\\u2028`) except tab and newline; a newline (multi-line
+messages: diffs, the recap, tracebacks) starts a continuation line, indented, so
+no line of a message can pass for a record of its own (records start with their
+time). JSON is safe as it is (json.dumps escapes).
 """
 
 from __future__ import annotations
@@ -12,24 +22,64 @@ import io
 import json
 import logging
 import os
+import re
 import sys
 import time
+import unicodedata
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console, ConsoleOptions, RenderResult
 
 FLUSH_INTERVAL = 0.1
+#: what starts each continuation line of a multi-line message
+INDENT = "  "
+#: `-vv`: everything, down to command output (level 5, see resources/_proc.py)
+ALL = 1
+
+
+def _escaped_char(c: str) -> str:
+    if c == "\t" or c.isprintable() or unicodedata.category(c) == "Zs":
+        return c
+    return c.encode("unicode_escape", "backslashreplace").decode("ascii")
+
+
+def escape(text: str, lines: bool = True) -> str:
+    """`text` safe to write to a log or a terminal: non-printable characters escaped
+    (`\\x1b`, `\\r`, `\\x00`, `\\u2028`), tab kept. `lines`: each newline starts an
+    indented continuation line; else it is escaped too (`\\n`: one line)."""
+    if text.isprintable():  # the common case: one C call
+        return text
+    if lines and "\n" in text:
+        return ("\n" + INDENT).join(escape(line, lines=False) for line in text.split("\n"))
+    return "".join(c if c.isprintable() else _escaped_char(c) for c in text)
+
+
+def _data(record: logging.LogRecord) -> dict[str, Any] | None:
+    """The structured form a record carries (`extra={"data": {...}}`: the recap)."""
+    data = getattr(record, "data", None)
+    return data if isinstance(data, dict) else None
 
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        out = {
+        msg = record.getMessage()
+        data = _data(record)
+        if data is not None:
+            msg = msg.partition("\n")[0]  # the rest is in the data, complete
+        out: dict[str, Any] = {
             "ts": round(record.created, 6),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": msg,
         }
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         elif record.exc_text:  # formatted (and masked) at the source
             out["exc"] = record.exc_text
+        if data is not None:
+            for k, v in data.items():
+                out.setdefault(k, v)
         return json.dumps(out)
 
 
@@ -45,8 +95,14 @@ class TextFormatter(logging.Formatter):
             self._second = second
             self._stamp = time.strftime("%H:%M:%S", time.localtime(second))
         ms = int(record.msecs)
-        level = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
-        return f"{self._stamp}.{ms:03d} {level}{record.getMessage()}"
+        no = record.levelno
+        level = "" if no == logging.INFO or no < logging.DEBUG else f"{record.levelname.lower()}: "
+        msg = escape(record.getMessage())
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            msg += "\n" + INDENT + escape(record.exc_text)
+        return f"{self._stamp}.{ms:03d} {level}{msg}"
 
 
 class BufferedHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -71,15 +127,129 @@ class _nolock:
         return None
 
 
+#: first lines that report a change: `kind[name]: applied`, `would change`, `ran ...`
+_CHANGED = re.compile(r"\]: (applied|would change|ran )")
+
+
+def _style(record: logging.LogRecord, first: str) -> str:
+    no = record.levelno
+    if no >= logging.WARNING:
+        return "red"
+    if no < logging.INFO:
+        return "dim"
+    if _CHANGED.search(first):
+        return "yellow"
+    return ""
+
+
+#: a recap's lines, by their first word
+_RECAP_STYLES = {"changed": "yellow", "would": "yellow", "failed": "red", "…": "dim"}
+
+
+class TerminalHandler(logging.Handler):
+    """Text lines on a terminal through rich: coloured, and held while the live
+    display is shown (`hold`), which prints them above itself each tick (`take`)."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__()
+        self.console = console
+        self.setFormatter(TextFormatter())
+        #: (line, style) of each line written while held
+        self._held: list[tuple[str, str]] | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            lines = self._styled(record, self.format(record))
+            if self._held is not None:
+                self._held.extend(lines)
+            else:
+                self.console.print(Lines(lines), soft_wrap=True)
+        except Exception:
+            self.handleError(record)
+
+    def _styled(self, record: logging.LogRecord, text: str) -> list[tuple[str, str]]:
+        if "\n" not in text:
+            return [(text, _style(record, text))]
+        first, _, rest = text.partition("\n")
+        style = _style(record, first)
+        data = _data(record)
+        recap = data is not None and data.get("event") == "recap"
+        out = [(first, style)]
+        for line in rest.split("\n"):
+            word = line.split(None, 1)[0] if recap and line.strip() else ""
+            out.append((line, _RECAP_STYLES.get(word, style)))
+        return out
+
+    def hold(self) -> None:
+        """From now on keep lines for `take` (the live display prints them)."""
+        with self.lock or _nolock():
+            if self._held is None:
+                self._held = []
+
+    def take(self) -> Lines | None:
+        """The lines held since the last call (None: none)."""
+        with self.lock or _nolock():
+            held = self._held
+            if not held:
+                return None
+            self._held = []
+        return Lines(held)
+
+    def stop_holding(self) -> None:
+        """Print what is held and stop holding (the live display is gone)."""
+        lines = self.take()
+        with self.lock or _nolock():
+            self._held = None
+        if lines is not None:
+            self.console.print(lines, soft_wrap=True)
+
+    def flush(self) -> None:
+        if self._held is None:
+            with self.lock or _nolock():
+                try:
+                    self.console.file.flush()
+                except (OSError, ValueError):
+                    pass
+
+
+class Lines:
+    """Log lines for rich, as they are: one segment each, no wrapping or markup
+    (rich's Text would wrap 10k lines at a cost of seconds)."""
+
+    def __init__(self, lines: list[tuple[str, str]]) -> None:
+        self.lines = lines
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        from rich.segment import Segment
+        from rich.style import Style
+
+        styles: dict[str, Style] = {}
+        newline = Segment.line()
+        for line, name in self.lines:
+            style = styles.get(name)
+            if style is None:
+                style = styles[name] = Style.parse(name) if name else Style.null()
+            yield Segment(line, style)
+            yield newline
+
+
 _buffered: BufferedHandler | None = None
+_terminal: TerminalHandler | None = None
 
 
 def setup_logging(fmt: str, verbose: int) -> None:
-    global _buffered
-    handler: logging.StreamHandler  # type: ignore[type-arg]
-    if sys.stderr.isatty():
+    """`verbose`: 0 what changed and failed; 1 (-v) each check with its duration
+    (debug); 2 (-vv) everything, with command output."""
+    global _buffered, _terminal
+    handler: logging.Handler
+    _buffered = _terminal = None
+    if sys.stderr.isatty() and fmt == "text":
+        from rich.console import Console
+
+        console = Console(file=sys.stderr, highlight=False, emoji=False, markup=False)
+        handler = _terminal = TerminalHandler(console)
+    elif sys.stderr.isatty():
         handler = logging.StreamHandler(sys.stderr)
-        _buffered = None
     else:
         stream = io.TextIOWrapper(
             io.BufferedWriter(io.FileIO(os.dup(sys.stderr.fileno()), "w"), 1 << 16),
@@ -87,14 +257,20 @@ def setup_logging(fmt: str, verbose: int) -> None:
             errors="replace",
         )
         handler = _buffered = BufferedHandler(stream)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    if not isinstance(handler, TerminalHandler):
+        handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
-    if verbose == 0:
-        logging.getLogger("asyncio").setLevel(logging.WARNING)
+    root.setLevel(ALL if verbose > 1 else logging.DEBUG if verbose else logging.INFO)
+    logging.getLogger("asyncio").setLevel(logging.WARNING if verbose < 2 else logging.NOTSET)
+
+
+def terminal_handler() -> TerminalHandler | None:
+    """The handler writing text to a terminal (None: a pipe, a file, or JSON)."""
+    return _terminal
 
 
 def flush_logs() -> None:
+    """Write out buffered lines (a pipe's; on a terminal the live display does)."""
     if _buffered is not None:
         _buffered.flush_now()

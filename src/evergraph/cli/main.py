@@ -378,7 +378,12 @@ def _world_opts(world: dict[str, object]) -> WorldOptions:
     help="Without FILE: run only deploys signed by this verify key (base64, as `evergraph "
     "deploy` prints it; repeatable). [default: the first signer seen, pinned]",
 )
-@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+@click.option(
+    "-v",
+    "--verbose",
+    count=True,
+    help="More log output: -v each check and how long it took, -vv also commands' output.",
+)
 def run(
     file: Path | None,
     state_dir: Path | None,
@@ -428,7 +433,8 @@ def run(
     """
     from evergraph.agent.api import frontend_for
     from evergraph.agent.api import run as run_graph
-    from evergraph.cli.logs import FLUSH_INTERVAL, flush_logs, setup_logging
+    from evergraph.cli.logs import FLUSH_INTERVAL, flush_logs, setup_logging, terminal_handler
+    from evergraph.cli.progress import service as progress_service
     from evergraph.engine.settings import check_times
 
     setup_logging(log_format, verbose)
@@ -442,6 +448,8 @@ def run(
         frontend.preload()
         world_opts = _world_opts(world)
         services = [_http_service(http_addr, farm_anonymous)] if http_addr else []
+        # the live display on a terminal; "still running" lines in a pipe
+        services.append(progress_service(terminal_handler()))
         farm = _farm_options(
             worker, caps, groups, ssh_port, ssh_user, authorized_keys, farm_servers, http_addr
         )

@@ -41,6 +41,8 @@ from evergraph.engine.build import build
 from evergraph.engine.contract import Registry, Resource, default_registry, semaphores
 from evergraph.engine.converger import Converger
 from evergraph.engine.model import Edge, GraphModel
+from evergraph.engine.recap import Recaps
+from evergraph.engine.recap import took as _took
 from evergraph.engine.settings import Settings
 from evergraph.engine.status import Observer, State, VertexStatus, masked_params
 from evergraph.engine.store import Owed, VertexStore
@@ -116,6 +118,7 @@ class Engine:
         )
         self.started = clock.monotonic()
         self.graph_name = ""
+        self.recaps = Recaps()
 
     # -- public -------------------------------------------------------------
     async def run(self, model: GraphModel, updates: AsyncIterator[GraphModel] | None = None) -> int:
@@ -133,6 +136,7 @@ class Engine:
                 self._check_idle()
                 await self._stop.wait()
                 await self._shutdown(aux)
+                self._recap_at_exit()
         finally:
             self.converger.close()
             self._tg = None
@@ -147,6 +151,10 @@ class Engine:
     def status(self) -> tuple[VertexStatus, ...]:
         """A snapshot of every vertex, for observers."""
         return tuple(v.status() for v in self.vertices.values())
+
+    def running(self) -> tuple[VertexStatus, ...]:
+        """A snapshot of each vertex running now (cheap to poll: only those are built)."""
+        return tuple(v.status() for v in self.vertices.values() if v.running)
 
     # read-only views for observers (HTTP, metrics): tuples and plain values
     def edges(self) -> tuple[Edge, ...]:
@@ -168,6 +176,9 @@ class Engine:
         now = self.clock.monotonic()
         if v.state == "running" and state != "running":
             v.duration = now - v.since
+            if log.isEnabledFor(logging.DEBUG):  # -v: each check and its duration
+                outcome = "failed" if state == "retrying" else state
+                log.debug("%s: %s in %s", v.ident, outcome, _took(v.duration))
         v.state, v.since = state, now
         if self.observer is not None:
             self.observer(v.status())
@@ -971,8 +982,18 @@ class Engine:
                 changed,
                 took,
             )
+        text, data = self.recaps.take(self.status(), "converged", self.settings.noop)
+        log.info("%s", text, extra={"data": data})
         if self.settings.converged_exit or not self.settings.watch:
             self._stop.set()  # without watches, nothing would ever run again
+
+    def _recap_at_exit(self) -> None:
+        """At exit, a last recap if it has news (the run never converged, or changed
+        or failed something since the last recap)."""
+        statuses = self.status()
+        if statuses and self.recaps.news(statuses):
+            text, data = self.recaps.take(statuses, "exit", self.settings.noop)
+            log.info("%s", text, extra={"data": data})
 
     async def _max_runtime(self, seconds: float) -> None:
         """A hard bound: in-flight applies are cancelled (their commands get SIGTERM,

@@ -29,8 +29,12 @@ class Change:
     diff: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class VertexStatus:
+class VertexStatus(msgspec.Struct, frozen=True, gc=False):
+    """One vertex's state at one moment. A msgspec Struct, not a dataclass: the engine
+    makes one per state change when observed (20k+ for a 10k-file run), and a frozen
+    dataclass costs ~4 us to build against ~0.3 us; not tracked by the cyclic GC
+    either (it holds no cycles)."""
+
     ident: str
     kind: str
     name: str

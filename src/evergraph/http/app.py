@@ -5,10 +5,10 @@ the engine's live objects."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
@@ -34,7 +34,8 @@ def create_app(
         return JSONResponse({"ok": True, "version": __version__})
 
     async def graph(_: Request) -> Response:
-        return JSONResponse({"vertices": [dataclasses.asdict(v) for v in status()]})
+        body = msgspec.json.encode({"vertices": status()})
+        return Response(body, media_type="application/json")
 
     async def unversioned(request: Request) -> Response:
         # Boruta: /api/<path> without a version is the current one (308 keeps the method)

@@ -27,7 +27,7 @@ import pwd
 import shutil
 import signal
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +42,14 @@ KILL_GRACE = 1.5
 SWEEP_WAIT = 2.0
 #: a running child's record in its vertex's state dir: `proc.<pid>`
 RECORD_PREFIX = "proc."
+#: the log level of commands' output lines (below DEBUG: shown with `run -vv`)
+OUTPUT = 5
+logging.addLevelName(OUTPUT, "OUTPUT")
+#: a line longer than this is handed to `on_line` in parts
+_LINE_MAX = 1 << 16
+
+#: called with ("stdout" or "stderr", line) for each line a command writes
+OnLine = Callable[[str, str], None]
 
 #: util-linux's setpriv sets the parent-death signal and execs the command. Done
 #: by exec, not by a `preexec_fn`: Python code in a child forked from a process
@@ -233,10 +241,15 @@ async def _stop_group(proc: asyncio.subprocess.Process) -> None:
         await proc.wait()
 
 
-async def run(argv: Sequence[str], how: RunAs = RunAs(), record: Path | None = None) -> Completed:
+async def run(
+    argv: Sequence[str],
+    how: RunAs = RunAs(),
+    record: Path | None = None,
+    on_line: OnLine | None = None,
+) -> Completed:
     """Run to completion, capturing output; cancellation stops the process group.
     `record`: a vertex's state dir, where the child is recorded while it runs (for
-    `sweep_survivors`)."""
+    `sweep_survivors`). `on_line`: also called with each output line as it comes."""
     proc = await asyncio.create_subprocess_exec(
         *_tied(argv, how.env),
         cwd=how.cwd,
@@ -250,7 +263,18 @@ async def run(argv: Sequence[str], how: RunAs = RunAs(), record: Path | None = N
     )
     noted = _record(record, proc.pid)
     try:
-        out, err = await proc.communicate()
+        if on_line is None:
+            out, err = await proc.communicate()
+        else:
+            assert proc.stdout is not None
+            assert proc.stderr is not None
+            outs: list[bytes] = []
+            errs: list[bytes] = []
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(_pump(proc.stdout, "stdout", outs, on_line))
+                tg.create_task(_pump(proc.stderr, "stderr", errs, on_line))
+            await proc.wait()
+            out, err = b"".join(outs), b"".join(errs)
     except BaseException:
         await asyncio.shield(_stop_group(proc))
         raise
@@ -262,6 +286,23 @@ async def run(argv: Sequence[str], how: RunAs = RunAs(), record: Path | None = N
         out.decode("utf-8", "replace"),
         err.decode("utf-8", "replace"),
     )
+
+
+async def _pump(
+    stream: asyncio.StreamReader, name: str, chunks: list[bytes], on_line: OnLine
+) -> None:
+    """Read `stream` to its end into `chunks`, handing each line to `on_line`."""
+    partial = b""
+    while chunk := await stream.read(_LINE_MAX):
+        chunks.append(chunk)
+        *done, partial = (partial + chunk).split(b"\n")
+        for line in done:
+            on_line(name, line.decode("utf-8", "replace"))
+        if len(partial) >= _LINE_MAX:
+            on_line(name, partial.decode("utf-8", "replace"))
+            partial = b""
+    if partial:
+        on_line(name, partial.decode("utf-8", "replace"))
 
 
 async def lines(

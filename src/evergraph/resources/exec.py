@@ -98,6 +98,11 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             return [self.cmd, *self.args]
         return [self.shell, "-c", line] if self.shell else shlex.split(line)
 
+    def _shown(self, line: str) -> str:
+        """The command as the log shows it: with its `args` (quoted as a shell would
+        need), or as written (a shell script, or a line split like a shell would)."""
+        return shlex.join(self._argv(line)) if self.args and line is self.cmd else line
+
     def watches(self) -> bool:
         # Without watchcmd or watchfiles there is nothing to watch: checked at
         # start-up and on refresh only.
@@ -144,7 +149,7 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-3:]
             detail = (": " + " | ".join(tail)) if tail else ""
             raise ResourceError(f"cmd exited with status {done.returncode}{detail}")
-        self.handle.logger.info("%s: ran %s", self.ident, self.cmd)
+        self.handle.logger.info("%s: ran %s", self.ident, self._shown(self.cmd))
         if self.donecmd:
             after = await self._run(self.donecmd, "donecmd")
             if after.returncode != 0:
@@ -162,8 +167,16 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             return None
 
     async def _run(self, line: str, what: str) -> _proc.Completed:
+        logger = self.handle.logger  # masks what the vertex knows to be secret
+        on_line: _proc.OnLine | None = None
+        if logger.isEnabledFor(_proc.OUTPUT):  # `run -vv`: the output, line by line
+            logger.log(_proc.OUTPUT, "%s: %s: %s", self.ident, what, self._shown(line))
+
+            def on_line(stream: str, text: str) -> None:
+                logger.log(_proc.OUTPUT, "%s: %s %s: %s", self.ident, what, stream, text)
+
         try:
-            return await _proc.run(self._argv(line), self._as(), self._record_dir())
+            return await _proc.run(self._argv(line), self._as(), self._record_dir(), on_line)
         except LookupError as e:
             raise ResourceError(str(e)) from None
         except FileNotFoundError as e:

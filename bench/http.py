@@ -1,0 +1,253 @@
+"""Issue 14, the cost of `--http` (metrics and the live view) on the W1 10k-file graph.
+
+Each case runs without `--http`, then with `--http 127.0.0.1:PORT` while two
+clients in this process load it as an operator's tools would: a scraper GETs
+`/metrics` every 100 ms and an SSE client reads `/api/v1/graph/events`
+(both start before the agent and retry until it listens):
+
+- **no change**: a whole `evergraph run FILE --converged-exit --state-dir S`
+  process on 10,000 files already converged (first apply untimed), the two
+  variants alternating, median of REPS each: the engine's part (from the log's
+  "graph loaded" to "converged" lines, ms stamps: 10k check_apply calls with the
+  observer fed, scrapes and SSE served meanwhile) and the wall time from fork to
+  exit (which adds --http's one-time costs: importing the HTTP stack, binding,
+  the farm's election, the server's shutdown);
+- **drift repair**: a running agent (as bench/drift.py, with the same trials:
+  one random file rewritten in place, timed until it reads back right) on the
+  same 10,000 files; p50 and p99 over TRIALS trials per variant.
+
+Target: `--http` at most 5 % slower (the engine's part; p99 for drift).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.common import (
+    EVERGRAPH,
+    fmt_s,
+    median,
+    percentile,
+    run_timed,
+    spawn,
+    stop,
+    table,
+    temp_dir_until_exit,
+    yes_no,
+)
+from bench.drift import trials, wait_converged
+from bench.files import layout, verify, write_inputs
+
+N_FILES = 10_000
+TARGET = 1.05
+SCRAPE_EVERY = 0.1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Clients:
+    """The scraper and the SSE reader, on threads, until `close()`."""
+
+    def __init__(self, port: int) -> None:
+        self.base = f"http://127.0.0.1:{port}"
+        self.done = threading.Event()
+        self.scrapes = 0
+        self.events = 0
+        self._http = httpx.Client(base_url=self.base, timeout=5)
+        self._sse = httpx.Client(base_url=self.base, timeout=httpx.Timeout(5, read=None))
+        self.threads = [
+            threading.Thread(target=self._scrape, daemon=True),
+            threading.Thread(target=self._listen, daemon=True),
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _scrape(self) -> None:
+        next_at = time.perf_counter()
+        while not self.done.is_set():
+            try:
+                r = self._http.get("/metrics")
+                if r.status_code == 200:
+                    self.scrapes += 1
+            except httpx.HTTPError:
+                self.done.wait(0.01)  # not listening yet, or gone
+                continue
+            next_at += SCRAPE_EVERY
+            self.done.wait(max(0.0, next_at - time.perf_counter()))
+
+    def _listen(self) -> None:
+        while not self.done.is_set():
+            try:
+                with self._sse.stream("GET", "/api/v1/graph/events?after=0") as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            self.events += 1
+                        if self.done.is_set():
+                            return
+            except httpx.HTTPError:
+                pass
+            self.done.wait(0.01)
+
+    def close(self) -> None:
+        self.done.set()
+        self._http.close()
+        self._sse.close()  # ends a read in progress
+        for t in self.threads:
+            t.join(10)
+
+
+def _clock(line: str) -> float:
+    h, m, s = line[:12].split(":")
+    return int(h) * 3600 + int(m) * 60 + float(s)
+
+
+def engine_phase(log: Path) -> float:
+    """Seconds from "graph ... loaded" to "converged:" in an agent's log (ms stamps)."""
+    loaded = converged = None
+    for line in log.read_text(errors="replace").splitlines():
+        if " graph " in line and " loaded: " in line:
+            loaded = _clock(line)
+        elif " converged: " in line:
+            converged = _clock(line)
+    if loaded is None or converged is None:
+        raise RuntimeError(f"{log}: no 'loaded' and 'converged' lines")
+    return converged - loaded
+
+
+def no_change(work: Path, yaml_path: Path, state: Path, reps: int) -> dict[str, Any]:
+    plain = [EVERGRAPH, "run", str(yaml_path), "--converged-exit", "--state-dir", str(state)]
+    wall: dict[str, list[float]] = {"plain": [], "http": []}
+    engine: dict[str, list[float]] = {"plain": [], "http": []}
+    scrapes, events = [], []
+    for i in range(reps):
+        log = work / f"no-change-plain-{i}.log"
+        wall["plain"].append(run_timed(plain, log))
+        engine["plain"].append(engine_phase(log))
+        port = free_port()
+        clients = Clients(port)
+        log = work / f"no-change-http-{i}.log"
+        try:
+            wall["http"].append(run_timed([*plain, "--http", f"127.0.0.1:{port}"], log))
+        finally:
+            clients.close()
+        engine["http"].append(engine_phase(log))
+        scrapes.append(clients.scrapes)
+        events.append(clients.events)
+    return {
+        "plain_s": median(wall["plain"]),
+        "http_s": median(wall["http"]),
+        "plain_engine_s": median(engine["plain"]),
+        "http_engine_s": median(engine["http"]),
+        "plain_samples": wall["plain"],
+        "http_samples": wall["http"],
+        "plain_engine_samples": engine["plain"],
+        "http_engine_samples": engine["http"],
+        "scrapes_per_run": scrapes,
+        "sse_events_per_run": events,
+    }
+
+
+def drift(
+    work: Path, yaml_path: Path, state: Path, files: list[tuple[str, str]], n: int, http: bool
+) -> dict[str, Any]:
+    name = "http" if http else "plain"
+    status = work / f"status-{name}"
+    cmd = [EVERGRAPH, "run", str(yaml_path), "--state-dir", str(state)]
+    cmd += ["--converged-status-file", str(status), "--converged-timeout", "0.2"]
+    clients = None
+    if http:
+        port = free_port()
+        cmd += ["--http", f"127.0.0.1:{port}"]
+        clients = Clients(port)
+    with open(work / f"drift-{name}.log", "wb") as log:
+        p = spawn(cmd, stdout=log, stderr=log)
+    try:
+        wait_converged(p, status)
+        lat, capped = trials(files, n, seed=2)
+        if p.poll() is not None:
+            raise RuntimeError(f"the agent exited with status {p.returncode} during the trials")
+    finally:
+        rc = stop(p, grace=5.0)
+        if clients is not None:
+            clients.close()
+    verify(files)
+    return {
+        "trials": n,
+        "repaired": len(lat),
+        "capped": capped,
+        "p50_s": percentile(lat, 50),
+        "p99_s": percentile(lat, 99),
+        "max_s": max(lat),
+        "exit_status_after_sigterm": rc,
+        "scrapes": clients.scrapes if clients else 0,
+        "sse_events": clients.events if clients else 0,
+    }
+
+
+def run(quick: bool) -> tuple[dict[str, Any], str]:
+    reps = 3 if quick else 7
+    n_trials = 50 if quick else 200
+    work = temp_dir_until_exit("/var/tmp")
+    files = layout(work / "target", N_FILES)
+    sub = work / "in"
+    sub.mkdir()
+    yaml_path, _ = write_inputs(sub, files)
+    state = work / "state"
+    run_timed([EVERGRAPH, "run", str(yaml_path), "--converged-exit", "--state-dir", str(state)])
+    verify(files)
+    nc = no_change(work, yaml_path, state, reps)
+    print(f"  http no change: {fmt_s(nc['plain_s'])} -> {fmt_s(nc['http_s'])}", file=sys.stderr)
+    plain = drift(work, yaml_path, state, files, n_trials, http=False)
+    http = drift(work, yaml_path, state, files, n_trials, http=True)
+    rows = []
+
+    def ratio_row(case: str, a: float, b: float, target: bool) -> None:
+        ratio = b / a
+        rows.append(
+            [
+                case,
+                fmt_s(a),
+                fmt_s(b),
+                f"{(ratio - 1) * 100:+.1f} %",
+                "<= +5 %" if target else "-",
+                yes_no(ratio <= TARGET) if target else "-",
+            ]
+        )
+
+    ratio_row(
+        f"no change: loaded -> converged (median of {reps})",
+        nc["plain_engine_s"],
+        nc["http_engine_s"],
+        True,
+    )
+    ratio_row(f"no change: whole process (median of {reps})", nc["plain_s"], nc["http_s"], False)
+    ratio_row("drift repair p50", plain["p50_s"], http["p50_s"], False)
+    ratio_row("drift repair p99", plain["p99_s"], http["p99_s"], True)
+    header = [
+        "case (10,000 files, ext4)",
+        "no --http",
+        "--http + clients",
+        "change",
+        "target",
+        "met?",
+    ]
+    title = (
+        f"--http overhead: scraper every {SCRAPE_EVERY * 1000:g} ms + one SSE client; "
+        f"{nc['scrapes_per_run']} scrapes and {nc['sse_events_per_run']} SSE events per "
+        f"no-change run; drift: {http['scrapes']} scrapes, {http['sse_events']} SSE events, "
+        f"repaired {plain['repaired']}/{n_trials} and {http['repaired']}/{n_trials}"
+    )
+    result = {"no_change": nc, "drift_plain": plain, "drift_http": http, "target_ratio": TARGET}
+    return result, table(title, header, rows)
