@@ -32,6 +32,8 @@ TARGETS_MS = {
     "autogroup 10k": 1790.0,
     "autogroup 50k": 5000.0,
     "autogroup 10k in chains": 1790.0,
+    "50k noops: run converges": 5000.0,
+    "50k noops: SIGTERM to exit": 1000.0,
 }
 
 
@@ -107,7 +109,42 @@ def _autogroup(rounds: int, n: int = 1_000, chain: int = 1) -> list[float]:
     return out[1:]
 
 
+def _big_run(rounds: int, stop: bool) -> list[float]:
+    """A real `evergraph run` of 50k noops (--no-autogroup: 50k vertices): ms from
+    start to converged, or from SIGTERM to exit."""
+    import os
+    import signal
+
+    out = []
+    with temp_dir("/var/tmp") as tmp:
+        g = tmp / "big.yaml"
+        g.write_text(
+            "graph: big\nresources:\n  noop:\n"
+            + "".join(f"  - {{name: n{i}}}\n" for i in range(50_000))
+        )
+        for r in range(rounds + 1):
+            status = tmp / f"status{r}"
+            status.write_text("")
+            t0 = time.perf_counter()
+            p = subprocess.Popen(
+                [PYTHON, "-m", "evergraph.cli.main", "run", str(g), "--world", "memory",
+                 "--state-dir", str(tmp / f"s{r}"), "--no-autogroup",
+                 "--converged-timeout", "0", "--converged-status-file", str(status)],
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            while "true" not in status.read_text():
+                time.sleep(0.005)
+            converged = time.perf_counter()
+            os.kill(p.pid, signal.SIGTERM)
+            p.wait(timeout=60)
+            gone = time.perf_counter()
+            out.append(((gone - converged) if stop else (converged - t0)) * 1000)
+    return out[1:]
+
+
 def _child(case: str, rounds: int) -> list[float]:
+    if case.startswith("big"):
+        return _big_run(rounds, case == "bigstop")
     if case == "sync":
         with temp_dir("/var/tmp") as tmp:
             return asyncio.run(_sync_rounds(10_000, rounds, tmp))
@@ -128,6 +165,8 @@ def run(quick: bool) -> tuple[list[dict[str, Any]], str]:
         ("autogroup 10k", "autogroup:10000"),
         ("autogroup 50k", "autogroup:50000"),
         ("autogroup 10k in chains", "autogroupchains:10000"),
+        ("50k noops: run converges", "bigrun"),
+        ("50k noops: SIGTERM to exit", "bigstop"),
     ):
         out = subprocess.run(
             [PYTHON, "-m", "bench.graphops", key, str(rounds)],
