@@ -64,6 +64,7 @@ def run(
     max_runtime: float | None = None,
     world: WorldOptions | str | None = "sqlite",
     noop: bool = False,
+    diff: bool = False,
     watch: bool = True,
     sema: int = 0,
     autoedges: bool = True,
@@ -77,13 +78,15 @@ def run(
     _flush: tuple[Callable[[], None], float] | None = None,
 ) -> int:
     """Converge `graph` and keep it converged; returns the CLI's exit status
-    (0 clean, 1 a resource failed, 2 bad input).
+    (0 clean, 1 a resource failed, 2 bad input; 3: `noop` with `converged_exit`
+    or `watch=False`, and something would change).
 
     `graph`: an `evergraph.Graph`, the path of a .yaml/.yml/.py graph file, or
     None to follow the newest deploy in the World (or a `Frontend`).
     `converged_exit=True`
     returns once every vertex is clean and idle for `converged_timeout`
-    seconds (default 0). `world`: "sqlite" (default: the state dir's
+    seconds (default 0). `diff=True` logs each change with its diff (noop always
+    does). `world`: "sqlite" (default: the state dir's
     world.sqlite), "memory", a `WorldOptions`, or None (no World: no exports,
     no collect). Input errors are logged (logger "evergraph") and give 2.
     `replace=True` takes the hostname over from another live agent in the World.
@@ -122,6 +125,7 @@ def run(
             state_dir=prepare_state_dir(Path(state_dir) if state_dir is not None else None),
             hostname=hostname,
             noop=noop,
+            diff=diff,
             sema=sema,
             watch=watch,
             autoedges=autoedges,

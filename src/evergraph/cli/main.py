@@ -263,7 +263,17 @@ def _world_opts(world: dict[str, object]) -> WorldOptions:
 @click.option(
     "--hostname", default="", help="This host's name in the cluster. [default: the system hostname]"
 )
-@click.option("--noop", is_flag=True, help="Check only; report what would change, change nothing.")
+@click.option(
+    "--noop",
+    is_flag=True,
+    help="Check only; report what would change, with diffs, and whom it would notify; "
+    "change nothing.",
+)
+@click.option(
+    "--diff",
+    is_flag=True,
+    help="Log what each change changed with diffs on real runs too (as --noop does).",
+)
 @click.option(
     "--sema",
     type=click.IntRange(min=0),
@@ -292,7 +302,8 @@ def _world_opts(world: dict[str, object]) -> WorldOptions:
 @click.option(
     "--converged-exit",
     is_flag=True,
-    help="Exit once converged: status 0 if every vertex is clean, 1 if any failed.",
+    help="Exit once converged: status 0 if every vertex is clean, 1 if any failed; "
+    "with --noop, 3 if something would change.",
 )
 @click.option(
     "--converged-status-file",
@@ -389,6 +400,7 @@ def run(
     state_dir: Path | None,
     hostname: str,
     noop: bool,
+    diff: bool,
     sema: int,
     no_watch: bool,
     no_autoedges: bool,
@@ -422,13 +434,15 @@ def run(
     the newest deploy in the World (see `evergraph deploy`).
 
     \b
-    Exit status: 0 all clean, 1 a resource failed, 2 bad input.
+    Exit status: 0 all clean, 1 a resource failed, 2 bad input;
+    3 with --noop and --converged-exit (or --no-watch): something would change.
     \b
     Examples:
       evergraph run examples/hello.yaml
       evergraph run examples/motd.py
       evergraph run --seeds http://10.0.0.1:2379            # follow deploys
-      evergraph run site.yaml --noop --converged-exit       # what would change?
+      evergraph run site.yaml --noop --converged-exit       # what would change? (3: some)
+      evergraph run site.yaml --diff                        # show each change's diff
       evergraph run site.yaml --converged-timeout 5 --converged-status-file /run/eg.status
     """
     from evergraph.agent.api import frontend_for
@@ -461,6 +475,7 @@ def run(
             state_dir=state_dir,
             hostname=hostname,
             noop=noop,
+            diff=diff,
             sema=sema,
             watch=not no_watch,
             autoedges=not no_autoedges,

@@ -8,7 +8,8 @@ in `res.meta`, never among the parameters. The engine calls, per vertex:
     validate()                 pure, no I/O; raise InputError(field=...) on bad values
     await init(handle)         handle: logger, hostname, state dir, event(), ready(), ...
     await watch()              long-running; handle.ready() once, handle.event() per change
-    await check_apply(apply)   True if already correct; else fix (if apply) and return False
+    await check_apply(apply)   True if already correct; else fix (if apply) and return False;
+                               each difference found is reported: handle.changed(f, old, new)
     cmp(other)                 equality of parameters: decides survival across a graph swap
     await cleanup()
 
@@ -205,6 +206,15 @@ class Handle(Protocol):
         secret (a password): keep it sealed, make files of it private. Whatever
         the resource logs or raises is masked by the engine anyway."""
         ...
+
+    def changed(self, field: str, old: object, new: object, *, content: bool = False) -> None:
+        """Report one difference, where check_apply finds it (before applying, so a
+        noop run reports it too): `field` is `old` now and becomes `new` (None:
+        absent or unset; shown as text). `content=True`: old and new are whole
+        contents (bytes or str), shown as a unified diff. Cheap: the engine keeps
+        the values and makes text and diffs of them only if the run changed
+        something. A field holding a received secret is never shown; a kind whose
+        own values are secrets (password) reports what happened, never a value."""
 
 
 async def watch_snapshots(handle: Handle, snapshots: AsyncIterator[object]) -> None:

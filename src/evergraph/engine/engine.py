@@ -37,6 +37,7 @@ from evergraph._util.atomic import atomic_write
 from evergraph._util.clock import SYSTEM, Clock
 from evergraph._util.crash import crash_point
 from evergraph._util.gc import gc_paused
+from evergraph.engine import changes
 from evergraph.engine.build import build
 from evergraph.engine.contract import Registry, Resource, default_registry, semaphores
 from evergraph.engine.converger import Converger
@@ -54,6 +55,9 @@ log = logging.getLogger("evergraph.engine")
 
 #: runs started per event-loop turn before other work (signals, events) gets a turn
 DRAIN_BATCH = 1000
+#: exit status of a noop run that exits once converged (`--noop --converged-exit`, or
+#: `--no-watch`) when something would change; 0: nothing would, 1: a resource failed
+EXIT_WOULD_CHANGE = 3
 
 
 if TYPE_CHECKING:
@@ -195,7 +199,15 @@ class Engine:
             self._stop.set()
 
     def exit_status(self) -> int:
-        return 0 if all(v.ok and not v.failed for v in self.vertices.values()) else 1
+        """0 all clean, 1 a resource failed; a noop run that exits once converged:
+        `EXIT_WOULD_CHANGE` if any resource would change."""
+        vertices = self.vertices.values()
+        if not all(v.ok and not v.failed for v in vertices):
+            return 1
+        s = self.settings
+        if s.noop and (s.converged_exit or not s.watch) and any(v.changed_count for v in vertices):
+            return EXIT_WOULD_CHANGE
+        return 0
 
     # -- graph swap -----------------------------------------------------------
     async def swap(self, model: GraphModel) -> None:
@@ -527,6 +539,7 @@ class Engine:
         )
         try:
             clean = await self._guarded_check_apply(v, v.res, apply)
+            v.reported = None
             v.ok = v.ever_ok = True
             v.pending = False
             if not clean:
@@ -789,6 +802,7 @@ class Engine:
                 self.store.intent_done(v)
             v.refresh_flag = v.refresh_flag or v.refresh_now  # not served: keep it
             v.refresh_now = False
+            v.reported = None
             self._record_failure(v, error)
         else:
             self._record_success(v, result, apply)
@@ -883,13 +897,18 @@ class Engine:
         if v.res.meta.retryreset:
             v.retries_left = v.res.meta.retry
         if was_clean:
+            if v.reported is not None:
+                v.reported = None  # differences reported, yet all was well: none
             v.clean_count += 1
             self._observe(v, "clean")
         else:
             v.changed_count += 1
             v.last_changed = time.time()
+            diffs = not applied or self.settings.diff
+            reported, v.reported = v.reported, None
+            v.changes = changes.build(reported, v.secret_fields, v.mask, diffs) if reported else ()
             if applied:
-                log.info("%s: applied", v.ident)
+                self._log_changes(v, "applied", diffs)
                 crash_point("parent-changed")
                 for c in v.notify_children:
                     # Persist before anything else can happen: a crash between
@@ -899,7 +918,7 @@ class Engine:
                     c.pending = True
                 crash_point("refresh-owed")
             else:
-                log.info("%s: would change (noop)", v.ident)
+                self._log_changes(v, "would change (noop)", diffs)
             self._observe(v, "changed")
         if v.send_edges:
             self._send(v)
@@ -907,6 +926,30 @@ class Engine:
             self._poke(c)
         if v.pending:
             self._poke(v)
+
+    def _log_changes(self, v: Vertex, what: str, diffs: bool) -> None:
+        """One log record for a run that changed something (or would): the fields
+        changed; with `diffs` (noop, `--diff`) a line per change with its diff, and
+        whom a change notifies or sends values to. The record carries them for
+        structured logs too: `ident`, `changes` (`Change`s), `notify` (idents),
+        `send` (`value → ident.field`)."""
+        done = v.changes
+        notify = [c.ident for c in v.notify_children]
+        send = [f"{value} → {c.ident}.{field}" for value, c, field in v.send_edges]
+        extra = {"ident": v.ident, "changes": done, "notify": notify, "send": send}
+        if not done and not (diffs and (notify or send)):
+            log.info("%s: %s", v.ident, what, extra=extra)
+            return
+        head = f"{v.ident}: {what}: {changes.summary(done)}" if done else f"{v.ident}: {what}"
+        if not diffs:
+            log.info("%s", head, extra=extra)
+            return
+        out = [head, *changes.lines(done, diffs=True)]
+        applied = what == "applied"
+        notifies, sends = ("notifies", "sends") if applied else ("would notify", "would send")
+        out.extend(f"  {notifies} {ident}" for ident in notify)
+        out.extend(f"  {sends} {line}" for line in send)
+        log.info("%s", "\n".join(out), extra=extra)
 
     def _record_failure(self, v: Vertex, error: str) -> None:
         error = v.mask(error)

@@ -23,6 +23,8 @@ class Settings:
     state_dir: Path
     hostname: str = ""
     noop: bool = False
+    #: log what each run changed with diffs on real runs too (noop runs always do)
+    diff: bool = False
     #: global bound on concurrent check_apply calls; 0 = none
     sema: int = 0
     #: False: check once, never watch, exit once converged (`--no-watch`)

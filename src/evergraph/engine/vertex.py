@@ -56,6 +56,7 @@ class Vertex:
         "received",
         "refresh_flag",
         "refresh_now",
+        "reported",
         "res",
         "retries_left",
         "retry_wait",
@@ -130,6 +131,9 @@ class Vertex:
         self.duration = 0.0
         self.last_changed: float | None = None
         self.changes: tuple[Change, ...] = ()
+        #: what the run under way reported through `changed()` (None: nothing); made
+        #: `changes` by the engine if the run changed something (engine/changes.py)
+        self.reported: list[tuple[str, object, object, bool]] | None = None
 
     def status(self) -> VertexStatus:
         return VertexStatus(
@@ -211,6 +215,13 @@ class Vertex:
 
     def is_secret(self, field: str) -> bool:
         return field in self.secret_fields
+
+    def changed(self, field: str, old: object, new: object, *, content: bool = False) -> None:
+        report = (field, old, new, content)
+        if self.reported is None:
+            self.reported = [report]
+        else:
+            self.reported.append(report)
 
 
 #: longest encoded name used as it is (NAME_MAX is 255 bytes)

@@ -1,0 +1,165 @@
+"""What a run changed, or would change: from what resources report to `Change`s.
+
+A resource reports each difference it finds through `handle.changed(field, old,
+new)` at the point it decides something differs, before applying (so a noop
+run reports too). The vertex keeps the raw reports of the run under way; only
+when the run turns out to have changed something does the engine make them
+`Change`s here: values as text, secrets masked, and for content a unified diff.
+A run that changed nothing costs nothing here.
+
+Diffs are built when someone will read them: under noop (global or
+`meta.noop`) and with `run --diff`. A plain real run records content changes
+as sizes only: 10k files written at start-up would otherwise pay for 10k
+diffs nobody asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Sequence
+
+from evergraph.engine.masking import MASK
+from evergraph.engine.status import Change
+
+#: a content diff is cut after this many lines, or this many bytes
+DIFF_MAX_LINES = 200
+DIFF_MAX_BYTES = 64 * 1024
+#: content larger than this is not compared: difflib's time grows faster than its input
+DIFF_INPUT_MAX = 4 * 1024 * 1024
+#: a value shown as text is cut after this many characters
+VALUE_MAX = 4096
+
+#: one report of a run: (field, old, new, content)
+Report = tuple[str, object, object, bool]
+
+
+def value_text(value: object) -> str | None:
+    """A reported value as text: None stays None (absent or unset), a bool is
+    `true`/`false`, a list its items joined by `, `; cut past `VALUE_MAX`."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, bytes):
+        text = value.decode("utf-8", "replace")
+    elif isinstance(value, list | tuple | set | frozenset):
+        text = ", ".join(str(x) for x in value)
+    else:
+        text = str(value)
+    if len(text) > VALUE_MAX:
+        text = f"{text[:VALUE_MAX]}… ({len(text) - VALUE_MAX} more characters)"
+    return text
+
+
+def _as_bytes(data: object) -> bytes | None:
+    if data is None:
+        return None
+    if isinstance(data, bytes):
+        return data
+    return str(data).encode("utf-8", "surrogateescape")
+
+
+def size_text(data: bytes | None) -> str | None:
+    """Content as its size, `12 bytes` (None: there is none)."""
+    if data is None:
+        return None
+    return "1 byte" if len(data) == 1 else f"{len(data)} bytes"
+
+
+def _lines(data: bytes) -> list[str] | None:
+    """Text lines (ends kept), or None for binary content (a NUL, or not UTF-8)."""
+    if b"\0" in data:
+        return None
+    try:
+        return data.decode("utf-8").splitlines(keepends=True)
+    except UnicodeDecodeError:
+        return None
+
+
+def content_diff(old: bytes | None, new: bytes | None, label: str) -> str:
+    """A unified diff from `old` to `new` (None: absent), cut past `DIFF_MAX_LINES`
+    lines or `DIFF_MAX_BYTES` bytes with a `… N more lines` marker. Binary content
+    is summed up as `binary, N bytes → M bytes` instead."""
+    a, b = old or b"", new or b""
+    la, lb = _lines(a), _lines(b)
+    if la is None or lb is None:
+        return f"binary, {size_text(a)} → {size_text(b)}"
+    if len(a) > DIFF_INPUT_MAX or len(b) > DIFF_INPUT_MAX:
+        return f"too large to compare, {size_text(a)} → {size_text(b)}"
+    import difflib  # only where a diff is wanted
+
+    out: list[str] = []
+    size = more = 0
+    before = f"{label} (current)" if old is not None else "/dev/null"
+    after = f"{label} (declared)" if new is not None else "/dev/null"
+    for line in difflib.unified_diff(la, lb, before, after):
+        shown = [line[:-1]] if line.endswith("\n") else [line, "\\ No newline at end of file"]
+        if more or len(out) + len(shown) > DIFF_MAX_LINES or size + len(line) > DIFF_MAX_BYTES:
+            more += 1
+            continue
+        out.extend(shown)
+        size += len(line)
+    if more:
+        out.append(f"… {more} more lines")
+    return "\n".join(out)
+
+
+def build(
+    reports: Iterable[Report],
+    secret_fields: Collection[str],
+    mask: Callable[[str], str],
+    diffs: bool,
+) -> tuple[Change, ...]:
+    """The `Change`s of a run's reports. A field holding a received secret shows
+    as `MASK` whole (never a diff of it); every other text goes through `mask`
+    (the secrets the vertex knows). `diffs`: build unified diffs of content."""
+    out = []
+    for field, old, new, content in reports:
+        if field in secret_fields:
+            out.append(Change(field, None if old is None else MASK, None if new is None else MASK))
+            continue
+        if content:
+            a, b = _as_bytes(old), _as_bytes(new)
+            diff = mask(content_diff(a, b, field)) if diffs else None
+            out.append(Change(field, size_text(a), size_text(b), diff))
+            continue
+        o, n = value_text(old), value_text(new)
+        out.append(Change(field, None if o is None else mask(o), None if n is None else mask(n)))
+    return tuple(out)
+
+
+def _shown(text: str | None, keep: str = "") -> str:
+    """A value on one log line: absent as `(none)`; line breaks and other
+    unprintable characters (but those in `keep`) escaped, so that no content
+    can drive the terminal."""
+    if text is None:
+        return "(none)"
+    if text.isprintable():
+        return text
+    return "".join(
+        c if c.isprintable() or c in keep else c.encode("unicode_escape").decode() for c in text
+    )
+
+
+#: fields named on a vertex's "applied" line, at most
+SUMMARY_MAX = 8
+
+
+def summary(changes: Sequence[Change]) -> str:
+    """The fields changed, once each, in order: `content, mode` (`… N more` past
+    `SUMMARY_MAX`)."""
+    fields = list(dict.fromkeys(c.field for c in changes))
+    text = ", ".join(_shown(f) for f in fields[:SUMMARY_MAX])
+    return f"{text}, … {len(fields) - SUMMARY_MAX} more" if len(fields) > SUMMARY_MAX else text
+
+
+def lines(changes: Sequence[Change], *, diffs: bool) -> list[str]:
+    """Log lines for `changes`, indented under the vertex's line: `field: old → new`,
+    then (with `diffs`) the content diff indented once more."""
+    out = []
+    for c in changes:
+        out.append(f"  {_shown(c.field)}: {_shown(c.old)} → {_shown(c.new)}")
+        if diffs and c.diff:
+            out.extend("    " + _shown(line, keep="\t") for line in c.diff.split("\n"))
+    return out
