@@ -139,6 +139,9 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             guard = await self._run(self.nifcmd, "nifcmd")
             if guard.returncode == 0:
                 return True
+        # what runs, with its arguments (what the vertex knows to be secret is masked)
+        ran = shlex.join([self.cmd, *self.args]) if self.args else self.cmd
+        self.handle.changed("cmd", None, ran)
         if not apply:
             return False
         done = await self._run(self.cmd, "cmd")

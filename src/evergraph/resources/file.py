@@ -64,6 +64,8 @@ def _current_umask() -> int:
 _UMASK = _current_umask()
 _SYMBOLIC_WHO = {"u": 0o4700, "g": 0o2070, "o": 0o0007, "a": 0o0777}
 _SYMBOLIC_PERM = {"r": 0o444, "w": 0o222, "x": 0o111, "s": 0o6000, "t": 0o1000}
+#: content larger than this is reported by its size: never read whole just to show a diff
+REPORT_MAX = 4 << 20
 
 
 @functools.lru_cache(maxsize=256)
@@ -374,6 +376,7 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     def _absent(self, st: os.stat_result | None, apply: bool) -> bool:
         if st is None:
             return True
+        self.handle.changed("state", _what(st, self._path), None)
         if not apply:
             return False
         try:
@@ -396,13 +399,18 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
 
     def _directory(self, st: os.stat_result | None, uid: int, gid: int, apply: bool) -> bool:
         if st is not None and not stat.S_ISDIR(st.st_mode):
+            self.handle.changed("state", _what(st, self._path), "directory")
             if not apply:
                 return False
             self._in_the_way(st, "not a directory")
             st = None
+        elif st is None:
+            self.handle.changed("state", None, "directory")
         clean = st is not None and _attrs_ok(st, self._mode, uid, gid)
-        if not clean and not apply:
-            return False
+        if not clean:
+            self._attr_changes("", st, self._mode, uid, gid)
+            if not apply:
+                return False
         try:
             if st is None:
                 os.makedirs(self._path, mode=0o755, exist_ok=True)
@@ -445,6 +453,7 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                     continue
                 if self.purge and not self._kept(target):
                     clean = False
+                    self.handle.changed(self._rel(target), _what(_lstat(target)), None)
                     if apply:
                         self.handle.logger.info("%s: purge %s", self.ident, target)
                         _remove(target)
@@ -460,6 +469,7 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                     mode = _tree_mode(self._mode, isdir)
                     if not _attrs_ok(tst, mode, uid, gid):
                         clean = False
+                        self._attr_changes(f"{self._rel(target)} ", tst, mode, uid, gid)
                         if apply:
                             _set_attrs(target, mode, uid, gid)
                     if isdir:
@@ -483,6 +493,7 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             link = os.readlink(src)
             if tst is not None and stat.S_ISLNK(tst.st_mode) and os.readlink(target) == link:
                 return True
+            self.handle.changed(self._rel(target), _what(tst, target), f"symlink → {link}")
             if apply:
                 if tst is not None:
                     _remove(target)
@@ -492,9 +503,11 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             if tst is not None and stat.S_ISDIR(tst.st_mode):
                 if _attrs_ok(tst, mode, uid, gid):
                     return True
+                self._attr_changes(f"{self._rel(target)} ", tst, mode, uid, gid)
                 if apply:
                     _set_attrs(target, mode, uid, gid)
                 return False
+            self.handle.changed(self._rel(target), _what(tst, target), "directory")
             if apply:
                 if tst is not None:
                     _remove(target)
@@ -511,6 +524,7 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         )
         if same and tst is not None and _attrs_ok(tst, mode, uid, gid):
             return True
+        self._entry_changes(src, sst, target, tst, same, mode, uid, gid)
         if apply:
             if same:
                 _set_attrs(target, mode, uid, gid)
@@ -531,7 +545,9 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         return any(p.startswith(prefix) for p in self._others)
 
     def _regular(self, st: os.stat_result | None, uid: int, gid: int, apply: bool) -> bool:
+        created = st is None
         if st is not None and not stat.S_ISREG(st.st_mode):
+            self.handle.changed("state", _what(st, self._path), "file")
             if not apply:
                 return False
             what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
@@ -541,12 +557,14 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 raise ResourceError(f"{self._path}: {e.strerror or e}") from None
             st = None
         data = self._wanted()
-        content_ok = st is not None and (
-            data is None or (st.st_size == len(data) and self._read() == data)
-        )
+        current = None  # read only when the size says it may be the same
+        if st is not None and data is not None and st.st_size == len(data):
+            current = self._read()
+        content_ok = st is not None and (data is None or current == data)
         attrs_ok = st is not None and _attrs_ok(st, self._mode, uid, gid)
         if content_ok and attrs_ok:
             return True
+        self._regular_changes(st, created, data, current, content_ok, attrs_ok, uid, gid)
         if not apply:
             return False
         try:
@@ -557,6 +575,78 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         except OSError as e:
             raise ResourceError(f"{self._path}: {e.strerror or e}") from None
         return False
+
+    # -- reporting changes (only once something differs) ---------------------------
+    def _regular_changes(
+        self,
+        st: os.stat_result | None,
+        created: bool,
+        data: bytes | None,
+        current: bytes | None,
+        content_ok: bool,
+        attrs_ok: bool,
+        uid: int,
+        gid: int,
+    ) -> None:
+        """Report how the file differs (`created`: it does not exist; st is None
+        too when what was in its place was removed)."""
+        h = self.handle
+        if created:
+            h.changed("state", None, "file")
+        if not content_ok and data is not None:
+            if st is not None and current is None:
+                if st.st_size > REPORT_MAX:  # not read whole just to be shown
+                    h.changed("content", _size(st.st_size), _size(len(data)))
+                    data = None
+                else:
+                    current = self._read()
+            if data is not None:
+                h.changed("content", current if st is not None else None, data, content=True)
+        if not attrs_ok:
+            self._attr_changes("", st, self._mode, uid, gid)
+
+    def _attr_changes(
+        self, where: str, st: os.stat_result | None, mode: int | None, uid: int, gid: int
+    ) -> None:
+        """Report the attributes that differ (`where`: a tree entry's name and a space)."""
+        h = self.handle
+        if mode is not None and (st is None or stat.S_IMODE(st.st_mode) != mode):
+            h.changed(f"{where}mode", None if st is None else _octal(st.st_mode), _octal(mode))
+        if uid >= 0 and (st is None or st.st_uid != uid):
+            h.changed(f"{where}owner", None if st is None else _user(st.st_uid), _user(uid))
+        if gid >= 0 and (st is None or st.st_gid != gid):
+            h.changed(f"{where}group", None if st is None else _group(st.st_gid), _group(gid))
+
+    def _entry_changes(
+        self,
+        src: str,
+        sst: os.stat_result,
+        target: str,
+        tst: os.stat_result | None,
+        same: bool,
+        mode: int | None,
+        uid: int,
+        gid: int,
+    ) -> None:
+        """Report how a regular file copied into a tree differs from its source."""
+        h, rel = self.handle, self._rel(target)
+        if not same:
+            is_file = tst is not None and stat.S_ISREG(tst.st_mode)
+            if not is_file:
+                h.changed(rel, _what(tst, target), "file")
+            old_size = tst.st_size if tst is not None and is_file else 0
+            if max(old_size, sst.st_size) > REPORT_MAX:  # not read whole just to be shown
+                h.changed(rel, _size(old_size) if is_file else None, _size(sst.st_size))
+            else:
+                old = _read_input(target, "path") if is_file else None
+                h.changed(rel, old, _read_input(src, "source"), content=True)
+            if not is_file:
+                tst = None
+        self._attr_changes(f"{rel} ", tst, mode, uid, gid)
+
+    def _rel(self, path: str) -> str:
+        """A path in our tree, relative to the directory."""
+        return path[len(self._path) :].lstrip("/") or "."
 
     # -- io ---------------------------------------------------------------------
     def _read(self) -> bytes:
@@ -623,6 +713,52 @@ def _listdir(path: str) -> list[str]:
         return os.listdir(path)
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def _what(st: os.stat_result | None, path: str = "") -> str | None:
+    """What a path is, for a change report (None: nothing); a symlink with its target."""
+    if st is None:
+        return None
+    if stat.S_ISREG(st.st_mode):
+        return "file"
+    if stat.S_ISDIR(st.st_mode):
+        return "directory"
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            return f"symlink → {os.readlink(path)}" if path else "symlink"
+        except OSError:
+            return "symlink"
+    return "special file"
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except OSError:
+        return None
+
+
+def _size(n: int) -> str:
+    return "1 byte" if n == 1 else f"{n} bytes"
+
+
+def _octal(mode: int) -> str:
+    return f"{stat.S_IMODE(mode):04o}"
+
+
+def _user(uid: int) -> str:
+    """A uid as its name where it has one (and the number), for a change report."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} ({uid})"
+    except KeyError:
+        return str(uid)
+
+
+def _group(gid: int) -> str:
+    try:
+        return f"{grp.getgrgid(gid).gr_name} ({gid})"
+    except KeyError:
+        return str(gid)
 
 
 def _attrs_ok(st: os.stat_result, mode: int | None, uid: int, gid: int) -> bool:

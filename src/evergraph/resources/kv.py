@@ -100,6 +100,14 @@ class KeyValue(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             have, want = _number(stored), _number(self.value)
             if have is not None and want is not None and have >= want and not refresh:
                 return True
+        # a sealed value is a secret: never shown (nor is `value` received as one)
+        if item is None:
+            old = None
+        elif self._sealed:
+            old = "(sealed)"
+        else:
+            old = "(not text)" if stored is None else stored
+        self.handle.changed("value", old, self.value)
         if not apply:
             return False
         data = self.value.encode()

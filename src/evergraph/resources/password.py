@@ -124,20 +124,25 @@ class Password(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
 
     async def check_apply(self, apply: bool) -> bool:
         path = self._file()
-        if self.handle.refresh():
+        h = self.handle  # reports what happens to the password, never the password
+        if h.refresh():
+            h.changed("password", "kept", "generated (refresh)")
             if apply:
                 self._store(generate(self.length), "refreshed: generated a new password")
             return False
         status, found, mode = self._load(path)
         if status == "missing":
+            h.changed("saved", None, path)
             if self._password is not None and len(self._password) == self.length:
                 if apply:  # deleted while we run: the one receivers use goes back
                     self._store(self._password, f"{path} was missing: wrote it back")
                 return False
+            h.changed("password", None, "generated")
             if apply:
                 self._store(generate(self.length), f"generated a new password in {path}")
             return False
         if status == "foreign":
+            h.changed("password", "does not open with this host's key", "generated")
             if apply:
                 self.handle.logger.warning(
                     "%s: %s does not open with this host's key (tampered with, or sealed "
@@ -148,12 +153,15 @@ class Password(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 self._store(generate(self.length), f"new password in {path}")
             return False
         if len(found) != self.length:
+            h.changed("length", len(found), self.length)
+            h.changed("password", "kept", "generated")
             if apply:
                 self._store(generate(self.length), f"length is now {self.length}: new password")
             return False
         # The file is the truth: a valid one put back from a backup is adopted.
         self._password = found
         if mode != 0o600:
+            h.changed("saved mode", f"{mode:04o}", "0600")
             if apply:
                 try:
                     os.chmod(path, 0o600)

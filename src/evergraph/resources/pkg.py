@@ -239,9 +239,14 @@ class Pkg(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         found = await be.query([r.name for r in group], any(r.state == "newest" for r in group))
         todo: dict[bool, tuple[list[tuple[str, str | None]], list[str], list[str]]] = {}
         for res in group:
-            need = res._needs(found[res.name])
+            have = found[res.name]
+            need = res._needs(have)
             if need is None:
                 continue
+            # the version installed now, and after (None: not installed)
+            field = "version" if len(group) == 1 else f"{res.name} version"
+            after = need[1] or have.candidate or "the candidate"
+            self.handle.changed(field, have.installed, None if need[0] == "remove" else after)
             install, remove, idents = todo.setdefault(res.allowuntrusted, ([], [], []))
             if need[0] == "install":
                 install.append((res.name, need[1]))

@@ -114,6 +114,7 @@ class Schedule(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 return True
         except WorldError as e:
             raise ResourceError(f"world: {e}") from None
+        self.handle.changed("volunteer", None, f"{self.handle.hostname} for {self._ns()}")
         if not apply:
             return False
         if vol is None:

@@ -348,9 +348,12 @@ class SshAuthorizedKey(Resource, kw_only=True, dict=True, forbid_unknown_fields=
         if target is None:
             raise _NoHome(f"no such user {self.user!r}")
         seen = self._look(target)
+        had_dir = seen.dir_fd is not None
         seen.close()
-        if self._plan(target, seen) is None:
+        plan = self._plan(target, seen)
+        if plan is None:
             return True
+        self._report(target, seen, had_dir, plan[0])
         if not apply:
             return False
         async with _file_lock(target.path):
@@ -470,6 +473,23 @@ class SshAuthorizedKey(Resource, kw_only=True, dict=True, forbid_unknown_fields=
         if content_ok and file_meta_ok and dir_ok:
             return None
         return (seen.data or b"") if new is None else new, not (content_ok and file_meta_ok)
+
+    def _report(self, t: _Target, seen: _Seen, had_dir: bool, content: bytes) -> None:
+        """Report what differs: the directory, the file's content (a diff), its mode and
+        owner (user mode: sshd's StrictModes)."""
+        h = self.handle
+        if not had_dir:
+            h.changed("directory", None, t.dir)
+        elif t.home and self.state == "exists" and not seen.dir_ok:
+            h.changed("directory", f"{t.dir}: not 0700 or not the user's", f"0700, {t.uid}:{t.gid}")
+        if seen.data is None or content != seen.data:
+            h.changed("content", seen.data, content, content=True)
+        st = seen.st
+        if t.home and self.state == "exists" and st is not None:
+            if stat.S_IMODE(st.st_mode) != 0o600:
+                h.changed("mode", f"{stat.S_IMODE(st.st_mode):04o}", "0600")
+            if (st.st_uid, st.st_gid) != (t.uid, t.gid):
+                h.changed("owner", f"{st.st_uid}:{st.st_gid}", f"{t.uid}:{t.gid}")
 
     def _fix(self, t: _Target) -> bool:
         """Under the file's lock, in a thread: re-read and make it right. True if it was."""

@@ -466,9 +466,9 @@ class Svc(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             settled = file_state in _FIXED or (not want and file_state in _MASKED)
             if not settled and (file_state in _ENABLED) != want:
                 clean = False
-                if not apply:
-                    return False
-                await self._enable(sd, want)
+                self.handle.changed("startup", file_state, self.startup)
+                if apply:  # (noop goes on: what else would change is reported too)
+                    await self._enable(sd, want)
         refresh = self.handle.refresh()
         started = False
         if self.state:
@@ -478,18 +478,18 @@ class Svc(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 raise ResourceError(f"{unit}: no such unit: cannot start it")
             if active not in (_RUNNING if want_run else _STOPPED):
                 clean = False
-                if not apply:
-                    return False
-                verb = "StartUnit" if want_run else "StopUnit"
-                await self._job(sd, verb, "started" if want_run else "stopped")
+                self.handle.changed("state", active, self.state)
+                if apply:
+                    verb = "StartUnit" if want_run else "StopUnit"
+                    await self._job(sd, verb, "started" if want_run else "stopped")
                 started = want_run
         # A unit started just now runs the new configuration already; with
         # `state` empty only a running unit is reloaded.
         if refresh and not started and await self._refreshable(sd, path):
-            if not apply:
-                return False
-            verb = "ReloadOrRestartUnit" if self.state else "TryReloadOrRestartUnit"
-            await self._job(sd, verb, "reloaded or restarted (refresh)")
+            self.handle.changed("refresh", None, "reload or restart")
+            if apply:
+                verb = "ReloadOrRestartUnit" if self.state else "TryReloadOrRestartUnit"
+                await self._job(sd, verb, "reloaded or restarted (refresh)")
             clean = False
         return clean
 

@@ -44,6 +44,7 @@ class Timer(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             self._restart.set()
         if not self._ticked:
             return True
+        self.handle.changed("tick", None, f"{self.interval:g} s elapsed")
         if apply:
             self._ticked = False
         return False

@@ -271,7 +271,16 @@ def _make_home(home: str, uid: int, gid: int) -> None:
 
 
 class _MissingGroup(Exception):
-    """A group the user needs does not exist (yet)."""
+    """A group the user needs does not exist (yet): `wanted`, named in `field`."""
+
+    def __init__(self, message: str, field: str, wanted: object) -> None:
+        super().__init__(message)
+        self.field = field
+        self.wanted = wanted
+
+
+#: useradd/usermod options, as the fields they change
+_FLAG_FIELDS = {"-u": "uid", "-g": "gid", "-G": "groups", "-d": "home", "-s": "shell"}
 
 
 def _subscribe_all(res: Resource, paths: tuple[str, ...]) -> Callable[[], None]:
@@ -413,6 +422,7 @@ class User(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         if self.state == "absent":
             if pw is None:
                 return True
+            self.handle.changed("state", "exists", "absent")
             if apply:
                 await _shadow(["userdel", *(["-r"] if self.managehome else []), self.name])
             return False
@@ -420,8 +430,11 @@ class User(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             try:
                 flags = self._flags(pw, read_group())
             except _MissingGroup as e:
-                if not apply:
-                    return False  # in noop, a group still to be made is a would-change
+                if not apply:  # in noop, a group still to be made is a would-change
+                    if pw is None:
+                        self.handle.changed("state", None, "exists")
+                    self.handle.changed(e.field, None, f"{e.wanted} (does not exist yet)")
+                    return False
                 # A group resource may be re-creating it right now: we ran on an
                 # older event while the group's own event is still queued. Give
                 # /etc/group a moment before calling it a failure.
@@ -433,6 +446,8 @@ class User(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             home_missing = pw is not None and home is not None and not os.path.isdir(home)
             if pw is not None and not flags and not home_missing:
                 return True
+            if attempt == 1:
+                self._report(pw, flags, home if home_missing else None)
             if not apply:
                 return False
             try:
@@ -445,6 +460,29 @@ class User(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 # when we read /etc/group: read again, try once more
                 pw = read_passwd().get(self.name)
         return False
+
+    def _report(self, pw: PwEntry | None, flags: list[str], make_home: str | None) -> None:
+        """Report what the useradd/usermod `flags` change, and a home to make."""
+        h = self.handle
+        old: dict[str, object] = {}
+        if pw is None:
+            h.changed("state", None, "exists")
+        else:
+            gdb = read_group()
+            old = {
+                "-u": pw.uid,
+                "-g": pw.gid,
+                "-G": sorted(gdb.member_of(self.name)),
+                "-d": pw.home,
+                "-s": pw.shell,
+            }
+        for flag, value in zip(flags[::2], flags[1::2], strict=True):
+            new: object = value
+            if flag == "-G":
+                new = sorted(value.split(",")) if value else []
+            h.changed(_FLAG_FIELDS[flag], old.get(flag), new)
+        if make_home is not None:
+            h.changed("home directory", None, make_home)
 
     async def _apply(self, pw: PwEntry | None, flags: list[str], make_home: str | None) -> None:
         if pw is None:
@@ -502,18 +540,18 @@ class User(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             return own.gid if pw is None and own is not None else None
         if isinstance(gid, int) or gid.isdigit():
             if int(gid) not in gdb.by_gid:
-                raise _MissingGroup(f"primary group {gid} does not exist")
+                raise _MissingGroup(f"primary group {gid} does not exist", "gid", gid)
             return int(gid)
         entry = gdb.by_name.get(gid)
         if entry is None:
-            raise _MissingGroup(f"primary group {gid!r} does not exist")
+            raise _MissingGroup(f"primary group {gid!r} does not exist", "gid", gid)
         return entry.gid
 
     @staticmethod
     def _group_name(g: str, gdb: GroupDb) -> str:
         entry = gdb.by_gid.get(int(g)) if g.isdigit() else gdb.by_name.get(g)
         if entry is None:
-            raise _MissingGroup(f"group {g!r} in groups does not exist")
+            raise _MissingGroup(f"group {g!r} in groups does not exist", "groups", g)
         return entry.name
 
 
@@ -562,11 +600,16 @@ class Group(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         if self.state == "absent":
             if gr is None:
                 return True
+            self.handle.changed("state", "exists", "absent")
             if apply:
                 await _shadow(["groupdel", self.name])
             return False
         if gr is not None and (self.gid is None or gr.gid == self.gid):
             return True
+        if gr is None:
+            self.handle.changed("state", None, "exists")
+        if self.gid is not None:
+            self.handle.changed("gid", None if gr is None else gr.gid, self.gid)
         if not apply:
             return False
         gid = [] if self.gid is None else ["-g", str(self.gid)]
