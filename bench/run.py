@@ -1,6 +1,6 @@
 """Run every benchmark, print one table each, write bench/results/latest.json.
 
-Usage: `scripts/bench [--quick] [--only engine|graphops|files|drift|http ...]`
+Usage: `scripts/bench [--quick] [--only NAME ...]` (NAME: see BENCHMARKS below)
 (or `.venv/bin/python -m bench ...`, or `.venv/bin/python bench/run.py ...`).
 """
 
@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
 from bench import common
 
-BENCHMARKS = ("engine", "graphops", "drift", "files", "world", "farm", "soak", "http")
+BENCHMARKS = ("engine", "graphops", "drift", "files", "world", "farm", "soak", "http", "cluster")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench import soak
 
             out["soak"], text = soak.run(args.quick)
+        elif name == "cluster":
+            from bench import cluster
+
+            out["cluster"], text = cluster.run(args.quick)
         elif name == "http":
             from bench import http
 
