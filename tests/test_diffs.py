@@ -16,7 +16,7 @@ import asyncio
 import base64
 import contextlib
 import functools
-import logging
+import json
 import os
 import re
 import subprocess
@@ -480,29 +480,35 @@ def test_a_secret_sent_into_a_file_never_shows_in_a_diff(tmp_path: Path) -> None
             assert secret not in text
 
 
-def test_changed_records_carry_the_changes_for_structured_logs(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_json_logs_carry_the_changes_as_fields(tmp_path: Path) -> None:
     f = tmp_path / "f"
-    body = (
+    g = graph(
+        tmp_path,
         f'  file:\n  - {{name: f, path: {f}, content: "x\\n"}}\n'
-        '  exec:\n  - {name: r, cmd: "true", refresh_only: true}\n'
+        '  exec:\n  - {name: r, cmd: "true", refresh_only: true}\n',
+        "- {from: {kind: file, name: f}, to: {kind: exec, name: r}, notify: true}\n",
     )
-    body_edges = (
-        body + "edges:\n- {from: {kind: file, name: f}, to: {kind: exec, name: r}, notify: true}\n"
-    )
-    with caplog.at_level(logging.INFO, logger="evergraph.engine"):
-        converge(tmp_path / "s", body_edges, noop=True)
-    rec = next(r for r in caplog.records if getattr(r, "ident", "") == "file[f]")
-    assert rec.getMessage().startswith("file[f]: would change (noop): state, content")
-    got = {c.field: c for c in rec.changes}  # type: ignore[attr-defined]
-    assert got["content"].diff is not None
-    assert "+x" in got["content"].diff
-    assert rec.notify == ["exec[r]"]  # type: ignore[attr-defined]
-    assert rec.send == []  # type: ignore[attr-defined]
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="evergraph.engine"):
-        converge(tmp_path / "s2", body_edges)
-    rec = next(r for r in caplog.records if getattr(r, "ident", "") == "file[f]")
-    assert rec.getMessage() == "file[f]: applied: state, content", "no --diff: one line"
-    assert [c.field for c in rec.changes] == ["state", "content"]  # type: ignore[attr-defined]
+    r = noop(g, tmp_path / "s", "--log-format", "json")
+    assert r.returncode == 3, r.stderr
+    records = [json.loads(line) for line in r.stderr.splitlines()]
+    rec = next(x for x in records if x.get("event") == "changed")
+    assert rec["msg"] == "file[f]: would change (noop): state, content"
+    assert rec["resource"] == "file[f]"
+    assert rec["noop"] is True
+    assert rec["notify"] == ["exec[r]"]
+    assert rec["send"] == []
+    content = next(c for c in rec["changes"] if c["field"] == "content")
+    assert content["old"] is None
+    assert content["new"] == "2 bytes"
+    assert content["diff"].splitlines()[-1] == "+x"
+    # a real run without --diff: one text line, and the fields, without a diff
+    r = run_cli("run", g, "--state-dir", tmp_path / "s", "--converged-exit", "--log-format", "json")
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(line) for line in r.stderr.splitlines()]
+    rec = next(x for x in records if x.get("event") == "changed" and x["resource"] == "file[f]")
+    assert rec["msg"] == "file[f]: applied: state, content"
+    assert rec["noop"] is False
+    assert rec["changes"] == [
+        {"field": "state", "old": None, "new": "file"},
+        {"field": "content", "old": None, "new": "2 bytes"},
+    ]

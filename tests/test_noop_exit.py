@@ -35,7 +35,7 @@ def test_noop_exits_3_while_something_would_change_then_0(tmp_path: Path) -> Non
     assert f.read_text() == "x\n"
     rc, err = run(g, state, "--noop", "--converged-exit")
     assert rc == 0, err
-    assert "would change" not in err
+    assert "would change (noop)" not in err
     f.write_text("drift\n")
     rc, err = run(g, state, "--noop", "--converged-exit")
     assert rc == 3, err

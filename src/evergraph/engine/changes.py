@@ -16,6 +16,7 @@ diffs nobody asked for.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any
 
 from evergraph.engine.masking import MASK
 from evergraph.engine.status import Change
@@ -163,3 +164,25 @@ def lines(changes: Sequence[Change], *, diffs: bool) -> list[str]:
         if diffs and c.diff:
             out.extend("    " + _shown(line, keep="\t") for line in c.diff.split("\n"))
     return out
+
+
+def record_data(
+    ident: str, noop: bool, changes: Sequence[Change], notify: list[str], send: list[str]
+) -> dict[str, Any]:
+    """The structured form of a vertex's "applied" or "would change" log record (its
+    `extra={"data": ...}`, which JSON logs carry as fields): `event` "changed",
+    `resource`, `noop`, `changes` (field, old, new, and diff when there is one),
+    `notify` (idents refreshed by the change), `send` (`value → ident.field`)."""
+    return {
+        "event": "changed",
+        "resource": ident,
+        "noop": noop,
+        "changes": [
+            {"field": c.field, "old": c.old, "new": c.new, "diff": c.diff}
+            if c.diff is not None
+            else {"field": c.field, "old": c.old, "new": c.new}
+            for c in changes
+        ],
+        "notify": notify,
+        "send": send,
+    }

@@ -930,26 +930,24 @@ class Engine:
     def _log_changes(self, v: Vertex, what: str, diffs: bool) -> None:
         """One log record for a run that changed something (or would): the fields
         changed; with `diffs` (noop, `--diff`) a line per change with its diff, and
-        whom a change notifies or sends values to. The record carries them for
-        structured logs too: `ident`, `changes` (`Change`s), `notify` (idents),
-        `send` (`value → ident.field`)."""
+        whom a change notifies or sends values to. Structured logs get them all from
+        the record's `data` (`changes.record_data`)."""
         done = v.changes
         notify = [c.ident for c in v.notify_children]
         send = [f"{value} → {c.ident}.{field}" for value, c, field in v.send_edges]
-        extra = {"ident": v.ident, "changes": done, "notify": notify, "send": send}
+        data = changes.record_data(v.ident, what != "applied", done, notify, send)
         if not done and not (diffs and (notify or send)):
-            log.info("%s: %s", v.ident, what, extra=extra)
+            log.info("%s: %s", v.ident, what, extra={"data": data})
             return
         head = f"{v.ident}: {what}: {changes.summary(done)}" if done else f"{v.ident}: {what}"
         if not diffs:
-            log.info("%s", head, extra=extra)
+            log.info("%s", head, extra={"data": data})
             return
         out = [head, *changes.lines(done, diffs=True)]
-        applied = what == "applied"
-        notifies, sends = ("notifies", "sends") if applied else ("would notify", "would send")
+        notifies, sends = ("would notify", "would send") if data["noop"] else ("notifies", "sends")
         out.extend(f"  {notifies} {ident}" for ident in notify)
         out.extend(f"  {sends} {line}" for line in send)
-        log.info("%s", "\n".join(out), extra=extra)
+        log.info("%s", "\n".join(out), extra={"data": data})
 
     def _record_failure(self, v: Vertex, error: str) -> None:
         error = v.mask(error)
