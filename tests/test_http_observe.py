@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import Agent, run_cli, wait_for
@@ -72,6 +75,14 @@ def test_metrics_count_applies_and_a_drift_repair(tmp_path: Path, agents: Any) -
         assert _get(m, "evergraph_farm_waiting_requests") == 0
         assert _get(m, "process_resident_memory_bytes") > 0
         events_before = _get(m, "evergraph_watch_events_total")
+        # what Prometheus itself asks for: OpenMetrics, one "# EOF" at the very end
+        r = c.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        assert r.headers["content-type"].startswith("application/openmetrics-text")
+        assert r.text.endswith("# EOF\n")
+        assert r.text.count("# EOF") == 1
+        om = {f.name: f for f in openmetrics_families(r.text)}
+        assert om["evergraph_check_apply"].type == "counter"
+        assert om["evergraph_drift_repair_latency_seconds"].type == "histogram"
 
         # drift: someone edits b; the agent puts it back, and the metrics say so
         files["b"].write_text("edited by hand\n")

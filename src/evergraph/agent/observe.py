@@ -23,9 +23,21 @@ log = logging.getLogger("evergraph.agent")
 
 #: upper bounds (seconds) of latency buckets: a file's check is ~20 us, a command's
 #: or an etcd round trip's milliseconds, a package install's minutes
+#: (few: each is a line per labelled histogram on every scrape)
 LATENCY_BUCKETS = (
-    *(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05),
-    *(0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0),
+    2.5e-5,
+    1e-4,
+    2.5e-4,
+    1e-3,
+    2.5e-3,
+    0.01,
+    0.025,
+    0.1,
+    0.25,
+    1.0,
+    5.0,
+    30.0,
+    300.0,
 )
 
 

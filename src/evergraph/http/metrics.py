@@ -15,7 +15,7 @@ the event (the engine turns the vertex `pending` then) to the change.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -57,14 +57,20 @@ class Metrics:
         self.repair_latency = Histogram()
         #: ident -> when its event came (engine clock), until its run ends
         self._event_at: dict[str, float] = {}
+        #: statuses seen, runs finished, repairs: versions of what is rendered
+        self.seen = 0
+        self.finished = 0
+        self.repaired = 0
 
     def __call__(self, st: VertexStatus) -> None:
+        self.seen += 1
         state = st.state
         if state == "running":
             return
         if state == "pending":  # a settled vertex got an event
             self._event_at[st.ident] = st.since
             return
+        self.finished += 1
         kind = st.kind
         key = (kind, _RESULT[state])
         self.applies[key] = self.applies.get(key, 0) + 1
@@ -75,6 +81,7 @@ class Metrics:
         if state == "changed":
             at = self._event_at.pop(st.ident, None)
             if at is not None:
+                self.repaired += 1
                 self.repairs[kind] = self.repairs.get(kind, 0) + 1
                 self.repair_latency.observe(st.since - at)
         elif state != "retrying":  # a retry may still repair it
@@ -113,7 +120,24 @@ def _hist(name: str, doc: str, label: str, hists: dict[str, Histogram]) -> Metri
     return fam
 
 
+class _One(Collector):
+    """A registry of one metric family (rendered alone, then cached)."""
+
+    def __init__(self, metric: Metric) -> None:
+        self.metric = metric
+
+    def collect(self) -> Iterator[Metric]:
+        yield self.metric
+
+
+#: a family: the version it is at now (unchanged: its text is reused) and its builder
+_Family = tuple[Callable[[], object], Callable[[], Metric]]
+
+
 class _Collector(Collector):
+    """Every evergraph family. Rendering is most of a scrape's cost (~12 us a line,
+    in the agent's loop): each family is rendered again only when its version moved."""
+
     def __init__(
         self,
         metrics: Metrics,
@@ -125,72 +149,124 @@ class _Collector(Collector):
         self.engine = engine
         self.world = world
         self.farm = farm
+        self._counts: tuple[object, Mapping[str, int]] = ((), {})
+        m = metrics
+        self.families: list[_Family] = [
+            (lambda: m.finished, self._applies),
+            (lambda: m.finished, self._durations),
+            (lambda: m.repaired, self._repairs),
+            (lambda: m.repaired, self._repair_latency),
+            (self._states_version, self._states),
+            (self._events_version, self._events),
+            (self._converged_version, self._converged),
+            (self._world_version, self._world),
+        ]
+        if farm is not None:
+            self.families.append((lambda: farm.waiting, self._farm))
 
     def collect(self) -> Iterator[Metric]:
-        m = self.metrics
-        applies = CounterMetricFamily(
+        for _, build in self.families:
+            yield build()
+
+    def _applies(self) -> Metric:
+        fam = CounterMetricFamily(
             "evergraph_check_apply",
             "Finished check_apply calls, by resource kind and result (clean, changed, failed).",
             labels=["kind", "result"],
         )
-        for (kind, result), n in sorted(m.applies.items()):
-            applies.add_metric([kind, result], n)
-        yield applies
-        yield _hist(
+        for (kind, result), n in sorted(self.metrics.applies.items()):
+            fam.add_metric([kind, result], n)
+        return fam
+
+    def _durations(self) -> Metric:
+        return _hist(
             "evergraph_check_apply_duration_seconds",
             "How long check_apply took, by resource kind.",
             "kind",
-            m.durations,
+            self.metrics.durations,
         )
-        repairs = CounterMetricFamily(
+
+    def _repairs(self) -> Metric:
+        fam = CounterMetricFamily(
             "evergraph_drift_repairs",
             "Settled vertices that got a watch event and changed something again, by kind.",
             labels=["kind"],
         )
-        for kind, n in sorted(m.repairs.items()):
-            repairs.add_metric([kind], n)
-        yield repairs
-        yield _hist(
+        for kind, n in sorted(self.metrics.repairs.items()):
+            fam.add_metric([kind], n)
+        return fam
+
+    def _repair_latency(self) -> Metric:
+        return _hist(
             "evergraph_drift_repair_latency_seconds",
             "From the watch event to the change that repaired the drift.",
             "",
-            {"": m.repair_latency},
+            {"": self.metrics.repair_latency},
         )
+
+    def _states_version(self) -> object:
+        # a swap adds vertices (they run: seen) or removes some (the count moves)
         engine = self.engine()
-        counts = engine.state_counts() if engine is not None else {}
-        states = GaugeMetricFamily(
+        return (self.metrics.seen, len(engine.vertices) if engine is not None else -1)
+
+    def _states(self) -> Metric:
+        version = self._states_version()
+        if self._counts[0] != version:  # counting 10k vertices takes ~1 ms
+            engine = self.engine()
+            self._counts = (version, engine.state_counts() if engine is not None else {})
+        counts = self._counts[1]
+        fam = GaugeMetricFamily(
             "evergraph_vertices", "Vertices of the running graph, by state.", labels=["state"]
         )
         for s in STATES:
-            states.add_metric([s], counts.get(s, 0))
-        yield states
-        events = CounterMetricFamily(
+            fam.add_metric([s], counts.get(s, 0))
+        return fam
+
+    def _events_version(self) -> int:
+        engine = self.engine()
+        return engine.events if engine is not None else 0
+
+    def _events(self) -> Metric:
+        fam = CounterMetricFamily(
             "evergraph_watch_events", "Watch events the engine received (handle.event calls)."
         )
-        events.add_metric([], engine.events if engine is not None else 0)
-        yield events
-        converged = engine is not None and bool(engine.graph_name) and not engine.busy()
-        yield GaugeMetricFamily(
+        fam.add_metric([], self._events_version())
+        return fam
+
+    def _converged_version(self) -> object:
+        engine = self.engine()
+        return engine is not None and bool(engine.graph_name) and not engine.busy()
+
+    def _converged(self) -> Metric:
+        return GaugeMetricFamily(
             "evergraph_converged",
             "1 when nothing runs, is queued or awaits a retry (every vertex settled).",
-            value=1 if converged else 0,
+            value=1 if self._converged_version() else 0,
         )
-        yield _hist(
+
+    def _world_version(self) -> object:
+        return sum(h.count for h in self.world().values())
+
+    def _world(self) -> Metric:
+        return _hist(
             "evergraph_world_operation_seconds",
             "Latency of the agent's World calls, by operation.",
             "op",
             self.world(),
         )
-        if self.farm is not None:
-            yield GaugeMetricFamily(
-                "evergraph_farm_waiting_requests",
-                "Farm requests WAITING for a worker.",
-                value=self.farm.waiting,
-            )
+
+    def _farm(self) -> Metric:
+        assert self.farm is not None
+        return GaugeMetricFamily(
+            "evergraph_farm_waiting_requests",
+            "Farm requests WAITING for a worker.",
+            value=self.farm.waiting,
+        )
 
 
 class Exposition:
-    """A registry of this app's own: the collector above and the process' figures."""
+    """This app's own registries (never the library's global one): the evergraph
+    families, rendered one by one with a cache, and the process' figures."""
 
     def __init__(
         self,
@@ -199,11 +275,27 @@ class Exposition:
         world: Callable[[], dict[str, Histogram]],
         farm: FarmQueue | None,
     ) -> None:
+        self.collector = _Collector(metrics, engine, world, farm)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(metrics, engine, world, farm))
-        ProcessCollector(registry=self.registry)
+        self.registry.register(self.collector)
+        self.process = CollectorRegistry(auto_describe=False)
+        ProcessCollector(registry=self.process)
+        #: (content type, family index) -> (version, text)
+        self._cache: dict[tuple[str, int], tuple[object, bytes]] = {}
 
     def render(self, accept: str) -> tuple[bytes, str]:
         """The body and its content type (OpenMetrics if the scraper asks for it)."""
         encoder, content_type = choose_encoder(accept)
-        return encoder(self.registry), content_type
+        parts = []
+        for i, (version, build) in enumerate(self.collector.families):
+            v = version()
+            hit = self._cache.get((content_type, i))
+            if hit is None or hit[0] != v:
+                hit = self._cache[(content_type, i)] = (v, _strip_eof(encoder(_One(build()))))
+            parts.append(hit[1])
+        parts.append(encoder(self.process))  # ends with OpenMetrics' "# EOF", if any
+        return b"".join(parts), content_type
+
+
+def _strip_eof(text: bytes) -> bytes:
+    return text.removesuffix(b"# EOF\n")
