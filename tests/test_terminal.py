@@ -23,7 +23,7 @@ import pytest
 
 from evergraph.engine.masking import MASK
 
-from .conftest import EVERGRAPH, run_cli, wait_for
+from .conftest import EVERGRAPH, run_cli, status_lines, wait_for
 from .test_secrets import password_of
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -87,11 +87,17 @@ class Pty:
                 raise AssertionError(f"still running:\n{self.plain}")
         return self.proc.wait(timeout)
 
+    def hang_up(self) -> None:
+        """Close our end: the terminal is gone (its writes fail with EIO)."""
+        os.close(self.master)
+        self.master = -1
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        os.close(self.master)
+        if self.master >= 0:
+            os.close(self.master)
 
 
 @pytest.fixture
@@ -159,6 +165,33 @@ def test_a_terminal_shows_progress_then_a_status_line(tmp_path: Path, pty: Any) 
     draws = t.text.split("watching 3 resources")
     assert len(draws) > 2, t.text
     assert all("\x1b[2K" in between for between in draws[1:-1]), t.text
+
+
+def test_the_agent_outlives_its_terminal(tmp_path: Path, pty: Any) -> None:
+    g = write_graph(tmp_path)
+    g.write_text(g.read_text().split("  - name: bad")[0])  # all will be clean: status 0
+    status = tmp_path / "converged.status"
+    t = pty(
+        "run",
+        g,
+        "--state-dir",
+        tmp_path / "s",
+        "--converged-timeout",
+        "0.05",
+        "--converged-status-file",
+        status,
+    )
+    t.expect(lambda: "running exec[hold]" in t.plain, "the display")
+    t.hang_up()
+    (tmp_path / "GO").touch()
+    # it converges all the same (the display's writes fail: it goes on without it)
+    wait_for(lambda: status_lines(status)[-1:] == ["true"], what="convergence")
+    (tmp_path / "a.txt").write_text("drifted\n")
+    wait_for(lambda: status_lines(status).count("true") == 2, what="the repair")
+    # the stop is logged, and the display ends: writes that fail, which must not
+    # fail the agent (status 1, "a service failed")
+    t.proc.send_signal(signal.SIGTERM)
+    assert t.proc.wait(20) == 0
 
 
 def test_a_pipe_gets_plain_lines(tmp_path: Path) -> None:

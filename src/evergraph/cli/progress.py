@@ -100,7 +100,8 @@ class Display:
             try:
                 await _live(agent, tracker, self.terminal)
             except OSError:  # the terminal went away: go on without the display
-                self.terminal.stop_holding()
+                with contextlib.suppress(OSError):
+                    self.terminal.stop_holding()
             finally:
                 agent.observers.unsubscribe(tracker)
         await _still_running(agent)
