@@ -494,7 +494,12 @@ def run(
         )
     finally:
         flush_logs()
-    sys.exit(status)
+    # The agent has stopped: its World is closed, its children are gone, its writes
+    # are on disk. Skip the interpreter's teardown, which would free a big graph
+    # object by object (0.6 s for 50k vertices) after SIGTERM asked us to go.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 @cli.command(context_settings=CONTEXT)
