@@ -25,9 +25,9 @@ CASES = {
         "file[a].contnet: unknown parameter; did you mean 'content'?",
     ),
     "ill-typed-param": (
-        "graph: g\nresources:\n  file:\n  - name: a\n    path: SENTINEL\n    content: 5\n",
+        "graph: g\nresources:\n  file:\n  - name: a\n    path: SENTINEL\n    content: 5.5\n",
         6,
-        "file[a].content: expected str | null, got int",
+        "file[a].content: expected str | null, got float",
     ),
     "ill-typed-meta": (
         "graph: g\nresources:\n  file:\n  - name: a\n    path: SENTINEL\n"
@@ -35,10 +35,10 @@ CASES = {
         7,
         "file[a].meta.retry: expected int, got str",
     ),
-    "unquoted-mode": (
-        "graph: g\nresources:\n  file:\n  - name: a\n    path: SENTINEL\n    mode: 0644\n",
+    "unquoted-mode": (  # the source text "0999", as mgmt reads it: not octal
+        "graph: g\nresources:\n  file:\n  - name: a\n    path: SENTINEL\n    mode: 0999\n",
         6,
-        "file[a].mode: expected str | null, got int",
+        "file[a].mode: '0999' is neither octal",
     ),
     "bad-mode-value": (
         "graph: g\nresources:\n  file:\n  - name: a\n    path: SENTINEL\n    mode: 'rwx'\n",

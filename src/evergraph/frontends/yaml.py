@@ -4,13 +4,20 @@ Fast path: the Rust-backed `yaml_rs` parser builds plain data (~75 ms for a
 10k-resource file where PyYAML takes seconds), msgspec types it. Only when
 something is wrong do we parse again with PyYAML, whose node tree carries
 line and column, to name `file:line:col` in the error. YAML 1.2 rules apply
-(`yes` is a string, `0644` is the number 644): that is why `mode` must be a
-quoted string.
+(`yes` is a string, `0644` is a number).
+
+mgmt's graphs run unchanged (docs/mgmt-compatibility.md): keys mgmt's own code
+no longer has are ignored with one warning each (`file:line:col`); a resource
+named `@@name` is exported to every host and hidden here; an integer where
+text is wanted takes its source text, as mgmt's reader gives it (`mode: 0741`
+is the text "0741", octal); a kind of mgmt's that evergraph lacks is named as
+such.
 """
 
 from __future__ import annotations
 
 import asyncio
+import difflib
 import logging
 import re
 import sys
@@ -22,7 +29,7 @@ import msgspec
 import yaml_rs
 
 from evergraph._util.gc import gc_paused
-from evergraph.engine.build import PathPart, build_resource, known_kinds_hint
+from evergraph.engine.build import PathPart, build_resource, known_kinds_hint, msgspec_path
 from evergraph.engine.contract import Registry, Resource
 from evergraph.engine.model import CollectSpec, Edge, GraphCycleError, GraphModel
 from evergraph.errors import InputError
@@ -35,6 +42,40 @@ _TOP_KEYS = ("graph", "resources", "edges", "collect", "comment")
 _EDGE_KEYS = ("name", "from", "to", "notify")
 _END_KEYS = ("kind", "name")
 _LINE_COL = re.compile(r"line (\d+), column (\d+)")
+
+# -- mgmt's layout ---------------------------------------------------------------
+#: keys mgmt's own code no longer has (its reader ignores unknown keys): accepted
+#: with one warning each and ignored, with what to use instead. Every other
+#: unknown key stays an error.
+DROPPED_PARAMS: dict[str, dict[str, str]] = {
+    "exec": {
+        "timeout": "for a deadline use meta: {timeout: SECONDS}",
+        "pollint": "to poll use meta: {poll: SECONDS}",
+        "state": "",
+    },
+}
+DROPPED_TOP = {"remote": "the graph runs on this host (mgmt's remote execution over SSH is gone)"}
+DROPPED_COLLECT = {"pattern": "collect matches by kind and `filter:`"}
+#: the name prefix of an exported resource in mgmt's layout
+EXPORT_PREFIX = "@@"
+#: mgmt's resource kinds that evergraph does not provide (yet)
+MGMT_KINDS = frozenset(
+    {
+        "acme:account", "augeas", "aws:ec2", "bmc:firmware", "bmc:power", "cloudflare:dns",
+        "config:etcd", "consul:kv", "cron", "deploy:tar", "dhcp:host", "dhcp:range",
+        "dhcp:server", "docker:container", "docker:image", "docker:network", "exit",
+        "firewalld", "fwupd:device", "fwupd:remote", "fwupd:system", "gpio", "gsettings",
+        "gzip", "hetzner:ssh_key", "hetzner:vm", "hetzner:vm_protection", "hostname",
+        "http:client", "http:server", "http:server:file", "http:server:flag",
+        "http:server:proxy", "http:server:ui", "line", "mount", "net", "nspawn", "panic",
+        "pippet", "ssh:authorized_key", "sysctl", "tar", "tftp:file", "tftp:server", "value",
+        "virt", "virt:builder", "virt:network",
+    }
+)  # fmt: skip
+#: msgspec's complaint about an integer given for a field that takes text
+_INT_FOR_TEXT = re.compile(r"^Expected `(?P<types>[^`]*)`, got `int`$")
+#: how an integer may be written in YAML (decimal, octal, hex, with `_`)
+_INT_SOURCE = re.compile(r"[-+]?[0-9][0-9a-fA-FoObBxX_]*")
 
 if TYPE_CHECKING:
     from evergraph.world.exports import Exported
@@ -60,33 +101,45 @@ class _Locator:
                 self._root = None
         return self._root
 
-    def at(self, path: tuple[PathPart, ...], key: bool = False) -> str:
-        """Location of the value at `path` (with key=True: of the last key itself)."""
+    def _walk(self, path: tuple[PathPart, ...]) -> tuple[Any, Any, bool]:
+        """(deepest node reached on `path`, the last key node passed, reached the end)."""
         node = self._tree()
         best = node
-        best_key = None
-        for i, part in enumerate(path):
+        last_key = None
+        for part in path:
             if node is None:
-                break
+                return best, None, False
             nxt = None
+            last_key = None
             if isinstance(part, int) and node.id == "sequence":
                 if part < len(node.value):
                     nxt = node.value[part]
             elif node.id == "mapping":
                 for k, v in node.value:
                     if k.value == part:
-                        nxt = v
-                        if key and i == len(path) - 1:
-                            best_key = k
+                        nxt, last_key = v, k
                         break
             if nxt is None:
-                break
+                return best, None, False
             node = best = nxt
-        target = best_key if best_key is not None else best
+        return best, last_key, True
+
+    def at(self, path: tuple[PathPart, ...], key: bool = False) -> str:
+        """Location of the value at `path` (with key=True: of the last key itself)."""
+        best, last_key, _ = self._walk(path)
+        target = last_key if key and last_key is not None else best
         if target is None:
             return self.filename
         m = target.start_mark
         return f"{self.filename}:{m.line + 1}:{m.column + 1}"
+
+    def int_text(self, path: tuple[PathPart, ...]) -> str | None:
+        """The source text of the plain integer scalar at `path` (`0741`), or None."""
+        node, _, found = self._walk(path)
+        if not found or node is None or node.id != "scalar" or node.style is not None:
+            return None
+        text = str(node.value)
+        return text if _INT_SOURCE.fullmatch(text) else None
 
     def complex_key(self) -> str:
         """Location of the first mapping key that is a mapping or a list."""
@@ -116,11 +169,12 @@ class _Locator:
         return self.filename
 
 
-def parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
-    """Parse and validate a yamlgraph document; every error names `file:line:col`."""
+def parse_yaml(text: str, filename: str, registry: Registry, warn: bool = True) -> GraphModel:
+    """Parse and validate a yamlgraph document; every error names `file:line:col`.
+    `warn`: log the keys ignored for mgmt's sake (off when parsing a text again)."""
     with gc_paused():
         try:
-            return _parse_yaml(text, filename, registry)
+            return _parse_yaml(text, filename, registry, warn)
         except RecursionError:
             # the parsers and the error path's locator recurse per level of nesting
             raise InputError(
@@ -148,11 +202,20 @@ def _long_number(text: str, filename: str) -> str:
     return f"{filename}:{line}:{col}"
 
 
-def _parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
+def _parse_yaml(text: str, filename: str, registry: Registry, warn: bool) -> GraphModel:
     loc = _Locator(filename, text)
 
     def fail(msg: str, path: tuple[PathPart, ...] = (), key: bool = False) -> InputError:
         return InputError(msg, loc.at(path, key))
+
+    def ignored(what: str, path: tuple[PathPart, ...], hint: str) -> None:
+        if warn:
+            log.warning(
+                "%s: %s: ignored (mgmt's own code no longer has it)%s",
+                loc.at(path, key=True),
+                what,
+                f"; {hint}" if hint else "",
+            )
 
     try:
         doc = yaml_rs.loads(text)
@@ -179,14 +242,24 @@ def _parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
     if not isinstance(doc, dict):
         raise fail("the top level must be a mapping with `graph:` and `resources:`")
     for k in doc:
-        if k not in _TOP_KEYS:
+        if k in DROPPED_TOP:
+            ignored(f"top-level `{k}:`", (k,), DROPPED_TOP[k])
+        elif k not in _TOP_KEYS:
             raise fail(
-                f"unknown top-level key {k!r} (expected: {', '.join(_TOP_KEYS)})", (k,), key=True
+                f"unknown top-level key {k!r} (expected: {', '.join(_TOP_KEYS)})"
+                + _did_you_mean(k, _TOP_KEYS),
+                (k,),
+                key=True,
             )
     name = doc.get("graph", "")
     if not isinstance(name, str):
         raise fail("`graph` must be a string (the graph's name)", ("graph",))
     model = GraphModel(name=name)
+    collect = doc.get("collect") or []
+    if not isinstance(collect, list):
+        raise fail("`collect` must be a list of {kind: K, filter: {...}}", ("collect",))
+    for i, item in enumerate(collect):
+        model.collect.append(_collect_spec(item, ("collect", i), fail, registry, ignored))
     resources = doc.get("resources") or {}
     if not isinstance(resources, dict):
         raise fail("`resources` must map each kind to a list of resources", ("resources",))
@@ -194,6 +267,13 @@ def _parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
     for kind, items in resources.items():
         cls = registry.get(str(kind))
         if cls is None:
+            if kind in MGMT_KINDS:
+                raise fail(
+                    f"resource kind {kind!r} is one of mgmt's that evergraph does not provide"
+                    " yet (docs/mgmt-compatibility.md)",
+                    ("resources", kind),
+                    key=True,
+                )
             raise fail(
                 f"unknown resource kind {kind!r} {known_kinds_hint(kinds, str(kind))}",
                 ("resources", kind),
@@ -203,13 +283,14 @@ def _parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
             continue
         if not isinstance(items, list):
             raise fail(f"`resources.{kind}` must be a list of resources", ("resources", kind))
+        exported = _mgmt_items(cls, str(kind), items, ignored)
         try:
             # one call for the whole list: the fast path for large graphs
             built: list[Resource] = msgspec.convert(items, list[cls], strict=True)  # type: ignore[valid-type]
         except msgspec.ValidationError:
-            # find the bad one and say exactly where
+            # integers for text take their source text; else find the bad one and say where
             built = [
-                build_resource(cls, str(kind), it, ("resources", kind, i), fail)
+                _build(cls, str(kind), it, ("resources", kind, i), fail, loc)
                 for i, it in enumerate(items)
             ]
         for i, res in enumerate(built):
@@ -217,6 +298,11 @@ def _parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
                 raise fail(
                     f"{kind} resource without a `name:` (a non-empty string)",
                     ("resources", kind, i),
+                )
+            if i in exported and _collected_here(res, model.collect):
+                # mgmt's exporter collects its own export too: applied here as well
+                res = msgspec.structs.replace(
+                    res, meta=msgspec.structs.replace(res.meta, hidden=False)
                 )
             try:
                 model.add(res)
@@ -231,11 +317,6 @@ def _parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
             model.connect(edge)
         except InputError as e:
             raise InputError(e.message, loc.at(("edges", i))) from None
-    collect = doc.get("collect") or []
-    if not isinstance(collect, list):
-        raise fail("`collect` must be a list of {kind: K, filter: {...}}", ("collect",))
-    for i, item in enumerate(collect):
-        model.collect.append(_collect_spec(item, ("collect", i), fail, registry))
     try:
         model.check()
     except GraphCycleError as e:
@@ -248,14 +329,131 @@ def _parse_yaml(text: str, filename: str, registry: Registry) -> GraphModel:
     return model
 
 
+def _did_you_mean(word: object, choices: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(str(word), choices, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _mgmt_items(
+    cls: type[Resource], kind: str, items: list[Any], ignored: Callable[..., None]
+) -> set[int]:
+    """mgmt's layout, in place: keys its code dropped are removed (with a warning);
+    `@@name` becomes `name` with `meta: {export: ["*"], hidden: true}`. The indexes
+    of those exported."""
+    dropped = DROPPED_PARAMS.get(kind)
+    if dropped is not None:
+        fields = {f.name for f in msgspec.structs.fields(cls)}
+        dropped = {k: v for k, v in dropped.items() if k not in fields}
+    exported: set[int] = set()
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue  # reported by the typing below
+        name = item.get("name")
+        exported_as = (
+            name[len(EXPORT_PREFIX) :]
+            if isinstance(name, str) and name.startswith(EXPORT_PREFIX)
+            else None
+        )
+        if dropped:
+            for key in [k for k in item if k in dropped]:
+                del item[key]
+                shown = name if exported_as is None else exported_as
+                ident = f"{kind}[{shown}]" if isinstance(shown, str) else kind
+                ignored(f"{ident}.{key}", ("resources", kind, i, key), dropped[key])
+        if exported_as is not None:
+            meta = item.get("meta")
+            if meta is None or isinstance(meta, dict):  # else: reported by the typing
+                meta = dict(meta or {})
+                meta["export"] = meta.get("export") or ["*"]
+                meta["hidden"] = True
+                item["meta"] = meta
+            item["name"] = exported_as
+            exported.add(i)
+    return exported
+
+
+def _collected_here(res: Resource, specs: list[CollectSpec]) -> bool:
+    """Does one of this graph's collect specs (not limited to other hosts) match `res`?"""
+    wanted = [s for s in specs if s.kind == res.kind and s.host is None]
+    if not wanted:
+        return False
+    params = msgspec.to_builtins(res)
+    return any(s.matches(res.kind, "", res.name, params) for s in wanted)
+
+
+def _build(
+    cls: type[Resource],
+    kind: str,
+    item: object,
+    path: tuple[PathPart, ...],
+    fail: Callable[..., InputError],
+    loc: _Locator,
+) -> Resource:
+    """One resource. An integer given where text is wanted takes its source text,
+    as mgmt's reader hands it over (`mode: 0741` is "0741", not 741)."""
+    for _ in range(1000):  # one integer per round: at most one per field
+        try:
+            return msgspec.convert(item, cls, strict=True)
+        except msgspec.ValidationError as e:
+            reason, sub = msgspec_path(str(e))
+            m = _INT_FOR_TEXT.match(reason)
+            if m is None or "str" not in m["types"].split(" | "):
+                break
+            fixed = _with_int_texts(item, sub, (*path, *sub), loc)
+            if fixed is None:
+                break
+            item = fixed
+    return build_resource(cls, kind, item, path, fail)
+
+
+def _with_int_texts(
+    item: object, sub: tuple[PathPart, ...], where: tuple[PathPart, ...], loc: _Locator
+) -> object | None:
+    """`item` with the integer at `sub` (or, for a mapping there, every integer value
+    in it: msgspec does not name a mapping's key) replaced by its source text; None
+    when there is no such integer."""
+    if not sub:
+        if isinstance(item, dict):
+            texts = {
+                k: loc.int_text((*where, k))
+                for k, v in item.items()
+                if isinstance(v, int) and not isinstance(v, bool)
+            }
+            if not texts or None in texts.values():
+                return None
+            return {**item, **texts}
+        if isinstance(item, int) and not isinstance(item, bool):
+            return loc.int_text(where)
+        return None
+    head, rest = sub[0], sub[1:]
+    if isinstance(item, dict) and head in item:
+        inner = _with_int_texts(item[head], rest, where, loc)
+        return None if inner is None else {**item, head: inner}
+    if isinstance(item, list) and isinstance(head, int) and head < len(item):
+        inner = _with_int_texts(item[head], rest, where, loc)
+        return None if inner is None else [*item[:head], inner, *item[head + 1 :]]
+    return None
+
+
 def _collect_spec(
-    item: object, path: tuple[PathPart, ...], fail: Callable[..., InputError], registry: Registry
+    item: object,
+    path: tuple[PathPart, ...],
+    fail: Callable[..., InputError],
+    registry: Registry,
+    ignored: Callable[..., None],
 ) -> CollectSpec:
     if not isinstance(item, dict):
         raise fail("a collect entry is a mapping {kind: K, filter: {...}}", path)
     for k in item:
-        if k not in ("kind", "filter"):
-            raise fail(f"unknown key {k!r} in collect (expected kind, filter)", (*path, k), True)
+        if k in DROPPED_COLLECT:
+            ignored(f"collect `{k}:`", (*path, k), DROPPED_COLLECT[k])
+        elif k not in ("kind", "filter"):
+            raise fail(
+                f"unknown key {k!r} in collect (expected kind, filter)"
+                + _did_you_mean(k, ("kind", "filter")),
+                (*path, k),
+                True,
+            )
     kind = item.get("kind")
     cls = registry.get(kind) if isinstance(kind, str) else None
     if cls is None:
@@ -301,7 +499,10 @@ def _edge(item: object, path: tuple[PathPart, ...], fail: Callable[..., InputErr
     for k in item:
         if k not in _EDGE_KEYS:
             raise fail(
-                f"unknown edge key {k!r} (expected: {', '.join(_EDGE_KEYS)})", (*path, k), key=True
+                f"unknown edge key {k!r} (expected: {', '.join(_EDGE_KEYS)})"
+                + _did_you_mean(k, _EDGE_KEYS),
+                (*path, k),
+                key=True,
             )
     ends: list[str] = []
     values: dict[str, str | None] = {"from": None, "to": None}
@@ -312,7 +513,8 @@ def _edge(item: object, path: tuple[PathPart, ...], fail: Callable[..., InputErr
         for k in end:
             if k not in (*_END_KEYS, value_key):
                 raise fail(
-                    f"unknown key {k!r} in edge `{side}:` (expected: kind, name, {value_key})",
+                    f"unknown key {k!r} in edge `{side}:` (expected: kind, name, {value_key})"
+                    + _did_you_mean(k, (*_END_KEYS, value_key)),
                     (*path, side, k),
                     key=True,
                 )
@@ -401,7 +603,7 @@ class YamlFrontend(Frontend):
                     self._text = payload
                     log.info("%s changed: swapping the graph live", self.path)
                 else:
-                    raw = parse_yaml(self._text, str(self.path), self.registry)
+                    raw = parse_yaml(self._text, str(self.path), self.registry, warn=False)
                 now = matching(collector.current(), raw.collect) if collector else []
                 if what == "collected":
                     if now == self._found:

@@ -1,0 +1,212 @@
+"""mgmt's YAML layout: keys mgmt dropped are ignored with a warning naming the place,
+`@@name` exports, integers for text keep their source text, mgmt's fields of the
+kinds evergraph has, mgmt's semantics (kv without a value deletes; content with
+state: absent is refused), and mgmt's kinds evergraph lacks named as such. Every
+graph here is written for the test."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import run_cli, wait_for
+
+
+def write(tmp_path: Path, text: str, name: str = "g.yaml") -> Path:
+    g = tmp_path / name
+    g.write_text(text)
+    return g
+
+
+def run(g: Path, state: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return run_cli("run", g, "--state-dir", state, "--converged-exit", *extra)
+
+
+def line_of(g: Path, needle: str) -> int:
+    """1-based line of the first line of `g` containing `needle`."""
+    return next(i for i, line in enumerate(g.read_text().splitlines(), 1) if needle in line)
+
+
+# -- keys mgmt dropped ------------------------------------------------------------------
+
+
+def test_each_dropped_exec_key_warns_with_its_place_and_the_graph_runs(tmp_path: Path) -> None:
+    made = tmp_path / "made"
+    g = write(
+        tmp_path,
+        "graph: g\nresources:\n  exec:\n"
+        "  - name: e\n"
+        f"    cmd: touch {made}\n"
+        "    shell: ''\n"
+        "    timeout: 0\n"
+        "    watchcmd: ''\n"
+        "    watchshell: ''\n"
+        "    ifcmd: ''\n"
+        "    ifshell: ''\n"
+        "    pollint: 0\n"
+        "    state: present\n"
+        "edges: []\n",
+    )
+    r = run(g, tmp_path / "s")
+    assert r.returncode == 0, r.stderr
+    assert made.exists()
+    for key in ("timeout", "pollint", "state"):
+        where = f"{g}:{line_of(g, f'    {key}:')}:5"
+        assert re.search(rf"{re.escape(where)}: exec\[e\]\.{key}: ignored", r.stderr), r.stderr
+    warned = [line for line in r.stderr.splitlines() if ": ignored (" in line]
+    assert len(warned) == 3, warned  # one each; the empty shells are real fields
+    assert "use meta: {timeout: SECONDS}" in r.stderr
+
+
+def test_top_level_remote_and_collect_pattern_warn_and_load(tmp_path: Path) -> None:
+    g = write(
+        tmp_path,
+        "graph: g\nresources:\n  noop:\n  - name: n\n"
+        "collect:\n- kind: file\n  pattern: /tmp/somewhere/\n"
+        "edges: []\n"
+        "remote: ssh://root@host:22\n",
+    )
+    r = run_cli("check", g)
+    assert r.returncode == 0, r.stderr
+    assert f"{g}:9:1: top-level `remote:`: ignored" in r.stderr
+    assert f"{g}:7:3: collect `pattern:`: ignored" in r.stderr
+    assert "is valid: 1 resources" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "said"),
+    [
+        (
+            "graph: g\nresources:\n  exec:\n  - {name: e, cmd: 'true', watchshel: ''}\n",
+            4,
+            "exec[e].watchshel: unknown parameter; did you mean 'watchshell'",
+        ),
+        (
+            "graph: g\nresource:\n  noop:\n  - name: n\nremote: x\n",
+            2,
+            "unknown top-level key 'resource' (expected: graph, resources, edges, collect,"
+            " comment); did you mean 'resources'?",
+        ),
+        (
+            "graph: g\nresources:\n  noop:\n  - name: n\ncollect:\n- {kind: file, filtr: {}}\n",
+            6,
+            "unknown key 'filtr' in collect (expected kind, filter); did you mean 'filter'?",
+        ),
+    ],
+)
+def test_a_typo_is_still_an_error_with_a_suggestion(
+    tmp_path: Path, text: str, line: int, said: str
+) -> None:
+    r = run_cli("check", write(tmp_path, text))
+    assert r.returncode == 2
+    assert f"g.yaml:{line}:" in r.stderr, r.stderr
+    assert said in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# -- mgmt's exec fields -----------------------------------------------------------------
+
+
+def test_exec_commands_have_their_own_shell_and_cwd(tmp_path: Path) -> None:
+    here, there = tmp_path / "here", tmp_path / "there"
+    here.mkdir()
+    there.mkdir()
+    (there / "marker").write_text("")
+    out = tmp_path / "out"
+    g = write(
+        tmp_path,
+        "graph: g\nresources:\n  exec:\n"
+        "  - name: e\n"
+        f"    cmd: touch ran-here\n"  # no shell: split and run directly, in cwd
+        f"    cwd: {here}\n"
+        "    ifcmd: test -e marker && test ! -e ran-here\n"  # needs a shell
+        "    ifshell: /bin/sh\n"
+        f"    ifcwd: {there}\n"
+        f"    donecmd: pwd > {out}\n"
+        "    doneshell: /bin/sh\n"
+        f"    donecwd: {there}\n",
+    )
+    r = run(g, tmp_path / "s")
+    assert r.returncode == 0, r.stderr
+    assert (here / "ran-here").exists()  # ifcmd ran by its shell, in ifcwd: passed
+    assert out.read_text() == f"{there}\n"  # donecmd by its shell, in donecwd
+    (there / "marker").unlink()
+    (here / "ran-here").unlink()
+    r = run(g, tmp_path / "s")
+    assert r.returncode == 0, r.stderr
+    assert not (here / "ran-here").exists()  # no marker in ifcwd: held back
+
+
+def test_exec_watchcmd_runs_in_its_own_shell(tmp_path: Path, agents) -> None:  # type: ignore[no-untyped-def]
+    trigger, count = tmp_path / "trigger", tmp_path / "count"
+    g = write(
+        tmp_path,
+        "graph: g\nresources:\n  exec:\n"
+        "  - name: e\n"
+        f"    cmd: sh -c 'echo run >> {count}'\n"
+        # a shell loop: without watchshell it would not even start
+        f"    watchcmd: while true; do if [ -e {trigger} ]; then rm {trigger}; echo go;"
+        " fi; sleep 0.05; done\n"
+        "    watchshell: /bin/sh\n",
+    )
+    agent = agents(g, tmp_path / "s")
+    agent.wait_converged()
+    assert count.read_text() == "run\n"
+    trigger.write_text("")
+    wait_for(lambda: count.read_text() == "run\nrun\n", what="the watchcmd's event ran cmd")
+    assert agent.stop() == 0
+
+
+@pytest.mark.parametrize(("equals", "runs"), [("ok\\n", False), ("ok", True)])
+def test_exec_ifequals_holds_back_only_on_that_output(
+    tmp_path: Path, equals: str, runs: bool
+) -> None:
+    made = tmp_path / "made"
+    g = write(
+        tmp_path,
+        "graph: g\nresources:\n  exec:\n"
+        f'  - {{name: e, cmd: "touch {made}", ifcmd: "echo ok", ifequals: "{equals}"}}\n',
+    )
+    r = run(g, tmp_path / "s")
+    assert r.returncode == 0, r.stderr
+    assert made.exists() is runs
+
+
+def test_exec_mtimes_forces_a_run_past_the_guards(tmp_path: Path) -> None:
+    src, count = tmp_path / "src.c", tmp_path / "count"
+    src.write_text("int main;")
+    g = write(
+        tmp_path,
+        "graph: g\nresources:\n  exec:\n"
+        f"  - {{name: build, shell: /bin/sh, cmd: 'echo built >> {count}', ifcmd: 'false',"
+        f" mtimes: ['{src}']}}\n",
+    )
+    state = tmp_path / "s"
+    assert run(g, state).returncode == 0
+    assert count.read_text() == "built\n"  # never ran before: forced past ifcmd
+    assert run(g, state).returncode == 0
+    assert count.read_text() == "built\n"  # nothing newer: the guard holds it back
+    later = src.stat().st_mtime + 60
+    os.utime(src, (later, later))
+    assert run(g, state).returncode == 0
+    assert count.read_text() == "built\nbuilt\n"  # modified since: forced again
+    src.unlink()
+    r = run(g, state)
+    assert r.returncode == 1
+    assert f"mtimes: {src}: No such file or directory" in r.stderr
+
+
+def test_exec_field_checks_name_the_field(tmp_path: Path) -> None:
+    for body, said in [
+        ("{name: e, cmd: 'true', ifcwd: rel}", "exec[e].ifcwd: 'rel' is not an absolute path"),
+        ("{name: e, cmd: 'true', mtimes: [rel]}", "exec[e].mtimes: 'rel' is not an absolute"),
+        ("{name: e, cmd: 'true', ifequals: x}", "exec[e].ifequals: compares ifcmd's output"),
+    ]:
+        r = run_cli("check", write(tmp_path, f"graph: g\nresources:\n  exec:\n  - {body}\n"))
+        assert r.returncode == 2
+        assert "g.yaml:4:" in r.stderr, r.stderr
+        assert said in r.stderr, r.stderr
