@@ -20,8 +20,9 @@ State = Literal["pending", "running", "clean", "changed", "failed", "retrying"]
 @dataclass(frozen=True, slots=True)
 class Change:
     """One thing a check_apply changed, or would change under noop: a field with its
-    old and new value as text (secrets already masked); for file content, `diff` is a
-    unified diff (truncated past a size)."""
+    old and new value as text (None: absent; secrets already masked); for content,
+    old and new are sizes and `diff` a unified diff (truncated past a size), built
+    under noop and with `run --diff` only (engine/changes.py)."""
 
     field: str
     old: str | None
