@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from .conftest import run_cli, wait_for
+from .test_users import Accounts, passwd
 
 
 def write(tmp_path: Path, text: str, name: str = "g.yaml") -> Path:
@@ -210,3 +212,51 @@ def test_exec_field_checks_name_the_field(tmp_path: Path) -> None:
         assert r.returncode == 2
         assert "g.yaml:4:" in r.stderr, r.stderr
         assert said in r.stderr, r.stderr
+
+
+# -- mgmt's user fields -------------------------------------------------------------------
+
+
+@pytest.fixture
+def accounts() -> Iterator[Accounts]:
+    acc = Accounts()
+    try:
+        yield acc
+    finally:
+        acc.cleanup()
+
+
+def test_user_group_names_the_primary_group_and_a_duplicate_uid_may_be_allowed(
+    tmp_path: Path, accounts: Accounts
+) -> None:
+    team, first, second = accounts.group("team"), accounts.user("a"), accounts.user("b")
+    gid, uid = accounts.ids(2)
+    g = write(
+        tmp_path,
+        f"graph: g\nresources:\n  group:\n  - {{name: {team}, gid: {gid}}}\n"
+        f"  user:\n  - {{name: {first}, uid: {uid}, group: {team}}}\n"
+        f"  - {{name: {second}, uid: {uid}, group: {team}, allowduplicateuid: true}}\n"
+        f"edges:\n- {{from: {{kind: user, name: {first}}}, to: {{kind: user, name: {second}}}}}\n",
+    )
+    r = run(g, tmp_path / "s")
+    assert r.returncode == 0, r.stderr
+    for name in (first, second):
+        fields = passwd(name)
+        assert fields is not None
+        assert fields[2:4] == [str(uid), str(gid)], fields  # primary group: team
+    # without allowduplicateuid the second account is refused its uid
+    g.write_text(g.read_text().replace(", allowduplicateuid: true", ""))
+    subprocess.run(["userdel", second], check=True, capture_output=True)
+    r = run(g, tmp_path / "s")
+    assert r.returncode == 1
+    assert f"user[{second}]" in r.stderr
+
+
+def test_user_group_and_gid_together_are_refused(tmp_path: Path) -> None:
+    r = run_cli(
+        "check",
+        write(tmp_path, "graph: g\nresources:\n  user:\n  - {name: someone, gid: 5, group: x}\n"),
+    )
+    assert r.returncode == 2
+    assert "g.yaml:4:" in r.stderr, r.stderr
+    assert "user[someone].group: names the primary group, as gid does" in r.stderr

@@ -310,6 +310,9 @@ class User(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         int | str | None,
         doc("primary group, name or number (must exist); unset = a group named like the user"),
     ] = None
+    group: Annotated[
+        str | None, doc("primary group by name (mgmt's spelling of `gid`); not with gid")
+    ] = None
     groups: Annotated[
         list[str] | None,
         doc("the exact supplementary groups (names or numbers); unset = not managed"),
@@ -322,6 +325,9 @@ class User(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         bool,
         doc("keep the home directory: made from /etc/skel when missing; removed with the user"),
     ] = False
+    allowduplicateuid: Annotated[
+        bool, doc("let `uid` be one another user has too (useradd/usermod -o)")
+    ] = False
 
     # -- contract -----------------------------------------------------------
     def validate(self) -> None:
@@ -329,11 +335,13 @@ class User(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             raise self.bad("name", why)
         if self.uid is not None and not 0 <= self.uid <= ID_MAX:
             raise self.bad("uid", f"{self.uid} is not between 0 and {ID_MAX}")
-        gid = self.gid
+        if self.gid is not None and self.group is not None:
+            raise self.bad("group", "names the primary group, as gid does: give one of them")
+        gid, field = (self.gid, "gid") if self.group is None else (self.group, "group")
         if isinstance(gid, int) and not 0 <= gid <= ID_MAX:
-            raise self.bad("gid", f"{gid} is not between 0 and {ID_MAX}")
+            raise self.bad(field, f"{gid} is not between 0 and {ID_MAX}")
         if isinstance(gid, str) and (why := _id_or_name_problem(gid)) is not None:
-            raise self.bad("gid", why)
+            raise self.bad(field, why)
         for g in self.groups or ():
             if (why := _id_or_name_problem(g)) is not None:
                 raise self.bad("groups", why)
@@ -360,7 +368,7 @@ class User(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         return wants
 
     def _gid_key(self) -> str | None:
-        gid = self.gid
+        gid = self.gid if self.group is None else self.group
         if gid is None:
             return f"group:{self.name}"  # an existing group of our name becomes primary
         if isinstance(gid, int) or gid.isdigit():
@@ -485,6 +493,8 @@ class User(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             h.changed("home directory", None, make_home)
 
     async def _apply(self, pw: PwEntry | None, flags: list[str], make_home: str | None) -> None:
+        if self.allowduplicateuid and "-u" in flags:
+            flags = ["-o", *flags]  # a uid in use by another account is meant
         if pw is None:
             await _shadow(["useradd", *flags, "-m" if self.managehome else "-M", self.name])
             return
@@ -532,7 +542,7 @@ class User(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         return flags
 
     def _primary_gid(self, pw: PwEntry | None, gdb: GroupDb) -> int | None:
-        gid = self.gid
+        gid, field = (self.gid, "gid") if self.group is None else (self.group, "group")
         if gid is None:
             # useradd refuses to make a user group over an existing group of
             # that name: make that group the primary one, as the user meant
@@ -540,11 +550,11 @@ class User(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             return own.gid if pw is None and own is not None else None
         if isinstance(gid, int) or gid.isdigit():
             if int(gid) not in gdb.by_gid:
-                raise _MissingGroup(f"primary group {gid} does not exist", "gid", gid)
+                raise _MissingGroup(f"primary group {gid} does not exist", field, gid)
             return int(gid)
         entry = gdb.by_name.get(gid)
         if entry is None:
-            raise _MissingGroup(f"primary group {gid!r} does not exist", "gid", gid)
+            raise _MissingGroup(f"primary group {gid!r} does not exist", field, gid)
         return entry.gid
 
     @staticmethod
