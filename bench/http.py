@@ -11,16 +11,19 @@ clients in this process load it as an operator's tools would: a scraper GETs
   "graph loaded" to "converged" lines, ms stamps: 10k check_apply calls with the
   observer fed, scrapes and SSE served meanwhile) and the wall time from fork to
   exit (which adds --http's one-time costs: importing the HTTP stack, binding,
-  the farm's election, the server's shutdown);
+  the farm's election, the server's shutdown), and the agent's CPU time
+  (user+sys, steadier than wall times on a shared machine);
 - **drift repair**: a running agent (as bench/drift.py, with the same trials:
   one random file rewritten in place, timed until it reads back right) on the
-  same 10,000 files; p50 and p99 over TRIALS trials per variant.
+  same 10,000 files; 4 agents per variant, alternating, 50 trials each; p50
+  and p99 of the 200 pooled.
 
 Target: `--http` at most 5 % slower (the engine's part; p99 for drift).
 """
 
 from __future__ import annotations
 
+import resource
 import socket
 import sys
 import threading
@@ -126,44 +129,59 @@ def engine_phase(log: Path) -> float:
     return converged - loaded
 
 
+def _cpu_of_children() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def no_change(work: Path, yaml_path: Path, state: Path, reps: int) -> dict[str, Any]:
     plain = [EVERGRAPH, "run", str(yaml_path), "--converged-exit", "--state-dir", str(state)]
     wall: dict[str, list[float]] = {"plain": [], "http": []}
     engine: dict[str, list[float]] = {"plain": [], "http": []}
+    cpu: dict[str, list[float]] = {"plain": [], "http": []}
     scrapes, events = [], []
     for i in range(reps):
-        log = work / f"no-change-plain-{i}.log"
-        wall["plain"].append(run_timed(plain, log))
-        engine["plain"].append(engine_phase(log))
-        port = free_port()
-        clients = Clients(port)
-        log = work / f"no-change-http-{i}.log"
-        try:
-            wall["http"].append(run_timed([*plain, "--http", f"127.0.0.1:{port}"], log))
-        finally:
-            clients.close()
-        engine["http"].append(engine_phase(log))
-        scrapes.append(clients.scrapes)
-        events.append(clients.events)
-    return {
-        "plain_s": median(wall["plain"]),
-        "http_s": median(wall["http"]),
-        "plain_engine_s": median(engine["plain"]),
-        "http_engine_s": median(engine["http"]),
-        "plain_samples": wall["plain"],
-        "http_samples": wall["http"],
-        "plain_engine_samples": engine["plain"],
-        "http_engine_samples": engine["http"],
-        "scrapes_per_run": scrapes,
-        "sse_events_per_run": events,
-    }
+        for name in ("plain", "http"):
+            log = work / f"no-change-{name}-{i}.log"
+            cmd, clients = plain, None
+            if name == "http":
+                port = free_port()
+                cmd = [*plain, "--http", f"127.0.0.1:{port}"]
+                clients = Clients(port)
+            cpu0 = _cpu_of_children()
+            try:
+                wall[name].append(run_timed(cmd, log))
+            finally:
+                if clients is not None:
+                    clients.close()
+                    scrapes.append(clients.scrapes)
+                    events.append(clients.events)
+            cpu[name].append(_cpu_of_children() - cpu0)
+            engine[name].append(engine_phase(log))
+    out: dict[str, Any] = {"scrapes_per_run": scrapes, "sse_events_per_run": events}
+    for name in ("plain", "http"):
+        out[f"{name}_s"] = median(wall[name])
+        out[f"{name}_engine_s"] = median(engine[name])
+        out[f"{name}_cpu_s"] = median(cpu[name])
+        out[f"{name}_samples"] = wall[name]
+        out[f"{name}_engine_samples"] = engine[name]
+        out[f"{name}_cpu_samples"] = cpu[name]
+    return out
 
 
-def drift(
-    work: Path, yaml_path: Path, state: Path, files: list[tuple[str, str]], n: int, http: bool
-) -> dict[str, Any]:
+def drift_block(
+    work: Path,
+    yaml_path: Path,
+    state: Path,
+    files: list[tuple[str, str]],
+    n: int,
+    http: bool,
+    seed: int,
+) -> tuple[list[float], int, dict[str, int]]:
+    """One agent, `n` trials: latencies, trials capped, and what the clients got."""
     name = "http" if http else "plain"
     status = work / f"status-{name}"
+    status.unlink(missing_ok=True)
     cmd = [EVERGRAPH, "run", str(yaml_path), "--state-dir", str(state)]
     cmd += ["--converged-status-file", str(status), "--converged-timeout", "0.2"]
     clients = None
@@ -171,34 +189,58 @@ def drift(
         port = free_port()
         cmd += ["--http", f"127.0.0.1:{port}"]
         clients = Clients(port)
-    with open(work / f"drift-{name}.log", "wb") as log:
+    with open(work / f"drift-{name}.log", "ab") as log:
         p = spawn(cmd, stdout=log, stderr=log)
     try:
         wait_converged(p, status)
-        lat, capped = trials(files, n, seed=2)
+        lat, capped = trials(files, n, seed=seed)
         if p.poll() is not None:
             raise RuntimeError(f"the agent exited with status {p.returncode} during the trials")
     finally:
         rc = stop(p, grace=5.0)
         if clients is not None:
             clients.close()
+    if rc != 0:
+        raise RuntimeError(f"the agent exited with status {rc} on SIGTERM")
     verify(files)
-    return {
-        "trials": n,
-        "repaired": len(lat),
-        "capped": capped,
-        "p50_s": percentile(lat, 50),
-        "p99_s": percentile(lat, 99),
-        "max_s": max(lat),
-        "exit_status_after_sigterm": rc,
-        "scrapes": clients.scrapes if clients else 0,
-        "sse_events": clients.events if clients else 0,
-    }
+    got = {"scrapes": clients.scrapes, "sse_events": clients.events} if clients else {}
+    return lat, capped, got
+
+
+def drift(
+    work: Path, yaml_path: Path, state: Path, files: list[tuple[str, str]], blocks: int, n: int
+) -> dict[str, dict[str, Any]]:
+    """`blocks` agents per variant, alternating (so a busy moment of the machine
+    does not fall on one variant only), `n` trials each, pooled."""
+    lat: dict[str, list[float]] = {"plain": [], "http": []}
+    capped = {"plain": 0, "http": 0}
+    scrapes = events = 0
+    for b in range(blocks):
+        for name in ("plain", "http"):
+            got, c, clients = drift_block(work, yaml_path, state, files, n, name == "http", b)
+            lat[name] += got
+            capped[name] += c
+            scrapes += clients.get("scrapes", 0)
+            events += clients.get("sse_events", 0)
+    out = {}
+    for name, xs in lat.items():
+        out[name] = {
+            "trials": blocks * n,
+            "repaired": len(xs),
+            "capped": capped[name],
+            "p50_s": percentile(xs, 50),
+            "p99_s": percentile(xs, 99),
+            "max_s": max(xs),
+            "samples": xs,
+        }
+    out["http"].update(scrapes=scrapes, sse_events=events)
+    return out
 
 
 def run(quick: bool) -> tuple[dict[str, Any], str]:
     reps = 3 if quick else 7
-    n_trials = 50 if quick else 200
+    blocks, per_block = (2, 25) if quick else (4, 50)
+    n_trials = blocks * per_block
     work = temp_dir_until_exit("/var/tmp")
     files = layout(work / "target", N_FILES)
     sub = work / "in"
@@ -209,8 +251,8 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
     verify(files)
     nc = no_change(work, yaml_path, state, reps)
     print(f"  http no change: {fmt_s(nc['plain_s'])} -> {fmt_s(nc['http_s'])}", file=sys.stderr)
-    plain = drift(work, yaml_path, state, files, n_trials, http=False)
-    http = drift(work, yaml_path, state, files, n_trials, http=True)
+    d = drift(work, yaml_path, state, files, blocks, per_block)
+    plain, http = d["plain"], d["http"]
     rows = []
 
     def ratio_row(case: str, a: float, b: float, target: bool) -> None:
@@ -233,6 +275,7 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
         True,
     )
     ratio_row(f"no change: whole process (median of {reps})", nc["plain_s"], nc["http_s"], False)
+    ratio_row("no change: agent CPU (user+sys)", nc["plain_cpu_s"], nc["http_cpu_s"], False)
     ratio_row("drift repair p50", plain["p50_s"], http["p50_s"], False)
     ratio_row("drift repair p99", plain["p99_s"], http["p99_s"], True)
     header = [

@@ -84,7 +84,7 @@ class Metrics:
                 self.repaired += 1
                 self.repairs[kind] = self.repairs.get(kind, 0) + 1
                 self.repair_latency.observe(st.since - at)
-        elif state != "retrying":  # a retry may still repair it
+        elif state != "retrying" and self._event_at:  # a retry may still repair it
             self._event_at.pop(st.ident, None)
 
 
