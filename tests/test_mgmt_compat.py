@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -260,3 +261,98 @@ def test_user_group_and_gid_together_are_refused(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert "g.yaml:4:" in r.stderr, r.stderr
     assert "user[someone].group: names the primary group, as gid does" in r.stderr
+
+
+# -- mgmt's msg fields ----------------------------------------------------------------
+
+
+def test_msg_body_is_logged_at_its_priority(tmp_path: Path) -> None:
+    g = write(
+        tmp_path,
+        "graph: g\nresources:\n  msg:\n"
+        "  - {name: loud, body: disk almost full, priority: Err}\n"
+        "  - {name: quiet, body: all is well, priority: Debug}\n",
+    )
+    r = run(g, tmp_path / "s")
+    assert r.returncode == 0, r.stderr
+    loud = next(line for line in r.stderr.splitlines() if "disk almost full" in line)
+    assert "print[loud]: disk almost full" in loud  # msg is an alias of print
+    assert " error: " in loud, loud
+    assert "all is well" not in r.stderr  # Debug: shown only with -v
+    r = run(g, tmp_path / "s", "-v")
+    assert "print[quiet]: all is well" in r.stderr
+
+
+@pytest.fixture
+def dgram_socket(request: pytest.FixtureRequest) -> Iterator[socket.socket]:
+    """A datagram socket bound where the journal's (or syslog's) would be, when this
+    machine has none; removed afterwards with the directories it needed."""
+    path = Path(request.param)
+    if path.exists():
+        pytest.skip(f"{path} exists here: not ours to replace")
+    made = [d for d in reversed(path.parents) if not d.exists()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(str(path))
+    s.settimeout(10)
+    try:
+        yield s
+    finally:
+        s.close()
+        path.unlink()
+        for d in reversed(made):
+            d.rmdir()
+
+
+@pytest.mark.parametrize("dgram_socket", ["/run/systemd/journal/socket"], indirect=True)
+def test_msg_journal_sends_body_priority_and_fields(
+    tmp_path: Path, dgram_socket: socket.socket
+) -> None:
+    g = write(
+        tmp_path,
+        "graph: g\nresources:\n  msg:\n"
+        '  - name: m\n    body: "two\\nlines"\n    priority: Warning\n    journal: true\n'
+        "    fields: {unit_name: web, ticket: '42'}\n",
+    )
+    r = run(g, tmp_path / "s")
+    assert r.returncode == 0, r.stderr
+    data = dgram_socket.recv(65536)
+    # a value with a newline goes as NAME, its 64-bit length, the bytes
+    assert b"MESSAGE\n" + (9).to_bytes(8, "little") + b"two\nlines\n" in data
+    lines = data.split(b"\n")
+    for want in (b"PRIORITY=4", b"UNIT_NAME=web", b"TICKET=42", b"SYSLOG_IDENTIFIER=evergraph"):
+        assert want in lines, data
+
+
+@pytest.mark.parametrize("dgram_socket", ["/dev/log"], indirect=True)
+def test_msg_syslog_sends_it_to_dev_log(tmp_path: Path, dgram_socket: socket.socket) -> None:
+    g = write(
+        tmp_path,
+        "graph: g\nresources:\n  msg:\n  - {name: m, body: hello syslog, priority: Notice,"
+        " syslog: true}\n",
+    )
+    r = run(g, tmp_path / "s")
+    assert r.returncode == 0, r.stderr
+    data = dgram_socket.recv(65536).decode()
+    assert re.fullmatch(r"<13>evergraph\[\d+\]: hello syslog", data), data  # user.notice
+
+
+def test_msg_journal_without_a_journal_is_an_error_naming_it(tmp_path: Path) -> None:
+    if Path("/run/systemd/journal/socket").exists():
+        pytest.skip("this machine has a journal")
+    g = write(tmp_path, "graph: g\nresources:\n  msg:\n  - {name: m, body: x, journal: true}\n")
+    r = run(g, tmp_path / "s")
+    assert r.returncode == 1
+    assert "journal: /run/systemd/journal/socket: No such file or directory" in r.stderr
+
+
+def test_msg_fields_are_checked(tmp_path: Path) -> None:
+    for body, said in [
+        ("{name: m, body: x, fields: {'_HIDDEN': v}}", "[m].fields: '_HIDDEN' is not"),
+        ("{name: m, body: x, priority: info}", "[m].priority: Invalid enum value 'info'"),
+        ("{name: m, msg: a, body: b}", "[m].body: is mgmt's name for msg"),
+    ]:
+        r = run_cli("check", write(tmp_path, f"graph: g\nresources:\n  msg:\n  - {body}\n"))
+        assert r.returncode == 2
+        assert "g.yaml:4:" in r.stderr, r.stderr
+        assert said in r.stderr, r.stderr

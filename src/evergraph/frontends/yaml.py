@@ -264,6 +264,8 @@ def _parse_yaml(text: str, filename: str, registry: Registry, warn: bool) -> Gra
     if not isinstance(resources, dict):
         raise fail("`resources` must map each kind to a list of resources", ("resources",))
     kinds = registry.kinds()
+    #: where each identity is declared (its data path), for errors found later
+    declared: dict[str, tuple[PathPart, ...]] = {}
     for kind, items in resources.items():
         cls = registry.get(str(kind))
         if cls is None:
@@ -308,6 +310,7 @@ def _parse_yaml(text: str, filename: str, registry: Registry, warn: bool) -> Gra
                 model.add(res)
             except InputError as e:
                 raise InputError(e.message, loc.at(("resources", kind, i))) from None
+            declared.setdefault(res.ident, ("resources", kind, i))
     edges = doc.get("edges") or []
     if not isinstance(edges, list):
         raise fail("`edges` must be a list", ("edges",))
@@ -325,7 +328,7 @@ def _parse_yaml(text: str, filename: str, registry: Registry, warn: bool) -> Gra
         idx = next((i for i, ed in enumerate(model.edges) if (ed.from_id, ed.to_id) == closing), 0)
         raise InputError(e.message, loc.at(("edges", idx))) from None
     except InputError as e:
-        raise InputError(e.message, _where_resource(e.where, model, loc) or filename) from None
+        raise InputError(e.message, _where_resource(e.where, declared, loc) or filename) from None
     return model
 
 
@@ -475,19 +478,13 @@ def _collect_spec(
     return CollectSpec(str(kind), host, name, params)
 
 
-def _where_resource(where: str, model: GraphModel, loc: _Locator) -> str:
-    """`kind[name].field` -> `file:line:col: kind[name].field` when the field is found."""
-    m = re.match(r"^(\w+)\[(.*?)\](?:\.(.+))?$", where)
-    if not m:
+def _where_resource(where: str, declared: dict[str, tuple[PathPart, ...]], loc: _Locator) -> str:
+    """`kind[name].field` -> `file:line:col: kind[name].field` when the field is found
+    (`declared`: each identity's data path, under the kind's name or alias as written)."""
+    m = re.match(r"^([\w:]+\[.*?\])(?:\.(.+))?$", where)
+    if not m or m[1] not in declared:
         return where
-    kind, name, field = m[1], m[2], m[3]
-    idx = 0
-    for ident in model.resources:
-        if ident.startswith(kind + "["):
-            if ident == f"{kind}[{name}]":
-                break
-            idx += 1
-    path: tuple[PathPart, ...] = ("resources", kind, idx)
+    path, field = declared[m[1]], m[2]
     if field:
         path = path + tuple(field.split("."))
     return f"{loc.at(path)}: {where}"
