@@ -189,7 +189,7 @@ def test_reverse_restores_owner(tmp_path: Path) -> None:
         ("recurse: true", "recurse", "only a directory"),
         ("owner: ''", "owner", "is not a name or a numeric id"),
         ("group: 'a:b'", "group", "is not a name or a numeric id"),
-        ("owner: 5", "owner", ""),
+        ("owner: 5.5", "owner", "quote it"),  # (an integer is its source text, as in mgmt)
         ("state: absent, source: /etc/hostname", "state", "absent cannot be combined"),
     ],
 )

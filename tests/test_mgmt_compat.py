@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import stat
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -353,6 +354,101 @@ def test_msg_fields_are_checked(tmp_path: Path) -> None:
         ("{name: m, msg: a, body: b}", "[m].body: is mgmt's name for msg"),
     ]:
         r = run_cli("check", write(tmp_path, f"graph: g\nresources:\n  msg:\n  - {body}\n"))
+        assert r.returncode == 2
+        assert "g.yaml:4:" in r.stderr, r.stderr
+        assert said in r.stderr, r.stderr
+
+
+# -- integers for text keep their source text ------------------------------------------
+
+
+def test_mode_0741_is_octal_and_owner_1_is_a_uid(tmp_path: Path) -> None:
+    f = tmp_path / "f"
+    g = write(
+        tmp_path,
+        "graph: g\nresources:\n  file:\n"
+        f"  - name: f\n    path: {f}\n    content: x\n    mode: 0741\n    owner: 1\n"
+        "    group: 2\n",
+    )
+    r = run(g, tmp_path / "s")
+    assert r.returncode == 0, r.stderr
+    st = f.stat()
+    assert stat.S_IMODE(st.st_mode) == 0o741  # not 741 decimal (0o1345)
+    assert (st.st_uid, st.st_gid) == (1, 2)
+
+
+def test_integers_in_lists_and_mappings_keep_their_text(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    g = write(
+        tmp_path,
+        "graph: g\nresources:\n  exec:\n"
+        f"  - {{name: e, cmd: /bin/sh, args: [-c, 'echo $N \"$0\" > {out}', 007],"
+        " env: {N: 0x1F}}\n",
+    )
+    r = run(g, tmp_path / "s")
+    assert r.returncode == 0, r.stderr
+    assert out.read_text() == "0x1F 007\n"
+
+
+def test_a_float_or_boolean_for_text_still_says_to_quote_it(tmp_path: Path) -> None:
+    r = run_cli(
+        "check",
+        write(tmp_path, "graph: g\nresources:\n  file:\n  - {name: /tmp/x, owner: true}\n"),
+    )
+    assert r.returncode == 2
+    assert "file[/tmp/x].owner: expected str | null, got bool True: quote it" in r.stderr
+
+
+# -- file: mgmt's semantics and fields -----------------------------------------------------
+
+
+def test_content_with_state_absent_is_a_load_error_naming_its_place(tmp_path: Path) -> None:
+    f = tmp_path / "f"
+    f.write_text("keep me")
+    g = write(
+        tmp_path,
+        f"graph: g\nresources:\n  file:\n  - name: f\n    path: {f}\n    content: gone\n"
+        "    state: absent\n",
+    )
+    for command in (("check",), ("run", "--state-dir", str(tmp_path / "s"), "--converged-exit")):
+        r = run_cli(*command[:1], g, *command[1:])
+        assert r.returncode == 2
+        assert f"{g}:7:12: file[f].state: absent cannot be combined with content" in r.stderr
+    assert f.read_text() == "keep me"
+
+
+def test_file_symlink_points_the_path_at_source(tmp_path: Path) -> None:
+    link = tmp_path / "d" / "link"
+    g = write(
+        tmp_path,
+        f"graph: g\nresources:\n  file:\n  - {{name: l, path: {link}, source: ../target,"
+        " symlink: true}\n",
+    )
+    state = tmp_path / "s"
+    r = run(g, state)
+    assert r.returncode == 0, r.stderr
+    assert os.readlink(link) == "../target"  # as written: relative to the link's directory
+    assert run(g, state, "--noop").returncode == 0  # clean now
+    link.unlink()
+    link.symlink_to("/elsewhere")
+    assert run(g, state).returncode == 0
+    assert os.readlink(link) == "../target"  # re-pointed
+    link.unlink()
+    link.write_text("a file")
+    r = run(g, state)
+    assert r.returncode == 1  # a file in the way: only with force
+    assert "exists and is not a symlink (force: true replaces it)" in r.stderr
+    g.write_text(g.read_text().replace("symlink: true", "symlink: true, force: true"))
+    assert run(g, state).returncode == 0
+    assert os.readlink(link) == "../target"
+
+
+def test_file_symlink_needs_a_source_and_no_content(tmp_path: Path) -> None:
+    for body, said in [
+        ("{name: /tmp/l, symlink: true}", "file[/tmp/l].symlink: needs source"),
+        ("{name: /tmp/l, symlink: true, source: /a, mode: '0644'}", "mode: cannot be combined"),
+    ]:
+        r = run_cli("check", write(tmp_path, f"graph: g\nresources:\n  file:\n  - {body}\n"))
         assert r.returncode == 2
         assert "g.yaml:4:" in r.stderr, r.stderr
         assert said in r.stderr, r.stderr

@@ -20,10 +20,15 @@ The watch goes through the engine's one shared inotify instance on the
 parent directory, so deletion, replacement by rename, content and mode
 changes are all seen, and a path that does not exist yet is watched from its
 nearest existing ancestor.
+
+With `symlink: true` (mgmt's), the path is a symbolic link whose target is
+`source`, made (by rename, so never missing) or re-pointed when it differs; a
+file or directory in its place is replaced only with `force`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import grp
@@ -131,6 +136,9 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         bool,
         doc("directories: remove entries not from `source` nor managed by another resource"),
     ] = False
+    symlink: Annotated[
+        bool, doc("the path is a symbolic link to `source` (the link's target, as written)")
+    ] = False
 
     # -- contract -----------------------------------------------------------
     def validate(self) -> None:
@@ -145,15 +153,18 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             except ValueError as e:
                 raise self.bad("mode", str(e)) from None
         is_dir = path.endswith("/")
+        if self.symlink:
+            self._validate_symlink(is_dir)
         given = [
             f for f in ("content", "source", "fragments") if getattr(self, f) not in (None, [])
         ]
         if len(given) > 1:
             raise self.bad(given[1], f"cannot be combined with {given[0]}: pick one")
-        for f in ("source", *(["fragments"] if self.fragments else [])):
-            for p in [self.source] if f == "source" else self.fragments:
-                if p is not None and not p.startswith("/"):
-                    raise self.bad(f, f"{p!r} is not an absolute path")
+        # (a link's target may be relative: to the link's directory)
+        copied = [] if self.symlink or self.source is None else [("source", self.source)]
+        for f, p in [*copied, *(("fragments", frag) for frag in self.fragments)]:
+            if not p.startswith("/"):
+                raise self.bad(f, f"{p!r} is not an absolute path")
         if is_dir:
             if self.content is not None:
                 raise self.bad("content", "a directory (path ends with /) cannot have content")
@@ -170,8 +181,19 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             v = getattr(self, f)
             if v is not None and (not v or ":" in v or v.startswith("-")):
                 raise self.bad(f, f"{v!r} is not a name or a numeric id")
-        if self.state == "absent" and (self.source or self.fragments or self.purge):
-            raise self.bad("state", "absent cannot be combined with source, fragments or purge")
+        if self.state == "absent":  # as mgmt: there is nothing to hold it
+            for f in ("content", "source", "fragments", "purge"):
+                if getattr(self, f) not in (None, [], False):
+                    raise self.bad("state", f"absent cannot be combined with {f}")
+
+    def _validate_symlink(self, is_dir: bool) -> None:
+        if self.state != "absent" and not self.source:
+            raise self.bad("symlink", "needs source: the target the link points to")
+        if is_dir:
+            raise self.bad("symlink", "a link's path has no trailing / (it is not a directory)")
+        for f in ("content", "fragments", "mode", "recurse", "purge"):
+            if getattr(self, f) not in (None, [], False):
+                raise self.bad(f, "cannot be combined with symlink")
 
     def claims(self) -> list[str]:
         # a directory and a file of one path are one thing to manage
@@ -259,7 +281,7 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         # A passive watch: the shared inotify hub calls us directly, so 10k
         # files need no 10k watch tasks.
         self._watch = self.handle.watcher.subscribe(self._path, self._changed)
-        if self.source is not None:
+        if self.source is not None and not self.symlink:  # (a link's target is not ours)
             self._watch_path(self.source.rstrip("/") or "/", listing=False)
         for frag in self.fragments:
             # the path itself, and its listing in case it is (or becomes) a directory
@@ -329,6 +351,8 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         if self.state == "absent":
             return self._absent(st, apply)
         uid, gid = self._ids()
+        if self.symlink:
+            return self._symlink(st, uid, gid, apply)
         if self._is_dir:
             ok = self._directory(st, uid, gid, apply)
             if self._extra:
@@ -395,6 +419,40 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                     f"{self._path}: directory is not empty (force: true removes it all)"
                 ) from None
             raise ResourceError(f"{self._path}: cannot remove: {e.strerror}") from None
+        return False
+
+    def _symlink(self, st: os.stat_result | None, uid: int, gid: int, apply: bool) -> bool:
+        target = self.source or ""
+        is_link = st is not None and stat.S_ISLNK(st.st_mode)
+        now = os.readlink(self._path) if st is not None and is_link else None
+        owned = st is not None and uid in (-1, st.st_uid) and gid in (-1, st.st_gid)
+        if now == target and owned:
+            return True
+        if st is not None and not is_link:
+            self.handle.changed("state", _what(st, self._path), "symlink")
+        if now != target:
+            self.handle.changed("symlink", now, target)
+        if not owned:
+            self._attr_changes("", st if is_link else None, None, uid, gid)
+        if not apply:
+            return False
+        try:
+            if st is not None and not is_link:
+                self._in_the_way(st, "not a symlink")
+            if now != target:
+                os.makedirs(os.path.dirname(self._path), 0o755, exist_ok=True)
+                # made beside it, then renamed over it: the path is never missing
+                tmp = os.path.join(
+                    os.path.dirname(self._path), f".{os.path.basename(self._path)}.evergraph-link"
+                )
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                os.symlink(target, tmp)
+                os.replace(tmp, self._path)
+            if uid != -1 or gid != -1:
+                os.lchown(self._path, uid, gid)
+        except OSError as e:
+            raise ResourceError(f"{e.filename or self._path}: {e.strerror or e}") from None
         return False
 
     def _directory(self, st: os.stat_result | None, uid: int, gid: int, apply: bool) -> bool:
