@@ -19,7 +19,7 @@ def test_kv_writes_repairs_and_sends(tmp_path: Path, agents) -> None:  # type: i
     g.write_text(
         "graph: kv\nresources:\n  kv:\n"
         "  - {name: owned, value: '42'}\n"
-        "  - {name: motd}\n"  # read only: sends what others store
+        "  - {name: motd, readonly: true}\n"  # sends what others store
         "  - {name: ver, value: '1.0', mapped: true}\n"
         f"  file:\n  - {{name: {out}}}\n"
         "edges:\n- {from: {kind: kv, name: motd, send: value}, to: {kind: file, name: "

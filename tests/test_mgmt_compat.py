@@ -452,3 +452,52 @@ def test_file_symlink_needs_a_source_and_no_content(tmp_path: Path) -> None:
         assert r.returncode == 2
         assert "g.yaml:4:" in r.stderr, r.stderr
         assert said in r.stderr, r.stderr
+
+
+# -- kv: mgmt's semantics ----------------------------------------------------------------
+
+
+def world(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli("world", *args, "--state-dir", state)
+
+
+def test_kv_without_a_value_deletes_the_key(tmp_path: Path) -> None:
+    state = tmp_path / "s"
+    keep = write(tmp_path, "graph: g\nresources:\n  kv:\n  - {name: k, key: stage, value: '3'}\n")
+    assert run(keep, state, "--world", "sqlite").returncode == 0
+    assert world(state, "get", "kv/stage").stdout == "3\n"
+    gone = write(tmp_path, "graph: g\nresources:\n  kv:\n  - {name: k, key: stage}\n", "gone.yaml")
+    r = run(gone, state, "--world", "sqlite", "--noop")
+    assert r.returncode == 3, r.stderr  # would delete it
+    assert world(state, "get", "kv/stage").stdout == "3\n"
+    r = run(gone, state, "--world", "sqlite")
+    assert r.returncode == 0, r.stderr
+    r = world(state, "get", "kv/stage")
+    assert r.returncode != 0
+    assert r.stdout == ""
+    r = run(gone, state, "--world", "sqlite", "--noop")
+    assert r.returncode == 0, r.stderr  # nothing to delete: clean
+
+
+def test_a_readonly_kv_never_writes_nor_deletes(tmp_path: Path) -> None:
+    state = tmp_path / "s"
+    out = tmp_path / "out"
+    assert run(write(tmp_path, "graph: g\nresources:\n  kv:\n  - {name: m, value: hi}\n"), state)
+    g = write(
+        tmp_path,
+        f"graph: g\nresources:\n  kv:\n  - {{name: m, readonly: true}}\n"
+        f"  file:\n  - {{name: {out}}}\n"
+        f"edges:\n- {{from: {{kind: kv, name: m, send: value}}, to: {{kind: file, name: {out},"
+        " recv: content}}\n",
+        "read.yaml",
+    )
+    r = run(g, state)
+    assert r.returncode == 0, r.stderr
+    assert out.read_text() == "hi"
+    assert world(state, "get", "kv/m").stdout == "hi\n"
+    r = run_cli(
+        "check",
+        write(tmp_path, "graph: g\nresources:\n  kv:\n  - {name: m, readonly: true, value: x}\n"),
+    )
+    assert r.returncode == 2
+    assert "kv[m].value: cannot be written by a readonly kv" in r.stderr

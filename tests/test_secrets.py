@@ -133,7 +133,8 @@ def test_kv_stores_it_sealed_and_reads_it_back_on_this_host(tmp_path: Path) -> N
     # read back on this host: the secret again, and still a secret (file 0600)
     back = tmp_path / "back"
     g.write_text(
-        f"graph: back\nresources:\n  kv:\n  - {{name: db}}\n  file:\n  - {{name: {back}}}\n"
+        f"graph: back\nresources:\n  kv:\n  - {{name: db, readonly: true}}\n"
+        f"  file:\n  - {{name: {back}}}\n"
         f"edges:\n- from: {{kind: kv, name: db, send: value}}\n"
         f"  to: {{kind: file, name: {back}, recv: content}}\n"
     )

@@ -2,7 +2,8 @@
 
 The World key is `kv/<key>`; with `mapped`, each host writes its own
 `kv/<key>/<hostname>` (e.g. "which version does each host run"). Without a
-`value`, the resource only reads: it sends the stored value to its children.
+`value` the key is deleted, as in mgmt; with `readonly` the resource only
+reads: it sends the stored value to its children.
 
 A `value` received from a sender that marks it secret (a `password`) is
 stored sealed with this host's key, never in plain text: the World holds
@@ -39,10 +40,15 @@ class KeyValue(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     sends: ClassVar[dict[str, Any]] = {"value": str}
 
     key: Annotated[str, doc("the key under kv/; default the name")] = ""
-    value: Annotated[str | None, doc("the value to store; unset = read only (sends it)")] = None
+    value: Annotated[
+        str | None, doc("the value to store; unset = delete the key (unless readonly)")
+    ] = None
     mapped: Annotated[bool, doc("per host: the key is kv/<key>/<hostname>")] = False
     skiplessthan: Annotated[
         bool, doc("numbers: never lower the stored value (keep a larger one)")
+    ] = False
+    readonly: Annotated[
+        bool, doc("only read the key and send its value; never write nor delete it")
     ] = False
 
     def validate(self) -> None:
@@ -51,6 +57,8 @@ class KeyValue(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             raise self.bad("key", f"{key!r} must be a non-empty relative key without NUL")
         if self.skiplessthan and self.value is not None and _number(self.value) is None:
             raise self.bad("value", f"{self.value!r} is not a number (skiplessthan is set)")
+        if self.readonly and self.value is not None:
+            raise self.bad("value", "cannot be written by a readonly kv: drop one of them")
 
     async def init(self, handle: Handle) -> None:
         await super().init(handle)
@@ -92,9 +100,11 @@ class KeyValue(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         stored = self._open(item.value) if item is not None else None
         self._stored = stored
         secret = self.handle.is_secret("value")  # then it is stored only sealed
-        if self.value is None or (
-            stored == self.value and (self._sealed or not secret) and not refresh
-        ):
+        if self.readonly or (item is None and self.value is None):
+            return True
+        if self.value is None:
+            return await self._delete(apply)
+        if stored == self.value and (self._sealed or not secret) and not refresh:
             return True
         if self.skiplessthan and stored is not None:
             have, want = _number(stored), _number(self.value)
@@ -118,4 +128,17 @@ class KeyValue(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         except Exception as e:
             raise ResourceError(f"world: {e}") from None
         self._stored, self._sealed = self.value, secret
+        return False
+
+    async def _delete(self, apply: bool) -> bool:
+        """No value: the key goes (mgmt's meaning of a kv without one)."""
+        shown = "(not text)" if self._stored is None else self._stored
+        self.handle.changed("value", "(sealed)" if self._sealed else shown, None)
+        if not apply:
+            return False
+        try:
+            await self.handle.world.delete(self._key)
+        except Exception as e:
+            raise ResourceError(f"world: {e}") from None
+        self._stored, self._sealed = None, False
         return False
