@@ -18,6 +18,7 @@ time). JSON is safe as it is (json.dumps escapes).
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -29,6 +30,8 @@ import unicodedata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from rich.console import Console, ConsoleOptions, RenderResult
 
 FLUSH_INTERVAL = 0.1
@@ -106,12 +109,27 @@ class TextFormatter(logging.Formatter):
 
 
 class BufferedHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """A StreamHandler that leaves flushing to `flush_now()` (periodic, and at exit)."""
+    """A StreamHandler that leaves flushing to `flush_now()` (`flusher`, and at exit).
+
+    The first line after a flush calls `waker` (set by `flusher`): an idle agent has
+    nothing to flush and so no timer to wake it."""
+
+    waker: Callable[[], None] | None = None
+    _pending = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        super().emit(record)
+        if not self._pending:
+            self._pending = True
+            waker = self.waker
+            if waker is not None:
+                waker()
 
     def flush(self) -> None:
         pass
 
     def flush_now(self) -> None:
+        self._pending = False
         with self.lock or _nolock():
             try:
                 self.stream.flush()
@@ -268,6 +286,31 @@ def setup_logging(fmt: str, verbose: int) -> None:
 def terminal_handler() -> TerminalHandler | None:
     """The handler writing text to a terminal (None: a pipe, a file, or JSON)."""
     return _terminal
+
+
+async def flusher(_agent: object = None) -> None:
+    """An agent service: write buffered lines out `FLUSH_INTERVAL` after the first
+    line since the last flush (no periodic timer), and at the end."""
+    handler = _buffered
+    if handler is None:
+        await asyncio.Event().wait()  # nothing is buffered (a terminal): idle for ever
+        return
+    loop = asyncio.get_running_loop()
+    wanted = asyncio.Event()
+
+    def wake() -> None:
+        loop.call_soon_threadsafe(wanted.set)
+
+    handler.waker = wake
+    try:
+        while True:
+            await wanted.wait()
+            wanted.clear()
+            await asyncio.sleep(FLUSH_INTERVAL)
+            handler.flush_now()
+    finally:
+        handler.waker = None
+        handler.flush_now()
 
 
 def flush_logs() -> None:

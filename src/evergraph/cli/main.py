@@ -447,7 +447,7 @@ def run(
     """
     from evergraph.agent.api import frontend_for
     from evergraph.agent.api import run as run_graph
-    from evergraph.cli.logs import FLUSH_INTERVAL, flush_logs, setup_logging, terminal_handler
+    from evergraph.cli.logs import flush_logs, flusher, setup_logging, terminal_handler
     from evergraph.cli.progress import service as progress_service
     from evergraph.engine.settings import check_times
 
@@ -464,6 +464,7 @@ def run(
         services = [_http_service(http_addr, farm_anonymous)] if http_addr else []
         # the live display on a terminal; "still running" lines in a pipe
         services.append(progress_service(terminal_handler()))
+        services.append(flusher)  # a pipe's buffered lines, written soon after they come
         farm = _farm_options(
             worker, caps, groups, ssh_port, ssh_user, authorized_keys, farm_servers, http_addr
         )
@@ -490,7 +491,6 @@ def run(
             deployers=list(deployers),
             services=services,
             farm=farm,
-            _flush=(flush_logs, FLUSH_INTERVAL),
         )
     finally:
         flush_logs()

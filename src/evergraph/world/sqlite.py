@@ -6,12 +6,13 @@ that bumps the global revision and appends its events to a `log` table, so a
 watcher in any process reads what changed after the revision it has seen.
 
 How a watcher learns that another process wrote: inotify on the `-wal` file
-(every commit writes it), with a slow poll (1 s) behind it in case an event
-is missed (e.g. a checkpoint that truncated the file between our reads).
+(every commit writes it), with a slow poll (30 s) behind it in case an event
+is missed (e.g. a checkpoint that truncated the file between our reads). An
+idle agent wakes for nothing else than its lease: no fixed tick.
 
 Leases keep their deadline as wall-clock time in the file. Expired leases
-are swept by whoever writes, and by every open client with a watch, on a
-short timer: a host whose agent was killed loses its member record within
+are swept by whoever writes, and by every open client with a watch when the
+earliest lease expires: a host whose agent was killed loses its member record within
 the TTL as long as any process of the host uses the World.
 
 Calls run in the event loop: a WAL commit without fsync takes tens of
@@ -36,6 +37,7 @@ import asyncio
 import contextlib
 import os
 import sqlite3
+import struct
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -71,8 +73,9 @@ CREATE TABLE IF NOT EXISTS leases(id INTEGER PRIMARY KEY, ttl REAL NOT NULL, exp
 
 #: history kept for watchers that fall behind; older revisions are compacted
 HISTORY = 10_000
-_SWEEP = 0.25  # seconds between lease sweeps while watching
-_POLL = 1.0  # fallback poll for other processes' writes
+_SWEEP = 0.05  # at least this long between lease sweeps while watching
+_IDLE = 30.0  # at most this long between them (a missed inotify event, no leases)
+_POLL = 30.0  # fallback poll for other processes' writes (inotify is the way)
 _PUT, _DEL = 0, 1
 
 
@@ -450,11 +453,21 @@ class SQLiteKV(KV):
         woke = asyncio.Event()
 
         def drain(fd: int) -> None:
-            # the events' content does not matter: any write means "look again"
+            # A write to the -wal, or the World's files deleted, created or renamed in
+            # its directory (a replacement), means "look again"; other files of the
+            # directory (the state dir's own writes) do not.
+            hit = False
             with contextlib.suppress(BlockingIOError, OSError):
-                while os.read(fd, 65536):
-                    pass
-            woke.set()
+                while buf := os.read(fd, 65536):
+                    at = 0
+                    while at + 16 <= len(buf):
+                        wd, _mask, _cookie, size = struct.unpack_from("iIII", buf, at)
+                        name = buf[at + 16 : at + 16 + size].rstrip(b"\0")
+                        at += 16 + size
+                        if wd != dir_wd or name.startswith(base):
+                            hit = True
+            if hit:
+                woke.set()
 
         with Inotify() as ino:
             watch: Watch | None = None
@@ -474,36 +487,64 @@ class SQLiteKV(KV):
                     watch, watched = new, self._epoch
 
             add_watch()
+            base = os.fsencode(self.path.name)
+            dir_wd = -1
+            with contextlib.suppress(OSError):
+                dir_wd = ino.add_watch(
+                    str(self.path.parent),
+                    Mask.CREATE | Mask.DELETE | Mask.MOVED_FROM | Mask.MOVED_TO,
+                ).wd
             os.set_blocking(ino.fd, False)  # drain reads until empty
             loop.add_reader(ino.fd, drain, ino.fd)
             try:
-                # sweep on a deadline, not on quiet ticks: another process touching
-                # the -wal more often than _SWEEP would otherwise postpone it forever
-                next_sweep = loop.time() + _SWEEP
+                # Sweep on a deadline — the earliest lease expiry — not on quiet ticks
+                # (another process touching the -wal would postpone it for ever) and
+                # not on a fixed tick (an idle agent would wake for nothing). A write
+                # by anyone wakes us: a new lease may expire sooner.
+                next_sweep = loop.time() + self._until_expiry()
                 while not self._closed.is_set():
-                    if watched != self._epoch:
-                        add_watch()
+                    if watched != self._epoch or watch is None:
+                        add_watch()  # a new World, or a -wal that did not exist yet
+                    written = False
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout_at(next_sweep):
                             await woke.wait()
-                    if loop.time() >= next_sweep:
-                        await self._sweep_now()
-                        next_sweep = loop.time() + _SWEEP
+                            written = True
                     woke.clear()
-                    self._notify()
+                    swept = False
+                    if loop.time() >= next_sweep:
+                        swept = await self._sweep_now()
+                        next_sweep = loop.time() + self._until_expiry()
+                    elif written:
+                        next_sweep = min(next_sweep, loop.time() + self._until_expiry())
+                    if written or swept:
+                        self._notify()
             finally:
                 loop.remove_reader(ino.fd)
 
-    async def _sweep_now(self) -> None:
+    def _until_expiry(self) -> float:
+        """Seconds until the earliest lease expires (a little after), at most _IDLE."""
+        try:
+            row = self._read().execute("SELECT MIN(expires) FROM leases").fetchone()
+        except sqlite3.Error:
+            return _SWEEP  # try again soon
+        if row is None or row[0] is None:
+            return _IDLE
+        return min(_IDLE, max(_SWEEP, float(row[0]) - time.time() + 0.01))
+
+    async def _sweep_now(self) -> bool:
+        """Delete what expired leases held; True if anything was."""
         db = self._read()
         due = db.execute("SELECT 1 FROM leases WHERE expires < ? LIMIT 1", (time.time(),))
         if due.fetchone() is None:
-            return
+            return False
         try:
             with self._txn() as db:
                 self._sweep(db)
         except WorldError as e:
             log.warning("world: lease sweep failed: %s", e)
+            return False
+        return True
 
     async def close(self) -> None:
         self._closed.set()
