@@ -501,3 +501,14 @@ def test_a_readonly_kv_never_writes_nor_deletes(tmp_path: Path) -> None:
     )
     assert r.returncode == 2
     assert "kv[m].value: cannot be written by a readonly kv" in r.stderr
+
+
+def test_pkg_takes_mgmts_packagekit_options(tmp_path: Path) -> None:
+    g = write(
+        tmp_path,
+        "graph: g\nresources:\n  pkg:\n  - {name: powertop, state: installed,"
+        " allowdowngrade: true, allownonfree: true, allowunsupported: false}\n",
+    )
+    r = run_cli("check", g)
+    assert r.returncode == 0, r.stderr
+    assert "1 resources (pkg: 1)" in r.stdout

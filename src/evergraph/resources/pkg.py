@@ -161,6 +161,16 @@ class Pkg(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     allowuntrusted: Annotated[
         bool, doc("install even when the package's origin cannot be authenticated")
     ] = False
+    # mgmt's PackageKit options: accepted so its graphs load (docs/mgmt-compatibility.md)
+    allowdowngrade: Annotated[
+        bool, doc("mgmt's; a version named in `state` is installed even when older, always")
+    ] = False
+    allownonfree: Annotated[
+        bool, doc("mgmt's; not honoured: every package the system's sources offer is used")
+    ] = False
+    allowunsupported: Annotated[
+        bool, doc("mgmt's; not honoured: every package the system's sources offer is used")
+    ] = False
 
     def validate(self) -> None:
         why = _dpkg.name_problem(self.name)
