@@ -512,3 +512,62 @@ def test_pkg_takes_mgmts_packagekit_options(tmp_path: Path) -> None:
     r = run_cli("check", g)
     assert r.returncode == 0, r.stderr
     assert "1 resources (pkg: 1)" in r.stdout
+
+
+# -- @@name: exported resources -----------------------------------------------------------
+
+
+def test_an_at_at_name_is_exported_to_every_host_and_hidden_here(
+    tmp_path: Path,
+    agents,  # type: ignore[no-untyped-def]
+) -> None:
+    shared = tmp_path / "shared"
+    g = write(
+        tmp_path,
+        f'graph: g\nresources:\n  file:\n  - name: "@@shared"\n    path: {shared}\n'
+        "    content: for every host\n",
+    )
+    state = tmp_path / "s"
+    agent = agents(g, state, "--hostname", "h1")
+    agent.wait_converged()
+    r = run_cli("exports", "--state-dir", state)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["*\th1\tfile[shared]\tsigned"]  # its name without @@
+    assert not shared.exists()  # hidden: not applied on the exporting host
+    assert agent.stop() == 0
+
+
+def test_an_at_at_resource_is_applied_here_too_when_this_graph_collects_its_kind(
+    tmp_path: Path,
+) -> None:
+    shared, other = tmp_path / "d" / "shared", tmp_path / "other"
+    text = (
+        f'graph: g\nresources:\n  file:\n  - name: "@@shared"\n    path: {shared}\n'
+        f'    content: here too\n  - name: "@@other"\n    path: {other}\n    content: x\n'
+        "collect:\n- kind: file\n  filter: {name: shared}\n"
+    )
+    r = run(write(tmp_path, text), tmp_path / "s")
+    assert r.returncode == 0, r.stderr
+    assert shared.read_text() == "here too"  # as mgmt, whose exporter collects its own
+    assert not other.exists()  # not collected by this graph: hidden here
+
+
+# -- mgmt's kinds evergraph lacks ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["virt", "nspawn", "aws:ec2", "hostname", "bmc:power"])
+def test_an_mgmt_kind_evergraph_lacks_is_named_as_such(tmp_path: Path, kind: str) -> None:
+    g = write(tmp_path, f"graph: g\nresources:\n  noop:\n  - name: n\n  {kind}:\n  - name: x\n")
+    r = run_cli("check", g)
+    assert r.returncode == 2
+    assert r.stderr == (
+        f"evergraph: {g}:5:3: resource kind {kind!r} is one of mgmt's that evergraph does not"
+        " provide yet (docs/mgmt-compatibility.md)\n"
+    )
+
+
+def test_a_kind_nobody_has_is_still_unknown(tmp_path: Path) -> None:
+    r = run_cli("check", write(tmp_path, "graph: g\nresources:\n  flie:\n  - name: x\n"))
+    assert r.returncode == 2
+    assert "g.yaml:3:3: unknown resource kind 'flie'" in r.stderr
+    assert "did you mean 'file'?" in r.stderr
