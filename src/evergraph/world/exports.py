@@ -201,6 +201,8 @@ class HostKeyBook(Follower[HostKeyRecord]):
         self.seen: dict[str, HostKeyRecord] = {}
         self._listeners: list[Callable[[str], None]] = []
         self.ready = asyncio.Event()
+        #: records of the batch being reported, pinned at its end
+        self._batch: list[HostKeyRecord] = []
 
     def listen(self, fn: Callable[[str], None]) -> Callable[[], None]:
         self._listeners.append(fn)
@@ -227,29 +229,31 @@ class HostKeyBook(Follower[HostKeyRecord]):
         except IdentityMismatch:  # a pin appeared meanwhile (another process)
             return self.trusted(host)
 
-    def _check(self, rec: HostKeyRecord) -> None:
-        try:
-            self.pins.check(rec.host, rec.public, rec.verify)
-        except IdentityMismatch as e:
-            log.error("hostkeys/%s: %s", rec.host, e)
-        except PinsError as e:
-            log.error("%s", e)
-
-    # follower callbacks
+    # follower callbacks: a batch's records are pinned together (one write of the
+    # pins file for a first read of N hosts), then the listeners are told
     def decode(self, kv: KeyValue) -> HostKeyRecord:
         return decode_hostkeys(kv)
 
     async def new(self, obj: HostKeyRecord) -> None:
         self.seen[obj.host] = obj
-        if obj.host != self.me:
-            self._check(obj)
-        self._tell(obj.host)
+        self._batch.append(obj)
 
     async def updated(self, prev: HostKeyRecord, new: HostKeyRecord) -> None:
         await self.new(new)
 
     async def deleted(self, prev: HostKeyRecord) -> None:
         self.seen.pop(prev.host, None)
+
+    async def batch_done(self) -> None:
+        batch, self._batch = self._batch, []
+        others = [(r.host, r.public, r.verify) for r in batch if r.host != self.me]
+        try:
+            for e in self.pins.check_many(others):
+                log.error("hostkeys/%s: %s", e.host, e)
+        except PinsError as e:
+            log.error("%s", e)
+        for rec in batch:
+            self._tell(rec.host)
 
     async def synced(self) -> None:
         self.ready.set()
