@@ -24,13 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from evergraph.agent.run import builtin_registry
 from evergraph.engine import changes as ch
 from evergraph.engine.engine import Engine
 from evergraph.engine.masking import MASK
 from evergraph.engine.prepare import prepare
 from evergraph.engine.settings import Settings
 from evergraph.engine.status import Change, VertexStatus
+from evergraph.frontends.open import builtin_registry
 from evergraph.frontends.yaml import parse_yaml
 from evergraph.watch.inotify import InotifyHub
 from evergraph.world.hostkeys import HostKeys

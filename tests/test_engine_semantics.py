@@ -386,7 +386,7 @@ def test_no_watch_cli_exits_with_the_status(tmp_path: Path) -> None:
 
 
 def _yaml(body: str) -> GraphModel:
-    from evergraph.agent.run import builtin_registry
+    from evergraph.frontends.open import builtin_registry
     from evergraph.frontends.yaml import parse_yaml
 
     return parse_yaml("graph: g\nresources:\n" + body, "g.yaml", builtin_registry())

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from evergraph.agent.run import builtin_registry
+from evergraph.frontends.open import builtin_registry
 from tests.conftest import run_cli
 
 

@@ -174,10 +174,10 @@ def test_output_into_a_missing_directory_is_bad_input(graph_file: Path, tmp_path
 
 def test_bad_graph_is_exit_2_before_any_drawing(tmp_path: Path) -> None:
     f = tmp_path / "bad.yaml"
-    f.write_text("graph: g\nresources:\n  file:\n  - name: a\n    mode: 644\n")
+    f.write_text('graph: g\nresources:\n  file:\n  - name: /a\n    mode: "899"\n')
     out = tmp_path / "g.png"
     r = run_cli("graph", f, "--format", "png", "-o", out)
-    one_line_error(r, 2, f"{f}:5:11: file[a].mode")
+    one_line_error(r, 2, f"{f}:5:11: file[/a].mode")
     assert not out.exists()
 
 

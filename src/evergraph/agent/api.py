@@ -23,9 +23,8 @@ log = logging.getLogger("evergraph")
 def frontend_for(target: Frontend | Graph | str | os.PathLike[str] | None) -> Frontend:
     """The frontend for what `run` was given: a Graph, a .yaml/.yml/.py path, or
     None (follow the newest deploy in the World)."""
-    from evergraph.agent.run import builtin_registry
     from evergraph.frontends.base import Static
-    from evergraph.frontends.open import open_frontend
+    from evergraph.frontends.open import builtin_registry, open_frontend
 
     if isinstance(target, Frontend):
         return target

@@ -28,7 +28,6 @@ from evergraph._util.atomic import sweep_temps
 from evergraph._version import __version__
 from evergraph.agent.observe import ObserverHub, TimedKV
 from evergraph.engine.build import build
-from evergraph.engine.contract import Registry, default_registry
 from evergraph.engine.engine import Engine
 from evergraph.engine.model import GraphModel
 from evergraph.engine.prepare import prepare
@@ -37,6 +36,7 @@ from evergraph.engine.status import VertexStatus
 from evergraph.errors import InputError
 from evergraph.frontends.base import Context, Frontend, merged
 from evergraph.frontends.collect import exports_of, merge
+from evergraph.frontends.open import builtin_registry
 from evergraph.frontends.yaml import parse_yaml
 from evergraph.watch import InotifyHub
 from evergraph.world.exports import (
@@ -63,12 +63,6 @@ log = logging.getLogger("evergraph.agent")
 Service = Callable[["Agent"], Coroutine[Any, Any, None]]
 
 T = TypeVar("T")
-
-
-def builtin_registry() -> Registry:
-    import evergraph.resources  # noqa: F401  (registers the built-in kinds)
-
-    return default_registry
 
 
 def prepare_state_dir(state_dir: Path | None) -> Path:

@@ -511,10 +511,10 @@ def check(file: Path) -> None:
     Example:
       evergraph check site.yaml && evergraph run site.yaml
     """
-    from evergraph.agent.api import frontend_for
+    from evergraph.frontends.open import open_graph_file
 
     try:
-        model = frontend_for(file).load()
+        model = open_graph_file(file).load()
     except InputError as e:
         _die(e)
     kinds = Counter(r.kind for r in model.resources.values())
@@ -564,9 +564,9 @@ def graph(
       evergraph graph site.yaml | dot -Tpdf > site.pdf
       evergraph graph site.yaml --format json | jq '.edges[] | select(.auto)'
     """
-    from evergraph.agent.api import frontend_for
     from evergraph.engine.prepare import prepare
     from evergraph.engine.render import GraphvizError, to_dot, to_image, to_json
+    from evergraph.frontends.open import open_graph_file
 
     try:
         if output is not None and not output.parent.is_dir():
@@ -577,7 +577,7 @@ def graph(
                 "(or redirect standard output)",
                 "--format png",
             )
-        model = frontend_for(file).load()
+        model = open_graph_file(file).load()
         prepare(model, autoedges=not no_autoedges, autogroup=not no_autogroup)
     except InputError as e:
         _die(e)
@@ -615,8 +615,8 @@ def docs() -> None:
 @docs.command("resources", context_settings=CONTEXT)
 def docs_resources() -> None:
     """Every resource kind with its parameters, types, defaults and meaning."""
-    from evergraph.agent.run import builtin_registry
     from evergraph.engine.docs import resources_reference
+    from evergraph.frontends.open import builtin_registry
 
     click.echo(resources_reference(builtin_registry()), nl=False)
 

@@ -6,9 +6,22 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from evergraph.engine.contract import Registry
+from evergraph.engine.contract import Registry, default_registry
 from evergraph.errors import InputError
 from evergraph.frontends.base import Frontend
+
+
+def builtin_registry() -> Registry:
+    """The registry with every built-in kind registered."""
+    import evergraph.resources  # noqa: F401  (registers the built-in kinds)
+
+    return default_registry
+
+
+def open_graph_file(path: str | os.PathLike[str]) -> Frontend:
+    """The frontend for a graph file, with the built-in kinds (what `check` and
+    `graph` need, without the agent's imports)."""
+    return open_frontend(path, builtin_registry())
 
 
 def open_frontend(path: str | os.PathLike[str], registry: Registry) -> Frontend:

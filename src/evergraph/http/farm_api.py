@@ -250,8 +250,8 @@ class FarmApi:
 
 def _check_fragment(text: str) -> None:
     """A request's graph fragment must load here, as it will on the worker (400)."""
-    from evergraph.agent.run import builtin_registry
     from evergraph.errors import InputError
+    from evergraph.frontends.open import builtin_registry
     from evergraph.frontends.yaml import parse_yaml
 
     if len(text) > 256 * 1024:
