@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import run_cli, wait_for
+from .conftest import REPO, run_cli, wait_for
 from .test_users import Accounts, passwd
 
 
@@ -347,6 +347,17 @@ def test_msg_journal_without_a_journal_is_an_error_naming_it(tmp_path: Path) -> 
     assert "journal: /run/systemd/journal/socket: No such file or directory" in r.stderr
 
 
+def test_an_edge_may_name_a_msg_by_its_mgmt_kind(tmp_path: Path) -> None:
+    g = write(
+        tmp_path,
+        "graph: g\nresources:\n  noop:\n  - name: tick\n  msg:\n  - {name: m, body: tock}\n"
+        "edges:\n- {from: {kind: noop, name: tick}, to: {kind: msg, name: m}, notify: true}\n",
+    )
+    r = run(g, tmp_path / "s")
+    assert r.returncode == 0, r.stderr
+    assert "print[m]: tock" in r.stderr
+
+
 def test_msg_fields_are_checked(tmp_path: Path) -> None:
     for body, said in [
         ("{name: m, body: x, fields: {'_HIDDEN': v}}", "[m].fields: '_HIDDEN' is not"),
@@ -571,3 +582,36 @@ def test_a_kind_nobody_has_is_still_unknown(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert "g.yaml:3:3: unknown resource kind 'flie'" in r.stderr
     assert "did you mean 'file'?" in r.stderr
+
+
+# -- the compatibility runner ---------------------------------------------------------------
+
+
+def test_the_runner_sorts_a_folder_of_graphs(tmp_path: Path) -> None:
+    top = tmp_path / "graphs"
+    (top / "nested").mkdir(parents=True)
+    (top / "plain.yaml").write_text("graph: g\nresources:\n  noop:\n  - name: n\n")
+    (top / "nested" / "old.yml").write_text(
+        "graph: g\nresources:\n  exec:\n  - {name: a, cmd: 'true', timeout: 0, state: present}\n"
+        "  - {name: b, cmd: 'true', timeout: 5}\nremote: ssh://h\n"
+    )
+    (top / "vm.yaml").write_text("graph: g\nresources:\n  virt:\n  - name: vm\n")
+    (top / "notes.txt").write_text("not a graph")
+    r = subprocess.run(
+        [str(REPO / "scripts" / "mgmt-compat"), str(top)], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        "warned    nested/old.yml: 4 ignored: top-level `remote:`, exec timeout x2, exec state",
+        "accepted  plain.yaml",
+        "rejected  vm.yaml: line 3:3: resource kind 'virt' is one of mgmt's that evergraph does"
+        " not provide yet (docs/mgmt-compatibility.md)",
+        "total: 3 files: 1 accepted, 1 warned, 1 rejected",
+    ]
+    r = subprocess.run(
+        [str(REPO / "scripts" / "mgmt-compat"), str(tmp_path / "nowhere")],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2
+    assert "not a directory" in r.stderr

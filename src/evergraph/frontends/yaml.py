@@ -315,7 +315,7 @@ def _parse_yaml(text: str, filename: str, registry: Registry, warn: bool) -> Gra
     if not isinstance(edges, list):
         raise fail("`edges` must be a list", ("edges",))
     for i, item in enumerate(edges):
-        edge = _edge(item, ("edges", i), fail)
+        edge = _edge(item, ("edges", i), fail, registry)
         try:
             model.connect(edge)
         except InputError as e:
@@ -475,7 +475,7 @@ def _collect_spec(
             params[str(k)] = v
         else:
             raise fail(f"{kind} has no parameter {k!r} to filter on", (*path, "filter", k), True)
-    return CollectSpec(str(kind), host, name, params)
+    return CollectSpec(cls.kind, host, name, params)
 
 
 def _where_resource(where: str, declared: dict[str, tuple[PathPart, ...]], loc: _Locator) -> str:
@@ -490,7 +490,9 @@ def _where_resource(where: str, declared: dict[str, tuple[PathPart, ...]], loc: 
     return f"{loc.at(path)}: {where}"
 
 
-def _edge(item: object, path: tuple[PathPart, ...], fail: Callable[..., InputError]) -> Edge:
+def _edge(
+    item: object, path: tuple[PathPart, ...], fail: Callable[..., InputError], registry: Registry
+) -> Edge:
     if not isinstance(item, dict):
         raise fail("each edge must be a mapping with `from:` and `to:`", path)
     for k in item:
@@ -522,7 +524,8 @@ def _edge(item: object, path: tuple[PathPart, ...], fail: Callable[..., InputErr
         if value is not None and (not isinstance(value, str) or not value):
             raise fail(f"edge `{side}.{value_key}:` must name a field", (*path, side, value_key))
         values[side] = value
-        ends.append(f"{kind}[{name}]")
+        cls = registry.get(kind)  # an alias (msg) names its kind's resources (print)
+        ends.append(f"{cls.kind if cls is not None else kind}[{name}]")
     if (values["from"] is None) != (values["to"] is None):
         raise fail("an edge that sends a value needs both `from.send:` and `to.recv:`", path)
     notify = item.get("notify", False)
