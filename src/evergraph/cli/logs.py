@@ -302,6 +302,8 @@ async def flusher(_agent: object = None) -> None:
         loop.call_soon_threadsafe(wanted.set)
 
     handler.waker = wake
+    if handler._pending:
+        wanted.set()  # lines logged before this service started (`HTTP API on ...`)
     try:
         while True:
             await wanted.wait()
