@@ -384,10 +384,10 @@ class Agent:
         settings = self.settings
         self.engine = engine = Engine(
             settings,
-            # fed only when a service may listen: snapshots cost the hot path (a
-            # service that never subscribes says so: `observes = False`)
+            # fed only when a service listens: snapshots cost the hot path (a
+            # service that subscribes says so: `observes = True`)
             observer=self.observers
-            if any(getattr(s, "observes", True) for s in self.extra)
+            if any(getattr(s, "observes", False) for s in self.extra)
             else None,
             watcher=hub,
             world=opened.kv if opened is not None else None,

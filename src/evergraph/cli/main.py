@@ -182,6 +182,7 @@ def _http_service(addr: str, anonymous: str | None) -> Service:
         app = create_app(agent.status, FarmApi(farm, anonymous), view)
         await view.serve(HttpServer(app, sock, on_stop=view.close))
 
+    serve.observes = True  # type: ignore[attr-defined]  # metrics and the live view
     return serve
 
 
