@@ -601,6 +601,22 @@ class EtcdKV(KV):
                 await call.done_writing()
                 resp = await call.read()
                 await call.code()  # etcd ends the stream once it saw ours end
+            except grpc.aio.AioRpcError as e:
+                # a stream whose deadline passed while the event loop was busy (an
+                # agent applying 10,000 files at once) ends in one of several ways:
+                # etcd's "context deadline exceeded" (UNKNOWN), or grpc's INTERNAL for
+                # a step on a call it had ended; all are a deadline, retried
+                call.cancel()
+                details = str(e.details() or "")
+                if e.code() == grpc.StatusCode.INTERNAL or (
+                    e.code() == grpc.StatusCode.UNKNOWN and "deadline exceeded" in details
+                ):
+                    raise _ended_early(details) from None
+                raise
+            except Exception as e:
+                # ... or grpc's ExecuteBatchError (not an RpcError) for such a step
+                call.cancel()
+                raise _ended_early(type(e).__name__) from None
             except BaseException:
                 call.cancel()
                 raise
@@ -796,6 +812,17 @@ class EtcdKV(KV):
             if ep.channel is not None:
                 await ep.channel.close()
                 ep.channel = None
+
+
+def _ended_early(why: object) -> Any:
+    """grpc.aio's internal errors for a step of a stream that had already ended,
+    as the deadline they almost always are: `_call` retries an idempotent call."""
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details=f"Deadline Exceeded (the stream had ended: {why})",
+    )
 
 
 def _grpc_status_tasks_set() -> set[asyncio.Task[Any]]:
