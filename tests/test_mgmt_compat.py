@@ -578,9 +578,9 @@ def test_an_mgmt_kind_evergraph_lacks_is_named_as_such(tmp_path: Path, kind: str
 
 
 def test_a_kind_nobody_has_is_still_unknown(tmp_path: Path) -> None:
-    r = run_cli("check", write(tmp_path, "graph: g\nresources:\n  flie:\n  - name: x\n"))
+    r = run_cli("check", write(tmp_path, "graph: g\nresources:\n  fille:\n  - name: x\n"))
     assert r.returncode == 2
-    assert "g.yaml:3:3: unknown resource kind 'flie'" in r.stderr
+    assert "g.yaml:3:3: unknown resource kind 'fille'" in r.stderr
     assert "did you mean 'file'?" in r.stderr
 
 

@@ -317,6 +317,13 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
         claim one key would fight: a load error, unless they are equal."""
         return ()
 
+    def claims_part(self) -> Iterable[str]:
+        """Keys of things this resource manages only a part of (`content:/etc/hosts`
+        for one line of it): any number of resources may share such a key, but a
+        resource that claims the same key whole (`claims()`: a file with `content`)
+        fights each of them: a load error naming both."""
+        return ()
+
     def managed_under(self) -> str | None:
         """A directory (ending in `/`) under which this resource needs the paths that
         other resources of the graph manage (file.purge keeps them). None: not needed."""

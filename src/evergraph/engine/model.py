@@ -98,6 +98,8 @@ class GraphModel:
         semas: dict[str, tuple[int, Resource]] = {}
         #: what each resource manages (`file:/etc/x`) -> the first resource claiming it
         claimed: dict[str, Resource] = {}
+        #: what resources manage a part of (`content:/etc/hosts`) -> the first doing so
+        parts: dict[str, Resource] = {}
         for res in self.resources.values():
             if res.meta is not DEFAULT_META:
                 res.meta.check(res.ident)
@@ -112,6 +114,13 @@ class GraphModel:
                 first = claimed.setdefault(key, res)
                 if first is not res and not same_but_named(first, res):
                     self._fight(key, first, res)
+                if parts and key in parts and parts[key] is not res:
+                    self._fight_part(key, res, parts[key], later=res)
+            for key in res.claims_part():
+                whole = claimed.get(key)
+                if whole is not None and whole is not res:
+                    self._fight_part(key, whole, res, later=res)
+                parts.setdefault(key, res)
         try:
             return self.order()
         except CycleError as e:
@@ -134,6 +143,20 @@ class GraphModel:
             "with other parameters: the two would undo each other's changes for ever; "
             "keep one",
             res.ident,
+        )
+
+    def _fight_part(self, key: str, whole: Resource, part: Resource, *, later: Resource) -> None:
+        """`whole` manages all of `key` (a file's content), `part` a piece of it (a
+        line); the error is reported at `later`, the second of the two."""
+        first = part if later is whole else whole
+        where = self.origins.get(first.ident, "")
+        at = f" (at {where})" if where else ""
+        if later is whole:
+            text = f"manages all of {key}, a part of which {first.ident}{at} manages"
+        else:
+            text = f"manages a part of {key}, all of which {first.ident}{at} manages"
+        raise InputError(
+            f"{text}: the two would undo each other's changes for ever; keep one", later.ident
         )
 
     def _check_semas(self, res: Resource, seen: dict[str, tuple[int, Resource]]) -> None:

@@ -4,6 +4,7 @@ from evergraph.resources import (  # noqa: F401  (register kinds)
     exec,
     file,
     kv,
+    line,
     noop,
     password,
     pkg,

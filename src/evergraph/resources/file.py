@@ -200,6 +200,10 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         path = self.path or self.name
         if "//" in path or "/." in path or path.endswith("/"):
             path = os.path.normpath(path)  # (only then: graphs of 50k files are checked)
+        whole = self._manages_content() or self.state == "absent" or self.symlink
+        if whole or (self.path or self.name).endswith("/"):
+            # all of its content (a directory has none): a `line` (claims_part) would fight
+            return [f"file:{path}", f"content:{path}"]
         return [f"file:{path}"]
 
     # Keys: "dir:/a/b/" for a managed directory, "path:/a/b" for a file (an exec
