@@ -566,7 +566,7 @@ def test_an_at_at_resource_is_applied_here_too_when_this_graph_collects_its_kind
 # -- mgmt's kinds evergraph lacks ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["virt", "nspawn", "aws:ec2", "hostname", "bmc:power"])
+@pytest.mark.parametrize("kind", ["virt", "nspawn", "aws:ec2", "hetzner:vm", "bmc:power"])
 def test_an_mgmt_kind_evergraph_lacks_is_named_as_such(tmp_path: Path, kind: str) -> None:
     g = write(tmp_path, f"graph: g\nresources:\n  noop:\n  - name: n\n  {kind}:\n  - name: x\n")
     r = run_cli("check", g)

@@ -65,7 +65,7 @@ MGMT_KINDS = frozenset(
         "config:etcd", "consul:kv", "cron", "deploy:tar", "dhcp:host", "dhcp:range",
         "dhcp:server", "docker:container", "docker:image", "docker:network", "exit",
         "firewalld", "fwupd:device", "fwupd:remote", "fwupd:system", "gpio", "gsettings",
-        "gzip", "hetzner:ssh_key", "hetzner:vm", "hetzner:vm_protection", "hostname",
+        "gzip", "hetzner:ssh_key", "hetzner:vm", "hetzner:vm_protection",
         "http:client", "http:server", "http:server:file", "http:server:flag",
         "http:server:proxy", "http:server:ui", "mount", "net", "nspawn", "panic",
         "pippet", "ssh:authorized_key", "sysctl", "tar", "tftp:file", "tftp:server", "value",

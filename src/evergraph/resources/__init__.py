@@ -3,6 +3,7 @@
 from evergraph.resources import (  # noqa: F401  (register kinds)
     exec,
     file,
+    hostname,
     kv,
     line,
     noop,
