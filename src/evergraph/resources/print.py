@@ -3,7 +3,9 @@
 mgmt's msg fields: `body` is its name for `msg`; `priority` is the level of the
 log line and the journal's and syslog's priority; `journal` also sends the
 message to the systemd journal (its native protocol, with `fields`), `syslog`
-to the local syslog socket (/dev/log). Neither is sent under noop.
+to the local syslog socket (/dev/log). Neither is sent under noop. The agent's
+environment may name other sockets: EVERGRAPH_JOURNAL_SOCKET,
+EVERGRAPH_SYSLOG_SOCKET (a container with the host's journal mounted elsewhere).
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from typing import Annotated, Literal
 from evergraph.engine.contract import Handle, Resource, doc, register
 from evergraph.errors import ResourceError
 
-#: the systemd journal's native socket, and the local syslog socket
+#: the systemd journal's native socket, and the local syslog socket (and the
+#: environment variables that name others)
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 SYSLOG_SOCKET = "/dev/log"
+JOURNAL_ENV = "EVERGRAPH_JOURNAL_SOCKET"
+SYSLOG_ENV = "EVERGRAPH_SYSLOG_SOCKET"
 #: mgmt's priority names -> (log level, syslog severity)
 PRIORITIES = {
     "Emerg": (logging.CRITICAL, 0),
@@ -107,9 +112,10 @@ class Print(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                     "SYSLOG_IDENTIFIER": "evergraph",
                     **{name.upper(): value for name, value in self.fields.items()},
                 }
-                _send(JOURNAL_SOCKET, _journal_record(record), "journal")
+                path = os.environ.get(JOURNAL_ENV) or JOURNAL_SOCKET
+                _send(path, _journal_record(record), "journal")
             if apply and self.syslog:
                 line = f"<{_USER_FACILITY * 8 + severity}>evergraph[{os.getpid()}]: {text}"
-                _send(SYSLOG_SOCKET, line.encode(), "syslog")
+                _send(os.environ.get(SYSLOG_ENV) or SYSLOG_SOCKET, line.encode(), "syslog")
             self._shown = text
         return True
