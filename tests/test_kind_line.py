@@ -53,21 +53,22 @@ def test_timeline_apply_drift_repair_recheck_reverse(tmp_path: Path, agents) -> 
     st = f.stat()
     assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o640, NOBODY, NOBODY)
 
-    # drift from outside, in place (same inode): the watch fires, both are repaired
-    with open(f, "r+b") as out:
-        out.write(b"# head\r\nkeep me\nremove me\n")
-        out.truncate()
-    wait_for(
-        lambda: f.read_bytes() == b"# head\r\nkeep me\nadded\n", what="in-place drift repaired"
-    )
-    # drift by replacement (another editor's rename): repaired as well
+    # drift from outside, in place (same inode, one write: no half state to see)
+    fd = os.open(f, os.O_WRONLY)
+    try:
+        assert os.pwrite(fd, b"remove me\n", want.index(b"\ttabbed")) == 10
+    finally:
+        os.close(fd)
+    drifted = b"# head\r\nkeep me\ntail without newline\nadded\n"
+    wait_for(lambda: f.read_bytes() == drifted, what="in-place drift repaired")
+    # drift by replacement (another editor's rename): both repaired
     (tmp_path / "etc" / "new").write_bytes(b"other\nremove me\n")
     os.rename(tmp_path / "etc" / "new", f)
     wait_for(lambda: f.read_bytes() == b"other\nadded\n", what="replaced file repaired")
     assert agent.stop() == 0
     log = agent.log.read_text()
-    # applied three times each: at start and after each drift (no poll: the watch)
-    assert log.count("line[add]: applied") == 3, log
+    # each repair is a run started by the watch (nothing polls)
+    assert log.count("line[add]: applied") == 2, log
     assert log.count("line[rm]: applied") == 3, log
 
     # a re-check finds nothing to do

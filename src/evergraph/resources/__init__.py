@@ -13,6 +13,7 @@ from evergraph.resources import (  # noqa: F401  (register kinds)
     schedule,
     ssh_key,
     svc,
+    sysctl,
     timer,
     users,
 )
