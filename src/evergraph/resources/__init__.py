@@ -6,6 +6,7 @@ from evergraph.resources import (  # noqa: F401  (register kinds)
     hostname,
     kv,
     line,
+    mount,
     noop,
     password,
     pkg,
