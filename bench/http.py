@@ -23,6 +23,7 @@ Target: `--http` at most 5 % slower (the engine's part; p99 for drift).
 
 from __future__ import annotations
 
+import os
 import resource
 import socket
 import sys
@@ -169,6 +170,13 @@ def no_change(work: Path, yaml_path: Path, state: Path, reps: int) -> dict[str, 
     return out
 
 
+def cpu_of(pid: int) -> float:
+    """A running process' CPU seconds so far (user+sys, from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def drift_block(
     work: Path,
     yaml_path: Path,
@@ -177,8 +185,9 @@ def drift_block(
     n: int,
     http: bool,
     seed: int,
-) -> tuple[list[float], int, dict[str, int]]:
-    """One agent, `n` trials: latencies, trials capped, and what the clients got."""
+) -> tuple[list[float], int, dict[str, float]]:
+    """One agent, `n` trials: latencies, trials capped, and what the clients got
+    and the agent's CPU seconds during the trials."""
     name = "http" if http else "plain"
     status = work / f"status-{name}"
     status.unlink(missing_ok=True)
@@ -193,7 +202,9 @@ def drift_block(
         p = spawn(cmd, stdout=log, stderr=log)
     try:
         wait_converged(p, status)
+        cpu0 = cpu_of(p.pid)
         lat, capped = trials(files, n, seed=seed)
+        cpu = cpu_of(p.pid) - cpu0
         if p.poll() is not None:
             raise RuntimeError(f"the agent exited with status {p.returncode} during the trials")
     finally:
@@ -203,7 +214,9 @@ def drift_block(
     if rc != 0:
         raise RuntimeError(f"the agent exited with status {rc} on SIGTERM")
     verify(files)
-    got = {"scrapes": clients.scrapes, "sse_events": clients.events} if clients else {}
+    got: dict[str, float] = {"cpu_s": cpu}
+    if clients is not None:
+        got.update(scrapes=clients.scrapes, sse_events=clients.events)
     return lat, capped, got
 
 
@@ -214,14 +227,16 @@ def drift(
     does not fall on one variant only), `n` trials each, pooled."""
     lat: dict[str, list[float]] = {"plain": [], "http": []}
     capped = {"plain": 0, "http": 0}
+    cpu = {"plain": 0.0, "http": 0.0}
     scrapes = events = 0
     for b in range(blocks):
         for name in ("plain", "http"):
-            got, c, clients = drift_block(work, yaml_path, state, files, n, name == "http", b)
+            got, c, more = drift_block(work, yaml_path, state, files, n, name == "http", b)
             lat[name] += got
             capped[name] += c
-            scrapes += clients.get("scrapes", 0)
-            events += clients.get("sse_events", 0)
+            cpu[name] += more["cpu_s"]
+            scrapes += int(more.get("scrapes", 0))
+            events += int(more.get("sse_events", 0))
     out = {}
     for name, xs in lat.items():
         out[name] = {
@@ -231,6 +246,7 @@ def drift(
             "p50_s": percentile(xs, 50),
             "p99_s": percentile(xs, 99),
             "max_s": max(xs),
+            "cpu_per_trial_s": cpu[name] / (blocks * n),
             "samples": xs,
         }
     out["http"].update(scrapes=scrapes, sse_events=events)
@@ -278,6 +294,12 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
     ratio_row("no change: agent CPU (user+sys)", nc["plain_cpu_s"], nc["http_cpu_s"], False)
     ratio_row("drift repair p50", plain["p50_s"], http["p50_s"], False)
     ratio_row("drift repair p99", plain["p99_s"], http["p99_s"], True)
+    ratio_row(
+        "drift: agent CPU per trial",
+        plain["cpu_per_trial_s"],
+        http["cpu_per_trial_s"],
+        False,
+    )
     header = [
         "case (10,000 files, ext4)",
         "no --http",

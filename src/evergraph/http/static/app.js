@@ -98,18 +98,29 @@ function draw(graph) {
   const depth = depths(idents);
   const small = idents.length > SMALL;
   const w = small ? 10 : W, h = small ? 10 : H, gx = small ? 20 : GAP_X, gy = small ? 2 : GAP_Y;
-  const rows = new Map();
-  const pos = new Map();
+  // one column per depth; a tall one wraps into sub-columns (10k independent
+  // files make a square, not a strip 10k high)
+  const maxRows = small ? Math.max(30, Math.ceil(1.5 * Math.sqrt(idents.length))) : 40;
+  const byDepth = new Map();
   for (const i of idents) {
     const d = depth.get(i);
-    const r = rows.get(d) || 0;
-    rows.set(d, r + 1);
-    pos.set(i, [PAD + d * (w + gx), PAD + r * (h + gy)]);
+    if (!byDepth.has(d)) byDepth.set(d, []);
+    byDepth.get(d).push(i);
   }
-  const cols = Math.max(1, ...[...rows.keys()].map((d) => d + 1));
-  const height = Math.max(1, ...rows.values());
-  svg.setAttribute("width", PAD * 2 + cols * (w + gx));
-  svg.setAttribute("height", PAD * 2 + height * (h + gy));
+  const pos = new Map();
+  const sub = small ? 2 : 12; // the gap between sub-columns of one depth
+  let x = PAD, rowsUsed = 1;
+  for (const d of [...byDepth.keys()].sort((a, b) => a - b)) {
+    const list = byDepth.get(d);
+    list.forEach((ident, k) => {
+      const col = Math.floor(k / maxRows), row = k % maxRows;
+      pos.set(ident, [x + col * (w + sub), PAD + row * (h + gy)]);
+    });
+    rowsUsed = Math.max(rowsUsed, Math.min(maxRows, list.length));
+    x += Math.ceil(list.length / maxRows) * (w + sub) - sub + gx;
+  }
+  svg.setAttribute("width", x - gx + PAD);
+  svg.setAttribute("height", PAD * 2 + rowsUsed * (h + gy));
   const edgeLayer = document.createElementNS(SVG, "g");
   const vertexLayer = document.createElementNS(SVG, "g");
   svg.append(edgeLayer, vertexLayer);
