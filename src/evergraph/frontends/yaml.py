@@ -67,10 +67,10 @@ MGMT_KINDS = frozenset(
         "config:etcd", "consul:kv", "cron", "deploy:tar", "dhcp:host", "dhcp:range",
         "dhcp:server", "docker:container", "docker:image", "docker:network", "exit",
         "firewalld", "fwupd:device", "fwupd:remote", "fwupd:system", "gpio", "gsettings",
-        "gzip", "hetzner:ssh_key", "hetzner:vm", "hetzner:vm_protection",
+        "hetzner:ssh_key", "hetzner:vm", "hetzner:vm_protection",
         "http:client", "http:server", "http:server:file", "http:server:flag",
         "http:server:proxy", "http:server:ui", "net", "nspawn", "panic",
-        "pippet", "ssh:authorized_key", "tar", "tftp:file", "tftp:server", "value",
+        "pippet", "ssh:authorized_key", "tftp:file", "tftp:server", "value",
         "virt", "virt:builder", "virt:network",
     }
 )  # fmt: skip

@@ -3,6 +3,7 @@
 from evergraph.resources import (  # noqa: F401  (register kinds)
     exec,
     file,
+    gzip,
     hostname,
     kv,
     line,
@@ -15,6 +16,7 @@ from evergraph.resources import (  # noqa: F401  (register kinds)
     ssh_key,
     svc,
     sysctl,
+    tar,
     timer,
     users,
 )
