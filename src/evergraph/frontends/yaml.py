@@ -68,7 +68,7 @@ MGMT_KINDS = frozenset(
         "dhcp:server", "docker:container", "docker:image", "docker:network", "exit",
         "firewalld", "fwupd:device", "fwupd:remote", "fwupd:system", "gpio", "gsettings",
         "hetzner:ssh_key", "hetzner:vm", "hetzner:vm_protection",
-        "http:client", "http:server", "http:server:file", "http:server:flag",
+        "http:server", "http:server:file", "http:server:flag",
         "http:server:proxy", "http:server:ui", "net", "nspawn", "panic",
         "pippet", "ssh:authorized_key", "tftp:file", "tftp:server", "value",
         "virt", "virt:builder", "virt:network",

@@ -5,6 +5,7 @@ from evergraph.resources import (  # noqa: F401  (register kinds)
     file,
     gzip,
     hostname,
+    http_client,
     kv,
     line,
     mount,
