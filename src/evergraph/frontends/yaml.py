@@ -69,7 +69,7 @@ MGMT_KINDS = frozenset(
         "firewalld", "fwupd:device", "fwupd:remote", "fwupd:system", "gpio", "gsettings",
         "hetzner:ssh_key", "hetzner:vm", "hetzner:vm_protection",
         "http:server", "http:server:file", "http:server:flag",
-        "http:server:proxy", "http:server:ui", "net", "nspawn", "panic",
+        "http:server:proxy", "http:server:ui", "nspawn", "panic",
         "pippet", "ssh:authorized_key", "tftp:file", "tftp:server", "value",
         "virt", "virt:builder", "virt:network",
     }

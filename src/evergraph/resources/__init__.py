@@ -9,6 +9,7 @@ from evergraph.resources import (  # noqa: F401  (register kinds)
     kv,
     line,
     mount,
+    net,
     noop,
     password,
     pkg,
