@@ -201,6 +201,10 @@ class Handle(Protocol):
         """True when a notify edge asked this resource to refresh on this run."""
         ...
 
+    def request_exit(self, code: int) -> None:
+        """End the run gracefully (as on SIGTERM) with exit status `code` (the `exit`
+        kind); the first code asked for is the one the agent exits with."""
+
     def is_secret(self, field: str) -> bool:
         """True when `field` holds a value received from a sender that marked it
         secret (a password): keep it sealed, make files of it private. Whatever

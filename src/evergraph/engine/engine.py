@@ -98,6 +98,8 @@ class Engine:
         self._stop = asyncio.Event()
         self._hard_stop = asyncio.Event()
         self._stopping = False
+        #: the exit status a resource asked for (`request_exit`), if any
+        self._exit_code: int | None = None
         self._global_sema = asyncio.Semaphore(settings.sema) if settings.sema > 0 else None
         self._semas: dict[str, asyncio.Semaphore] = {}
         self._timers: set[asyncio.Task[None]] = set()
@@ -198,9 +200,20 @@ class Engine:
             log.info("stopping: finishing in-flight applies (again to cancel them)")
             self._stop.set()
 
+    def request_exit(self, code: int, by: str) -> None:
+        """A resource (`exit`) ends the run with status `code`: stopped as on a first
+        SIGTERM; the first code asked for is the exit status."""
+        if self._exit_code is None:
+            self._exit_code = code
+            log.info("%s: asks to exit with status %d: stopping", by, code)
+        self._stop.set()
+
     def exit_status(self) -> int:
         """0 all clean, 1 a resource failed; a noop run that exits once converged:
-        `EXIT_WOULD_CHANGE` if any resource would change."""
+        `EXIT_WOULD_CHANGE` if any resource would change; the status a resource asked
+        for (`request_exit`) before all of these."""
+        if self._exit_code is not None:
+            return self._exit_code
         vertices = self.vertices.values()
         if not all(v.ok and not v.failed for v in vertices):
             return 1
@@ -335,7 +348,7 @@ class Engine:
     async def _receive(self, v: Vertex) -> Resource:
         """Apply received values: a new resource with them, validated, re-initialised."""
         values, v.inbox = v.inbox, {}
-        new = _with_values(v.res, values)
+        new = _with_values(v.res, _as_declared(v.res, values))
         new.meta.check(new.ident)
         new.validate()  # an InputError here is this vertex's failure
         self._unsubscribe(v)
@@ -1118,6 +1131,19 @@ def _carry_retries(prev: Vertex, new: Vertex) -> int:
         return budget
     used = max(0, prev.res.meta.retry - prev.retries_left)
     return max(0, budget - used)
+
+
+def _as_declared(res: Resource, values: dict[str, object]) -> dict[str, object]:
+    """Received values as the receiver declares them: a sender of `Any` (value) is
+    only checked here, when a value arrives; a mismatch is an InputError."""
+    types = {f.name: f.type for f in msgspec.structs.fields(res)}
+    out: dict[str, object] = {}
+    for k, val in values.items():
+        try:
+            out[k] = msgspec.convert(val, types[k])
+        except msgspec.ValidationError as e:
+            raise InputError(f"received {k}: {e}", res.ident) from None
+    return out
 
 
 def _with_values(res: Resource, values: dict[str, object]) -> Resource:

@@ -200,8 +200,8 @@ def _accepts(field_type: object, value_type: object) -> bool:
     """Whether a field declared `field_type` takes values of `value_type`."""
     if get_origin(field_type) is Annotated:
         field_type = get_args(field_type)[0]
-    if field_type == value_type or field_type is Any:
-        return True
+    if field_type == value_type or field_type is Any or value_type is Any:
+        return True  # a sender of Any (value): checked when a value arrives
     if isinstance(field_type, UnionType) or get_origin(field_type) is Union:
         return any(_accepts(a, value_type) for a in get_args(field_type))
     return False

@@ -213,6 +213,9 @@ class Vertex:
     def refresh(self) -> bool:
         return self.refresh_now
 
+    def request_exit(self, code: int) -> None:
+        self.engine.request_exit(code, self.ident)
+
     def is_secret(self, field: str) -> bool:
         return field in self.secret_fields
 

@@ -65,12 +65,12 @@ MGMT_KINDS = frozenset(
     {
         "acme:account", "augeas", "aws:ec2", "bmc:firmware", "bmc:power", "cloudflare:dns",
         "config:etcd", "consul:kv", "cron", "deploy:tar", "dhcp:host", "dhcp:range",
-        "dhcp:server", "docker:container", "docker:image", "docker:network", "exit",
+        "dhcp:server", "docker:container", "docker:image", "docker:network",
         "firewalld", "fwupd:device", "fwupd:remote", "fwupd:system", "gpio", "gsettings",
         "hetzner:ssh_key", "hetzner:vm", "hetzner:vm_protection",
         "http:server", "http:server:file", "http:server:flag",
         "http:server:proxy", "http:server:ui", "nspawn", "panic",
-        "pippet", "ssh:authorized_key", "tftp:file", "tftp:server", "value",
+        "pippet", "ssh:authorized_key", "tftp:file", "tftp:server",
         "virt", "virt:builder", "virt:network",
     }
 )  # fmt: skip

@@ -2,6 +2,7 @@
 
 from evergraph.resources import (  # noqa: F401  (register kinds)
     exec,
+    exit_,
     file,
     gzip,
     hostname,
@@ -21,4 +22,5 @@ from evergraph.resources import (  # noqa: F401  (register kinds)
     tar,
     timer,
     users,
+    value,
 )
