@@ -21,7 +21,18 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
 from bench import common
 
-BENCHMARKS = ("engine", "graphops", "drift", "files", "world", "farm", "soak", "http", "cluster")
+BENCHMARKS = (
+    "engine",
+    "graphops",
+    "drift",
+    "files",
+    "world",
+    "farm",
+    "soak",
+    "http",
+    "cluster",
+    "world10k",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench import cluster
 
             out["cluster"], text = cluster.run(args.quick)
+        elif name == "world10k":
+            from bench import world10k
+
+            out["world10k"], text = world10k.run(args.quick)
         elif name == "http":
             from bench import http
 
