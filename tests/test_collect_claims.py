@@ -46,3 +46,30 @@ def test_two_exports_fighting_each_other_keep_the_first(
     assert list(m.resources) == ["file[a]"]
     assert "collected file[b] manages" in caplog.text
     m.check()
+
+
+def test_a_collected_line_against_a_local_file_with_content_is_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    target = tmp_path / "hosts"
+    m = GraphModel(name="g")
+    m.add(_file("hosts", target, "127.0.0.1 localhost\n"))
+    line = build(default_registry, "line", {"name": "l", "file": str(target), "content": "x"})
+    with caplog.at_level(logging.WARNING, logger="evergraph.collect"):
+        merge(m, [line])
+    assert list(m.resources) == ["file[hosts]"]
+    assert f"collected line[l] manages content:{target}, as file[hosts] does" in caplog.text
+    m.check()
+
+
+def test_a_collected_file_with_content_against_a_local_line_is_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    target = tmp_path / "hosts"
+    m = GraphModel(name="g")
+    m.add(build(default_registry, "line", {"name": "l", "file": str(target), "content": "x"}))
+    with caplog.at_level(logging.WARNING, logger="evergraph.collect"):
+        merge(m, [_file("hosts", target, "theirs\n")])  # type: ignore[list-item]
+    assert list(m.resources) == ["line[l]"]
+    assert "collected file[hosts] manages" in caplog.text
+    m.check()

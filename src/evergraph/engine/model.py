@@ -128,13 +128,17 @@ class GraphModel:
             where = self.origins.get(cyc[0], "")
             raise GraphCycleError(cyc, where) from None
 
-    def claimed(self) -> dict[str, Resource]:
-        """What the graph's resources manage (`file:/etc/x`) -> the first claiming it."""
-        out: dict[str, Resource] = {}
+    def claimed(self) -> tuple[dict[str, Resource], dict[str, Resource]]:
+        """What the graph's resources manage whole (`file:/etc/x`) and in part
+        (`content:/etc/hosts` for a line) -> the first claiming it."""
+        whole: dict[str, Resource] = {}
+        parts: dict[str, Resource] = {}
         for res in self.resources.values():
             for key in res.claims():
-                out.setdefault(key, res)
-        return out
+                whole.setdefault(key, res)
+            for key in res.claims_part():
+                parts.setdefault(key, res)
+        return whole, parts
 
     def _fight(self, key: str, first: Resource, res: Resource) -> None:
         where = self.origins.get(first.ident, "")

@@ -57,20 +57,13 @@ def merge(model: GraphModel, collected: list[Resource]) -> GraphModel:
     fail to load (another host wrote it)."""
     if not collected:
         return model
-    claimed = model.claimed()
+    claimed, parts = model.claimed()
     for res in collected:
         if res.ident in model.resources:
             if not model.resources[res.ident].cmp(res):
                 log.warning("collected %s conflicts with a local resource: skipped", res.ident)
             continue
-        clash = next(
-            (
-                (key, claimed[key])
-                for key in res.claims()
-                if key in claimed and not same_but_named(claimed[key], res)
-            ),
-            None,
-        )
+        clash = _clash(res, claimed, parts)
         if clash is not None:
             key, first = clash
             log.warning(
@@ -83,4 +76,23 @@ def merge(model: GraphModel, collected: list[Resource]) -> GraphModel:
         model.add(res, origin="collected")
         for key in res.claims():
             claimed.setdefault(key, res)
+        for key in res.claims_part():
+            parts.setdefault(key, res)
     return model
+
+
+def _clash(
+    res: Resource, claimed: dict[str, Resource], parts: dict[str, Resource]
+) -> tuple[str, Resource] | None:
+    """What `res` would fight: a thing another manages whole with other parameters,
+    or in part while `res` manages it whole, or whole while `res` manages a part."""
+    for key in res.claims():
+        first = claimed.get(key)
+        if first is not None and not same_but_named(first, res):
+            return key, first
+        if key in parts:
+            return key, parts[key]
+    for key in res.claims_part():
+        if key in claimed:
+            return key, claimed[key]
+    return None
