@@ -63,7 +63,7 @@ EXPORT_PREFIX = "@@"
 #: mgmt's resource kinds that evergraph does not provide (yet)
 MGMT_KINDS = frozenset(
     {
-        "acme:account", "augeas", "aws:ec2", "bmc:firmware", "bmc:power", "cloudflare:dns",
+        "acme:account", "aws:ec2", "bmc:firmware", "bmc:power", "cloudflare:dns",
         "config:etcd", "consul:kv", "cron", "deploy:tar", "dhcp:host", "dhcp:range",
         "dhcp:server", "docker:container", "docker:image", "docker:network",
         "firewalld", "fwupd:device", "fwupd:remote", "fwupd:system", "gpio", "gsettings",

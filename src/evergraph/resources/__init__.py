@@ -1,6 +1,7 @@
 """Built-in resource kinds, one module per kind; importing this registers them all."""
 
 from evergraph.resources import (  # noqa: F401  (register kinds)
+    augeas,
     exec,
     exit_,
     file,
