@@ -308,6 +308,9 @@ class Publisher:
         #: key -> (params, lease, mod revision) as written by us
         self._written: dict[str, tuple[dict[str, Any], int, int]] = {}
         self._full = True  # the next pass reads the World (start, errors, regrant)
+        #: the next pass reads our own records back by key (the periodic check: a
+        #: read of all of exported/ every 30 s by every agent does not scale)
+        self._recheck = False
         self._wake = asyncio.Event()
         #: set when the World holds exactly what is wanted (tests, --converged)
         self.acknowledged = asyncio.Event()
@@ -344,7 +347,7 @@ class Publisher:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), RECHECK)
                 if not self._wake.is_set():
-                    self._full = True  # periodic anti-entropy pass
+                    self._recheck = True  # periodic anti-entropy pass: our own keys
                 self._wake.clear()
                 await self._reconcile()
                 delay = 0.05
@@ -361,19 +364,31 @@ class Publisher:
             i.key: i for i in items if (w := parse_key(i.key)) is not None and w[1] == self.host
         }
 
+    async def _mine_by_key(self, keys: list[str]) -> dict[str, KeyValue]:
+        out: dict[str, KeyValue] = {}
+        for key in keys:
+            item = await self.kv.get(key)
+            if item is not None:
+                out[key] = item
+        return out
+
     async def _reconcile(self) -> None:
         want = self._want
         lease = self.lease()
-        if self._full:
-            world = await self._mine_in_world()
+        if self._full or self._recheck:
+            if self._full:  # everything of ours, also what an earlier run left
+                world = await self._mine_in_world()
+                stale = set(world) - want.keys()
+            else:
+                world = await self._mine_by_key(sorted(want.keys() | self._written.keys()))
+                stale = set(self._written) - want.keys()
             written = self._written
             self._written = {
                 k: v
                 for k, v in written.items()
                 if k in world and world[k].mod_revision == v[2] and world[k].lease == lease
             }
-            stale = set(world) - want.keys()
-            self._full = False
+            self._full = self._recheck = False
         else:
             stale = set(self._written) - want.keys()
         for key in sorted(stale):
