@@ -302,6 +302,8 @@ def run_cluster(n: int, base: Path, idle_s: float = 5.0) -> dict[str, Any]:
             c.stop(h)
         for h in hosts:
             c.start(h, graph=False)
+        # timed from the deploy, not from the agents' start-up: wait until all are up
+        _wait(lambda: c.members() >= want, 60 + 2 * n, "agents following deploys", 0.1)
         site = base / "site"
         site.mkdir()
         (site / "main.yaml").write_text(
