@@ -64,7 +64,7 @@ EXPORT_PREFIX = "@@"
 MGMT_KINDS = frozenset(
     {
         "acme:account", "aws:ec2", "bmc:firmware", "bmc:power", "cloudflare:dns",
-        "config:etcd", "consul:kv", "cron", "deploy:tar", "dhcp:host", "dhcp:range",
+        "config:etcd", "consul:kv", "deploy:tar", "dhcp:host", "dhcp:range",
         "dhcp:server", "docker:container", "docker:image", "docker:network",
         "firewalld", "fwupd:device", "fwupd:remote", "fwupd:system", "gpio", "gsettings",
         "hetzner:ssh_key", "hetzner:vm", "hetzner:vm_protection",

@@ -2,6 +2,7 @@
 
 from evergraph.resources import (  # noqa: F401  (register kinds)
     augeas,
+    cron,
     exec,
     exit_,
     file,
