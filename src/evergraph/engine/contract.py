@@ -19,6 +19,7 @@ Resources import this module and nothing else of the engine.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -410,26 +411,53 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
 
 
 class Registry:
-    """Kind name -> class. The engine and frontends take one explicitly."""
+    """Kind name -> class. The engine and frontends take one explicitly.
+
+    A kind may be declared lazily (`declare`: its name and the module that registers
+    it); the module is imported on the first `get` of that name, so a one-resource
+    graph does not import every kind (and their dependencies) at start-up."""
 
     def __init__(self) -> None:
         self._kinds: dict[str, type[Resource]] = {}
+        #: kind name -> module that registers it when imported (not yet imported)
+        self._lazy: dict[str, str] = {}
 
     def add(self, kind: str, cls: type[Resource], *aliases: str) -> None:
         for k in (kind, *aliases):
             if k in self._kinds and self._kinds[k] is not cls:
                 raise ValueError(f"resource kind {k!r} registered twice")
             self._kinds[k] = cls
+            self._lazy.pop(k, None)
+
+    def declare(self, module: str, *kinds: str) -> None:
+        """Kinds that `module` registers on import, loaded on first lookup."""
+        for k in kinds:
+            if k not in self._kinds:
+                self._lazy[k] = module
 
     def get(self, kind: str) -> type[Resource] | None:
-        return self._kinds.get(kind)
+        cls = self._kinds.get(kind)
+        if cls is not None:
+            return cls
+        module = self._lazy.get(kind)
+        if module is None:
+            return None
+        importlib.import_module(module)
+        # the module registers into the default registry; a copy takes it from there
+        cls = self._kinds.get(kind) or default_registry._kinds.get(kind)
+        if cls is None:
+            raise LookupError(f"module {module!r} did not register resource kind {kind!r}")
+        self._kinds[kind] = cls
+        self._lazy.pop(kind, None)
+        return cls
 
     def kinds(self) -> list[str]:
-        return sorted(self._kinds)
+        return sorted({*self._kinds, *self._lazy})
 
     def copy(self) -> Registry:
         r = Registry()
         r._kinds = dict(self._kinds)
+        r._lazy = dict(self._lazy)
         return r
 
 

@@ -1,0 +1,95 @@
+"""Start-up stays cheap: kinds load on first use, and `evergraph check` imports
+neither asyncio, ssl nor httpx (issue 15 item 3)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import evergraph.resources
+from evergraph.engine.contract import Registry, Resource, default_registry
+
+RESOURCES = Path(evergraph.resources.__file__).parent
+
+
+def _registered_kinds(module: Path) -> set[str]:
+    """The kind names a module's `@register(...)` decorators name, read from source."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(module.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "register":
+            names |= {a.value for a in node.args if isinstance(a, ast.Constant)}
+    return names
+
+
+def test_every_kind_module_is_declared_with_every_name_it_registers() -> None:
+    declared = {m: set(k) for m, k in evergraph.resources.KINDS.items()}
+    found = {
+        p.stem: kinds for p in sorted(RESOURCES.glob("*.py")) if (kinds := _registered_kinds(p))
+    }
+    assert found, "no @register found: the scan is broken"
+    assert declared == found
+
+
+def test_a_lazy_kind_is_imported_on_first_lookup_and_listed_before() -> None:
+    code = (
+        "import sys, evergraph.resources\n"
+        "from evergraph.engine.contract import default_registry as r\n"
+        "before = 'evergraph.resources.http_client' in sys.modules\n"
+        "listed = 'http:client' in r.kinds() and 'msg' in r.kinds()\n"
+        "cls = r.get('http:client')\n"
+        "print(before, listed, cls.kind, 'evergraph.resources.http_client' in sys.modules,"
+        " r.get('msg').kind, r.get('nosuch'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["False", "True", "http:client", "True", "print", "None"]
+
+
+def test_a_copy_taken_before_loading_gets_the_class() -> None:
+    copy = default_registry.copy()
+    cls = copy.get("noop")
+    assert cls is not None
+    assert issubclass(cls, Resource)
+    assert cls is default_registry.get("noop")
+    assert set(copy.kinds()) == set(default_registry.kinds())
+
+
+def test_an_own_registry_is_not_lazy() -> None:
+    assert Registry().get("file") is None
+    assert Registry().kinds() == []
+
+
+def test_load_all_registers_every_declared_kind() -> None:
+    evergraph.resources.load_all()
+    for names in evergraph.resources.KINDS.values():
+        for name in names:
+            assert name in default_registry._kinds
+
+
+def _modules_after(*argv: str) -> set[str]:
+    code = (
+        "import sys, json, runpy\n"
+        f"sys.argv = {['evergraph', *argv]!r}\n"
+        "try:\n"
+        "    runpy.run_module('evergraph.cli.main', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert not e.code, e.code\n"
+        "print(json.dumps(sorted(sys.modules)), file=sys.stderr)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    return set(json.loads(p.stderr.strip().splitlines()[-1]))
+
+
+def test_check_of_a_one_file_graph_imports_only_the_file_kind(tmp_path: Path) -> None:
+    g = tmp_path / "g.yaml"
+    g.write_text(f"resources:\n  file:\n  - name: f\n    path: {tmp_path}/x\n    content: hi\n")
+    mods = _modules_after("check", str(g))
+    assert "evergraph.resources.file" in mods
+    kinds = {m for m in mods if m.startswith("evergraph.resources.") and m[20:21] != "_"}
+    assert kinds == {"evergraph.resources.file"}
+    assert "httpx" not in mods
