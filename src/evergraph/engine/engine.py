@@ -122,6 +122,20 @@ class Engine:
         self.converger = Converger(
             converged_timeout, settings.converged_status_file, self._on_converged
         )
+        #: the run ends the moment it is idle (`--converged-exit` with a
+        #: converged-timeout of 0, the default): passive watches (`subscribe()`, e.g.
+        #: a file's inotify subscription) and poll timers are not set up, they would
+        #: only be thrown away (10k files: 10k subscriptions). Those never gate a
+        #: vertex's readiness, so nothing waits for them. Kinds with a watch task
+        #: (`watch()`: kv, schedule, exec's watchcmd...) keep it: it may be what makes
+        #: them ready, or what they act through. Given up: a change to an
+        #: already-checked file *during* the run (e.g. by another resource without an
+        #: edge between them) no longer re-runs it, like the same change a moment
+        #: after the exit. With a converged-timeout > 0 every watch stays, so drift in
+        #: that window is repaired.
+        self.one_shot = settings.watch and settings.converged_exit and converged_timeout == 0
+        #: passive subscriptions and poll timers set up, for tests and benchmarks
+        self.subscriptions = 0
         self.started = clock.monotonic()
         self.graph_name = ""
         self.recaps = Recaps()
@@ -424,6 +438,8 @@ class Engine:
         poll = res.meta.poll
         if not self.settings.watch or poll < 0:
             return
+        if self.one_shot and (poll > 0 or not res.watches()):
+            return  # see `one_shot`: ready at once, as under --no-watch
         if poll == 0:
             try:
                 v.unsubscribe = res.subscribe()
@@ -441,7 +457,10 @@ class Engine:
                 self._fail_permanently(v, f"watch failed: {e}")
                 return
             if v.unsubscribe is not None:
+                self.subscriptions += 1
                 return
+        if poll > 0:
+            self.subscriptions += 1
         if poll > 0 or res.watches():
             v.watch_ready = False
             self._unready += 1
