@@ -75,7 +75,7 @@ def _check(words: list[str]) -> None:
     while isinstance(cmd, click.Group) and i < len(words) and not words[i].startswith("-"):
         if words[i] == "..." or words[i].isupper():
             return  # a placeholder for any command (`evergraph COMMAND --help`)
-        sub = cmd.commands.get(words[i])
+        sub = cmd.get_command(click.Context(cmd), words[i])  # the top level loads lazily
         if sub is None:
             if getattr(cmd, "invoke_without_command", False):
                 break  # a positional of the group itself

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections import Counter
@@ -36,7 +37,40 @@ def _die(e: InputError) -> NoReturn:
     sys.exit(2)
 
 
-@click.group(context_settings=CONTEXT)
+#: command name -> the module (evergraph.cli.<module>) whose `register` adds it: imported
+#: only when that command is used (or listed with its help), so that `check` and `run`
+#: do not import the World's client commands (asyncio, the etcd client, nacl, ...)
+LAZY_COMMANDS = {
+    "world": "world",
+    "members": "world",
+    "exports": "world",
+    "deploy": "deploy",
+    "deploys": "deploy",
+    "hosts": "hosts",
+    "schedule": "schedule",
+    "farm": "farm",
+    "setup": "setup",
+}
+
+
+class _LazyGroup(click.Group):
+    """The top-level group: its commands from other modules registered on first use."""
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        module = LAZY_COMMANDS.get(cmd_name)
+        if module is not None and cmd_name not in self.commands:
+            mod = importlib.import_module(f"evergraph.cli.{module}")
+            if module == "setup":
+                mod.register(self)  # needs the run command only
+            else:
+                mod.register(self, world_options)
+        return super().get_command(ctx, cmd_name)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *LAZY_COMMANDS})
+
+
+@click.group(cls=_LazyGroup, context_settings=CONTEXT)
 @click.version_option(__version__, "--version", prog_name="evergraph")
 def cli() -> None:
     """evergraph keeps machines in their declared state, continuously.
@@ -626,25 +660,6 @@ def docs_resources() -> None:
 def version() -> None:
     """Print the version of evergraph."""
     click.echo(f"evergraph {__version__}")
-
-
-from evergraph.cli import world as _world_cli  # noqa: E402  (needs world_options)
-
-_world_cli.register(cli, world_options)
-
-from evergraph.cli import deploy as _deploy_cli  # noqa: E402  (needs world_options)
-from evergraph.cli import farm as _farm_cli  # noqa: E402  (needs world_options)
-from evergraph.cli import hosts as _hosts_cli  # noqa: E402  (needs world_options)
-from evergraph.cli import schedule as _schedule_cli  # noqa: E402  (needs world_options)
-
-_deploy_cli.register(cli, world_options)
-_hosts_cli.register(cli, world_options)
-_schedule_cli.register(cli, world_options)
-_farm_cli.register(cli, world_options)
-
-from evergraph.cli import setup as _setup_cli  # noqa: E402  (needs the run command)
-
-_setup_cli.register(cli)
 
 
 def main() -> None:
