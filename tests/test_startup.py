@@ -92,4 +92,52 @@ def test_check_of_a_one_file_graph_imports_only_the_file_kind(tmp_path: Path) ->
     assert "evergraph.resources.file" in mods
     kinds = {m for m in mods if m.startswith("evergraph.resources.") and m[20:21] != "_"}
     assert kinds == {"evergraph.resources.file"}
-    assert "httpx" not in mods
+    for heavy in ("httpx", "asyncio", "ssl", "evergraph.cli.world", "evergraph.world.etcd"):
+        assert heavy not in mods, heavy
+
+
+def test_the_lazy_commands_table_names_what_each_module_registers() -> None:
+    import importlib
+
+    import click
+
+    from evergraph.cli import main
+
+    found: dict[str, str] = {}
+    for module in set(main.LAZY_COMMANDS.values()):
+        g = click.Group()
+        mod = importlib.import_module(f"evergraph.cli.{module}")
+        if module == "setup":
+            g.add_command(main.run)
+            mod.register(g)
+            del g.commands["run"]
+        else:
+            mod.register(g, main.world_options)
+        found |= dict.fromkeys(g.commands, module)
+    assert found == main.LAZY_COMMANDS
+
+
+def test_a_lazy_command_runs_and_is_listed_in_help() -> None:
+    from click.testing import CliRunner
+
+    from evergraph.cli.main import LAZY_COMMANDS, cli
+
+    runner = CliRunner()
+    r = runner.invoke(cli, ["--help"])
+    assert r.exit_code == 0, r.output
+    listed = {line.split()[0] for line in r.output.split("Commands:")[1].splitlines() if line}
+    assert set(LAZY_COMMANDS) <= listed
+    r = runner.invoke(cli, ["members", "--help"])
+    assert r.exit_code == 0, r.output
+    assert "Usage: evergraph members" in r.output or "members [OPTIONS]" in r.output
+
+
+def test_the_watch_bits_are_the_kernels() -> None:
+    from asyncinotify import Mask
+
+    from evergraph.watch import inotify
+
+    for name in ("MODIFY", "ATTRIB", "CLOSE_WRITE", "MOVED_FROM", "MOVED_TO", "CREATE"):
+        assert getattr(inotify, f"IN_{name}") == int(getattr(Mask, name)), name
+    for name in ("DELETE", "DELETE_SELF", "MOVE_SELF", "Q_OVERFLOW", "IGNORED", "ONLYDIR"):
+        assert getattr(inotify, f"IN_{name}") == int(getattr(Mask, name)), name

@@ -13,7 +13,6 @@ frontends; `frontends.open.open_frontend` picks one for a path.
 from __future__ import annotations
 
 import abc
-import asyncio
 import contextlib
 import logging
 import os
@@ -106,6 +105,8 @@ class Static(Frontend):
 
 async def merged(*streams: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[tuple[str, Any]]:
     """Items of several async iterators as they come; ends when all have ended."""
+    import asyncio  # here: `check` reads a graph without an event loop
+
     queue: asyncio.Queue[tuple[str, Any] | None] = asyncio.Queue()
 
     async def pump(it: AsyncIterator[tuple[str, Any]]) -> None:
@@ -214,6 +215,8 @@ async def file_changes(watcher: Any, path: Path, text: str) -> AsyncIterator[str
 
     The file was read before this watch existed: a save in between would be
     lost, so it is read once more as soon as the watch is armed."""
+    import asyncio
+
     changed = asyncio.Event()
     unsubscribe = watcher.subscribe(str(path), lambda _mask: changed.set())
     changed.set()  # the re-read after arming

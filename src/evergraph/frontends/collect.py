@@ -6,6 +6,7 @@ of this host's graph and merged into it."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -13,7 +14,9 @@ from evergraph.engine.build import build
 from evergraph.engine.contract import Registry, Resource
 from evergraph.engine.model import CollectSpec, GraphModel, same_but_named
 from evergraph.errors import InputError
-from evergraph.world.exports import Exported, ExportItem
+
+if TYPE_CHECKING:  # the World's modules load with the agent, not for `check`
+    from evergraph.world.exports import Exported, ExportItem
 
 log = logging.getLogger("evergraph.collect")
 

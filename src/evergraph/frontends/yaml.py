@@ -16,7 +16,6 @@ such.
 
 from __future__ import annotations
 
-import asyncio
 import difflib
 import logging
 import re
@@ -594,6 +593,8 @@ class YamlFrontend(Frontend):
     async def updates(self, ctx: Context) -> AsyncIterator[GraphModel]:
         if ctx.watcher is None:
             return
+        import asyncio  # here: `check` parses without an event loop
+
         collector = ctx.collector
         found: asyncio.Queue[bool] = asyncio.Queue()
         unlisten = collector.listen(lambda: found.put_nowait(True)) if collector else None

@@ -20,29 +20,46 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from asyncinotify import Inotify, Mask, Watch
+if TYPE_CHECKING:  # asyncinotify (and asyncio) are imported when a hub starts
+    from asyncinotify import Inotify, Watch
 
 log = logging.getLogger("evergraph.watch")
 
+# the kernel's event bits (linux/inotify.h; asyncinotify's Mask has the same values)
+IN_MODIFY = 0x2
+IN_ATTRIB = 0x4
+IN_CLOSE_WRITE = 0x8
+IN_MOVED_FROM = 0x40
+IN_MOVED_TO = 0x80
+IN_CREATE = 0x100
+IN_DELETE = 0x200
+IN_DELETE_SELF = 0x400
+IN_MOVE_SELF = 0x800
+IN_Q_OVERFLOW = 0x4000
+IN_IGNORED = 0x8000
+IN_ONLYDIR = 0x01000000
+
 #: what a callback receives when a directory on its path appeared or vanished,
 #: or the queue overflowed: "anything may have changed"
-RESCAN = int(Mask.Q_OVERFLOW)
-MOVED_TO = int(Mask.MOVED_TO)
+RESCAN = IN_Q_OVERFLOW
+MOVED_TO = IN_MOVED_TO
 
 _DIR_MASK = (
-    Mask.CREATE
-    | Mask.DELETE
-    | Mask.MODIFY
-    | Mask.ATTRIB
-    | Mask.CLOSE_WRITE
-    | Mask.MOVED_FROM
-    | Mask.MOVED_TO
-    | Mask.DELETE_SELF
-    | Mask.MOVE_SELF
-    | Mask.ONLYDIR
+    IN_CREATE
+    | IN_DELETE
+    | IN_MODIFY
+    | IN_ATTRIB
+    | IN_CLOSE_WRITE
+    | IN_MOVED_FROM
+    | IN_MOVED_TO
+    | IN_DELETE_SELF
+    | IN_MOVE_SELF
+    | IN_ONLYDIR
 )
-_APPEARS = Mask.CREATE | Mask.MOVED_TO
+_APPEARS = IN_CREATE | IN_MOVED_TO
+_GONE = IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED
 
 Callback = Callable[[int], None]
 #: the entry name of a directory-listing subscription: no real entry has a NUL
@@ -84,7 +101,10 @@ class InotifyHub:
         self._missing: set[str] = set()
 
     async def __aenter__(self) -> InotifyHub:
+        from asyncinotify import Inotify, Mask
+
         self._ino = Inotify()
+        self._dir_mask = Mask(_DIR_MASK)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -134,7 +154,7 @@ class InotifyHub:
             dwatch = self._dirs.get(d)
             if dwatch is None:
                 continue
-            if ev.mask & (Mask.DELETE_SELF | Mask.MOVE_SELF | Mask.IGNORED):
+            if ev.mask & _GONE:
                 # The watched directory itself went away: everyone below it
                 # changed, and must re-arm on an ancestor.
                 self._drop_dir(d)
@@ -196,7 +216,7 @@ class InotifyHub:
                 return d, name, False
             if d not in self._missing:
                 try:
-                    w = self._ino.add_watch(d, _DIR_MASK)
+                    w = self._ino.add_watch(d, self._dir_mask)
                 except (FileNotFoundError, NotADirectoryError):
                     self._missing.add(d)
                 except PermissionError:
