@@ -344,8 +344,8 @@ class Engine:
         for v in old.values():
             v.parents.clear()
             v.children.clear()
-            v.notify_children.clear()
-            v.send_edges.clear()
+            v.notify_children = ()
+            v.send_edges = ()
         seen: set[tuple[str, str, bool]] = set()
         for e in model.edges:
             a, b = old[e.from_id], old[e.to_id]
@@ -354,11 +354,17 @@ class Engine:
                 a.children.append(b)
                 b.parents.append(a)
             if e.send is not None and e.recv is not None:
-                a.send_edges.append((e.send, b, e.recv))
+                if a.send_edges:
+                    a.send_edges.append((e.send, b, e.recv))
+                else:
+                    a.send_edges = [(e.send, b, e.recv)]
             if e.notify and (e.from_id, e.to_id, True) not in seen and not b.res.meta.hidden:
                 # a hidden vertex is never applied: no refresh is ever owed to it
                 seen.add((e.from_id, e.to_id, True))
-                a.notify_children.append(b)
+                if a.notify_children:
+                    a.notify_children.append(b)
+                else:
+                    a.notify_children = [b]
 
     def _log_swap(self, model: GraphModel, started: int, stopped: int) -> None:
         first = not self.graph_name
@@ -421,9 +427,9 @@ class Engine:
             if v.secrets:
                 c.secrets |= v.secrets
             if send in secret or (isinstance(value, str) and value in v.secrets):
-                c.secret_fields.add(recv)
+                c.secret_fields |= {recv}
                 if isinstance(value, str) and value:
-                    c.secrets.add(value)
+                    c.secrets |= {value}
             current = c.inbox.get(recv, c.received.get(recv, getattr(c.res, recv, None)))
             if current != value:
                 c.inbox[recv] = value
@@ -552,8 +558,8 @@ class Engine:
             for f in fields:
                 value = params.get(f) if isinstance(f, str) else None
                 if isinstance(value, str) and value:
-                    scratch.secret_fields.add(f)
-                    scratch.secrets.add(value)
+                    scratch.secret_fields |= {f}
+                    scratch.secrets |= {value}
         try:
             await rev.init(scratch)
             await rev.check_apply(True)
@@ -1197,12 +1203,14 @@ def _take_place(gone: Vertex, new: Vertex) -> None:
     """Give `new` the edges of the vertex it replaces, in both directions."""
     new.parents, new.children = gone.parents, gone.children
     new.notify_children, new.send_edges = gone.notify_children, gone.send_edges
-    gone.parents, gone.children, gone.notify_children, gone.send_edges = [], [], [], []
+    gone.parents, gone.children, gone.notify_children, gone.send_edges = [], [], (), ()
     for p in new.parents:
         p.children[p.children.index(gone)] = new
-        if gone in p.notify_children:
-            p.notify_children[p.notify_children.index(gone)] = new
-        p.send_edges = [(s, new if c is gone else c, r) for s, c, r in p.send_edges]
+        kids = p.notify_children
+        if isinstance(kids, list) and gone in kids:
+            kids[kids.index(gone)] = new
+        if p.send_edges:
+            p.send_edges = [(s, new if c is gone else c, r) for s, c, r in p.send_edges]
     for c in new.children:
         c.parents[c.parents.index(gone)] = new
 

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 _loggers: dict[str, logging.Logger] = {}
 
 
+_NONE: frozenset[str] = frozenset()
+
+
 class Vertex:
     __slots__ = (
         "apply_task",
@@ -79,17 +82,20 @@ class Vertex:
         self.ident = res.ident
         self.parents: list[Vertex] = []
         self.children: list[Vertex] = []
-        self.notify_children: list[Vertex] = []
+        #: (these two, rare, stay the shared empty tuple until an edge needs them)
+        self.notify_children: list[Vertex] | tuple[()] = ()
         #: (value sent, receiving vertex, its field) for each send/recv edge out of here
-        self.send_edges: list[tuple[str, Vertex, str]] = []
+        self.send_edges: list[tuple[str, Vertex, str]] | tuple[()] = ()
         #: received values now in effect on `res`, and ones waiting for the next run
         self.received: dict[str, object] = {}
         self.inbox: dict[str, object] = {}
         #: received fields whose sender marked them secret: never logged
-        self.secret_fields: set[str] = set()
+        #: (frozensets, replaced when they grow: the empty one is shared, not 216
+        #: bytes per vertex, and most vertices never receive anything)
+        self.secret_fields: frozenset[str] = _NONE
         #: secret values this vertex received or its senders knew: masked in any
         #: text about it (log lines, errors, status); kept after a new value came
-        self.secrets: set[str] = set()
+        self.secrets: frozenset[str] = _NONE
         hidden = res.meta.hidden
         #: needs a check: at startup, after an event, a refresh or a retry
         self.pending = not hidden
