@@ -55,6 +55,11 @@ log = logging.getLogger("evergraph.engine")
 
 #: runs started per event-loop turn before other work (signals, events) gets a turn
 DRAIN_BATCH = 1000
+#: vertices built or started between yields to the loop during a swap: a graph of
+#: 1M vertices takes seconds to build and start, and the World lease's keep-alive,
+#: signals and the HTTP server must get their turn meanwhile (a lease expired
+#: during a 1M-vertex swap)
+YIELD_EVERY = 1000
 #: exit status of a noop run that exits once converged (`--noop --converged-exit`, or
 #: `--no-watch`) when something would change; 0: nothing would, 1: a resource failed
 EXIT_WOULD_CHANGE = 3
@@ -281,6 +286,8 @@ class Engine:
         new_vs: list[Vertex] = []
         for ident in added:
             v = Vertex(self, model.resources[ident])
+            v.watch_ready = False  # held back until started (see below)
+            self._unready += 1
             before = replaced.get(ident)
             if before is not None:
                 if not v.res.meta.reset:
@@ -292,10 +299,14 @@ class Engine:
                 v.secret_fields, v.secrets = before.secret_fields, before.secrets
             old[ident] = v
             new_vs.append(v)
+            if len(new_vs) % YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # see YIELD_EVERY
         for v in rewatch:
             log.info("%s: failed before; restarting it (meta.rewatch)", v.ident)
             await self._stop_vertex(v, leaving=False)
             fresh = Vertex(self, v.res)
+            fresh.watch_ready = False
+            self._unready += 1
             fresh.secret_fields, fresh.secrets = v.secret_fields, v.secrets
             old[v.ident] = fresh
             new_vs.append(fresh)
@@ -325,10 +336,17 @@ class Engine:
                 await self._reverse(ident, record)  # left the graph while we were down
             elif not old[ident].res.meta.reverse:
                 self.store.reversal_done(old[ident].res.kind, old[ident].res.name)
-        for v in new_vs:
+        for i, v in enumerate(new_vs, 1):
             if v.ident in owed.refresh:
                 v.refresh_flag = True
+            # New vertices were held back (not ready) so that nothing runs one
+            # before its init, while this loop yields: a kept parent that succeeds
+            # meanwhile pokes its children. Each is released as it starts.
+            v.watch_ready = True
+            self._unready -= 1
             await self._start_vertex(v)
+            if i % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
         # New vertices start; after a rewire, kept ones that were held back by a
         # parent that is now gone may run too. With the same edges no kept vertex
         # lost a parent (a replaced parent's successor is pending, not clean), so
