@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -36,6 +38,8 @@ import httpx
 
 from bench.common import (
     EVERGRAPH,
+    PYTHON,
+    REPO,
     fmt_s,
     median,
     percentile,
@@ -61,8 +65,8 @@ def free_port() -> int:
         return port
 
 
-class Clients:
-    """The scraper and the SSE reader, on threads, until `close()`."""
+class _Load:
+    """The scraper and the SSE reader, on threads (in the clients' own process)."""
 
     def __init__(self, port: int) -> None:
         self.base = f"http://127.0.0.1:{port}"
@@ -104,12 +108,40 @@ class Clients:
                 pass
             self.done.wait(0.01)
 
+
+class Clients:
+    """`_Load` in a process of its own, until `close()`: in this process its threads
+    would hold the GIL while the trials' timing thread wants to wake up."""
+
+    def __init__(self, port: int) -> None:
+        self.scrapes = 0
+        self.events = 0
+        cmd = [PYTHON, "-m", "bench.http", str(port)]
+        self.proc = spawn(cmd, stdout=subprocess.PIPE, cwd=str(REPO))
+        assert self.proc.stdout is not None
+        # started (imports done) before the agent is: its start-up is not the agent's
+        if self.proc.stdout.readline().strip() != b"ready":
+            raise RuntimeError("the HTTP clients' process did not start")
+
     def close(self) -> None:
-        self.done.set()
-        self._http.close()
-        self._sse.close()  # ends a read in progress
-        for t in self.threads:
-            t.join(10)
+        stop(self.proc, grace=10.0)
+        assert self.proc.stdout is not None
+        out = self.proc.stdout.read().decode().split()
+        self.proc.stdout.close()
+        if len(out) == 2:
+            self.scrapes, self.events = int(out[0]), int(out[1])
+
+
+def _clients_main(port: int) -> None:
+    """The clients' process: load the agent until SIGTERM, then print the counts."""
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    load = _Load(port)
+    print("ready", flush=True)
+    stopped.wait()
+    load.done.set()
+    print(load.scrapes, load.events, flush=True)
+    os._exit(0)  # the SSE thread may still be in a read
 
 
 def _clock(line: str) -> float:
@@ -152,12 +184,13 @@ def no_change(work: Path, yaml_path: Path, state: Path, reps: int) -> dict[str, 
             cpu0 = _cpu_of_children()
             try:
                 wall[name].append(run_timed(cmd, log))
+                # the agent's only: the clients' process is not reaped yet
+                cpu[name].append(_cpu_of_children() - cpu0)
             finally:
                 if clients is not None:
                     clients.close()
                     scrapes.append(clients.scrapes)
                     events.append(clients.events)
-            cpu[name].append(_cpu_of_children() - cpu0)
             engine[name].append(engine_phase(log))
     out: dict[str, Any] = {"scrapes_per_run": scrapes, "sse_events_per_run": events}
     for name in ("plain", "http"):
@@ -316,3 +349,7 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
     )
     result = {"no_change": nc, "drift_plain": plain, "drift_http": http, "target_ratio": TARGET}
     return result, table(title, header, rows)
+
+
+if __name__ == "__main__":
+    _clients_main(int(sys.argv[1]))

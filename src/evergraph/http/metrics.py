@@ -15,6 +15,7 @@ the event (the engine turns the vertex `pending` then) to the change.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -266,7 +267,12 @@ class _Collector(Collector):
 
 class Exposition:
     """This app's own registries (never the library's global one): the evergraph
-    families, rendered one by one with a cache, and the process' figures."""
+    families, rendered one by one with a cache, and the process' figures.
+
+    A body is rendered at most every `fresh` seconds (per format); scrapes in
+    between get the last one. Rendering runs in the engine's loop (~2 ms after
+    changes on a 10k graph), so a scraper polling every 100 ms would otherwise
+    delay drift repairs that land meanwhile; Prometheus scrapes every 15 s."""
 
     def __init__(
         self,
@@ -274,7 +280,11 @@ class Exposition:
         engine: Callable[[], Engine | None],
         world: Callable[[], dict[str, Histogram]],
         farm: FarmQueue | None,
+        fresh: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.fresh = fresh
+        self.clock = clock
         self.collector = _Collector(metrics, engine, world, farm)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
@@ -282,10 +292,16 @@ class Exposition:
         ProcessCollector(registry=self.process)
         #: (content type, family index) -> (version, text)
         self._cache: dict[tuple[str, int], tuple[object, bytes]] = {}
+        #: content type -> (when rendered, body)
+        self._bodies: dict[str, tuple[float, bytes]] = {}
 
     def render(self, accept: str) -> tuple[bytes, str]:
         """The body and its content type (OpenMetrics if the scraper asks for it)."""
         encoder, content_type = choose_encoder(accept)
+        now = self.clock()
+        last = self._bodies.get(content_type)
+        if last is not None and now - last[0] < self.fresh:
+            return last[1], content_type
         parts = []
         for i, (version, build) in enumerate(self.collector.families):
             v = version()
@@ -294,7 +310,9 @@ class Exposition:
                 hit = self._cache[(content_type, i)] = (v, _strip_eof(encoder(_One(build()))))
             parts.append(hit[1])
         parts.append(encoder(self.process))  # ends with OpenMetrics' "# EOF", if any
-        return b"".join(parts), content_type
+        body = b"".join(parts)
+        self._bodies[content_type] = (now, body)
+        return body, content_type
 
 
 def _strip_eof(text: bytes) -> bytes:
