@@ -288,3 +288,45 @@ def test_farm_queue_depth(tmp_path: Path, agents: Any) -> None:
         m = _scrape(c)
         assert _get(m, "evergraph_world_operation_seconds_count", op="txn") > 0
     assert a.stop() == 0
+
+
+def test_parameters_need_an_admin_token_from_a_non_loopback_address(tmp_path: Path) -> None:
+    """Inside a network namespace of its own, the agent serves on 10.77.0.1 (on lo,
+    but not a loopback address): the graph is served, a vertex's parameters (file
+    contents, commands) only with an admin's token."""
+    import subprocess
+    import sys
+
+    g, files = _graph(tmp_path, ("a",))
+    ident = f"file[{files['a']}]"
+    client = f"""
+import sys, time, httpx
+deadline = time.monotonic() + 30
+while True:
+    try:
+        with httpx.Client(base_url="http://10.77.0.1:9233", timeout=5) as c:
+            graph = c.get("/api/v1/graph").status_code
+            bare = c.get("/api/v1/graph/vertices/{ident}")
+            bad = c.get("/api/v1/graph/vertices/{ident}",
+                        headers={{"Authorization": "Bearer egt_nosuchtoken"}})
+        break
+    except httpx.TransportError:
+        if time.monotonic() > deadline:
+            sys.exit("no server")
+        time.sleep(0.05)
+print(graph, bare.status_code, bad.status_code, "content of a" in bare.text)
+"""
+    (tmp_path / "client.py").write_text(client)
+    script = f"""
+ip link set lo up && ip addr add 10.77.0.1/32 dev lo || exit 9
+{sys.executable} -m evergraph.cli.main run {g} --state-dir {tmp_path / "s"} --world memory \\
+    --http 10.77.0.1:9233 2>{tmp_path / "log"} &
+agent=$!
+{sys.executable} {tmp_path / "client.py"}
+kill $agent; wait $agent
+"""
+    r = subprocess.run(
+        ["unshare", "--net", "--fork", "--kill-child", "sh", "-c", script],
+        capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    assert r.stdout.split() == ["200", "401", "401", "False"], (r.stdout, r.stderr)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import itertools
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -177,7 +178,35 @@ class AgentView:
         }
         return Response(_json.encode(body), media_type="application/json")
 
+    async def _may_read_params(self, request: Request) -> Response | None:
+        """Parameters are the host's configuration (file contents, commands): served
+        to a loopback client, or else to an admin's bearer token (a farm token made
+        with `evergraph farm token`); None when allowed, else the 401/403."""
+        peer = request.client.host if request.client is not None else ""
+        with contextlib.suppress(ValueError):
+            if ipaddress.ip_address(peer).is_loopback:
+                return None
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        kv = self.agent.kv
+        if scheme.lower() != "bearer" or not token.strip() or kv is None:
+            return JSONResponse(
+                {"message": "unauthorized: a vertex's parameters need an admin's "
+                 "Authorization: Bearer TOKEN from a non-loopback address"},
+                401,
+            )  # fmt: skip
+        from evergraph.farm import tokens
+
+        user = await tokens.lookup(kv, token.strip())
+        if user is None:
+            return JSONResponse({"message": "unauthorized: unknown token"}, 401)
+        if not user.admin:
+            return JSONResponse({"message": "forbidden: parameters are for admins"}, 403)
+        return None
+
     async def vertex(self, request: Request) -> Response:
+        refused = await self._may_read_params(request)
+        if refused is not None:
+            return refused
         ident = request.path_params["ident"]
         engine = self.agent.engine
         v = engine.vertices.get(ident) if engine is not None else None
