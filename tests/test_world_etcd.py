@@ -385,8 +385,9 @@ def test_cluster_keeps_working_when_its_leader_dies(shm: Path, servers: list[Etc
     members = EtcdServer.cluster(3, shm)
     servers.extend(members)
     EtcdServer.start_all(members)
-    wait_for(lambda: any(m.is_leader() for m in members), what="a leader")
-    leader = next(m for m in members if m.is_leader())
+    found: list[EtcdServer] = []  # the leader as seen when it was found (it may move)
+    wait_for(lambda: found.extend(m for m in members if m.is_leader()) or found, what="a leader")
+    leader = found[0]
     survivors = [m for m in members if m is not leader]
     # the leader first: both clients talk to it until it dies
     urls = [leader.client_url] + [m.client_url for m in survivors]
