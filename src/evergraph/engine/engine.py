@@ -324,7 +324,9 @@ class Engine:
             for ident, gone in replaced.items():
                 _take_place(gone, old[ident])
         else:
-            self._rewire(model)
+            # every vertex new (a first graph): all are held back, so wiring may
+            # yield too; with kept vertices it must not (one could run half-wired)
+            await self._rewire(model, may_yield=len(new_vs) == len(old))
         self._edges = list(model.edges)
         if self.settings.graphviz is not None:
             self._write_graphviz(model)
@@ -351,13 +353,16 @@ class Engine:
         # parent that is now gone may run too. With the same edges no kept vertex
         # lost a parent (a replaced parent's successor is pending, not clean), so
         # only the new ones are poked: not a pass over all 10k on a 1 % edit.
-        for v in old.values() if rewired else new_vs:
+        for i, v in enumerate(old.values() if rewired else new_vs, 1):
             if v.pending:
                 self._poke(v)
+            if i % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
         self._check_idle()
 
-    def _rewire(self, model: GraphModel) -> None:
-        """Wire every edge of `model` from scratch."""
+    async def _rewire(self, model: GraphModel, may_yield: bool) -> None:
+        """Wire every edge of `model` from scratch (yielding to the loop now and then
+        if `may_yield`: no vertex may run before the wiring is done)."""
         old = self.vertices
         for v in old.values():
             v.parents.clear()
@@ -365,7 +370,9 @@ class Engine:
             v.notify_children = ()
             v.send_edges = ()
         seen: set[tuple[str, str, bool]] = set()
-        for e in model.edges:
+        for i, e in enumerate(model.edges, 1):
+            if may_yield and i % (10 * YIELD_EVERY) == 0:
+                await asyncio.sleep(0)
             a, b = old[e.from_id], old[e.to_id]
             if (e.from_id, e.to_id, False) not in seen:
                 seen.add((e.from_id, e.to_id, False))
