@@ -1104,17 +1104,35 @@ class Engine:
                 changed,
                 took,
             )
-        text, data = self.recaps.take(self.status(), "converged", self.settings.noop)
+        named, others = self._recap_statuses()
+        text, data = self.recaps.take(named, "converged", self.settings.noop, others)
         log.info("%s", text, extra={"data": data})
         if self.settings.converged_exit or not self.settings.watch:
             self._stop.set()  # without watches, nothing would ever run again
 
+    def _recap_statuses(self) -> tuple[list[VertexStatus], tuple[int, int]]:
+        """Snapshots of the vertices a recap may name (ever changed, or failing), and
+        (how many others, how many of those are clean): no snapshot per clean vertex."""
+        named: list[VertexStatus] = []
+        others = clean = 0
+        for v in self.vertices.values():
+            state = v.state
+            if v.changed_count or state == "failed" or state == "retrying":
+                named.append(v.status())
+            else:
+                others += 1
+                if state == "clean" or state == "changed":
+                    clean += 1
+        return named, (others, clean)
+
     def _recap_at_exit(self) -> None:
         """At exit, a last recap if it has news (the run never converged, or changed
         or failed something since the last recap)."""
-        statuses = self.status()
-        if statuses and self.recaps.news(statuses):
-            text, data = self.recaps.take(statuses, "exit", self.settings.noop)
+        if not self.vertices:
+            return
+        named, others = self._recap_statuses()
+        if self.recaps.news(named):
+            text, data = self.recaps.take(named, "exit", self.settings.noop, others)
             log.info("%s", text, extra={"data": data})
 
     async def _max_runtime(self, seconds: float) -> None:

@@ -64,14 +64,21 @@ class Recaps:
         self.count = 0
 
     def take(
-        self, statuses: Iterable[VertexStatus], at: str, noop: bool = False
+        self,
+        statuses: Iterable[VertexStatus],
+        at: str,
+        noop: bool = False,
+        others: tuple[int, int] = (0, 0),
     ) -> tuple[str, dict[str, Any]]:
         """The recap of `statuses` (`at`: "converged" or "exit") as text (a headline,
         then one indented line per resource) and as plain data. `noop`: what changed
-        only would have (the text says so; the data has `"noop": true`)."""
+        only would have (the text says so; the data has `"noop": true`). `others`:
+        (how many vertices were left out of `statuses`, how many of those are clean)
+        — the engine passes only those that ever changed or fail, so that a recap
+        of a million clean vertices does not build a million snapshots."""
         changed: list[VertexStatus] = []
         failed: list[VertexStatus] = []
-        total = clean = 0
+        total, clean = others
         named = self._named
         for st in statuses:
             total += 1
