@@ -25,7 +25,7 @@ import json
 import os
 import stat
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import IO, Annotated
 
 from evergraph._util.atomic import atomic_copy, atomic_write, sweep_leftovers_of
@@ -34,9 +34,9 @@ from evergraph.engine.contract import (
     PathSubscription,
     Resource,
     doc,
-    parent_dir_keys,
 )
 from evergraph.errors import ResourceError
+from evergraph.resources._output import OutputFile
 from evergraph.watch.inotify import MOVED_TO
 
 #: the state file holding the input digest and the output hash
@@ -79,7 +79,7 @@ def _describe(digest: str | None, size: int) -> str | None:
     return None if digest is None else f"{size} bytes, sha256 {digest[:16]}"
 
 
-class Archive(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
+class Archive(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True):
     """Base of the kinds whose output file is built from inputs (not a kind)."""
 
     path: Annotated[str, doc("absolute path of the output file; default the name")] = ""
@@ -100,23 +100,6 @@ class Archive(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     # -- contract ---------------------------------------------------------------
     def _out(self) -> str:
         return os.path.normpath(self.path or self.name)
-
-    def claims(self) -> list[str]:
-        return [f"content:{self._out()}"]  # all of its content is ours
-
-    def autoedge_provides(self) -> list[str]:
-        return [f"path:{self._out()}"]
-
-    def autoedge_wants(self) -> Iterator[Iterator[str]]:
-        yield parent_dir_keys(self._out())
-
-    def reversal(self) -> Resource | None:
-        """An output that did not exist is removed again; one that did is left."""
-        from evergraph.resources.file import File
-
-        if os.path.lexists(self._out()):
-            return None
-        return File(name=self._out(), state="absent")
 
     async def init(self, handle: Handle) -> None:
         await super().init(handle)

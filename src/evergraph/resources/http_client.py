@@ -23,7 +23,7 @@ import os
 import re
 import stat
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Annotated
 from urllib.parse import urlsplit
 
@@ -33,13 +33,12 @@ from evergraph._util.atomic import atomic_copy, atomic_write, sweep_leftovers_of
 from evergraph.engine.contract import (
     Handle,
     PathSubscription,
-    Resource,
     doc,
-    parent_dir_keys,
     register,
 )
 from evergraph.errors import ResourceError
 from evergraph.resources._archive import file_hash
+from evergraph.resources._output import OutputFile
 from evergraph.resources.file import parse_mode
 from evergraph.watch.inotify import MOVED_TO
 
@@ -60,7 +59,7 @@ _NEW_MODE = 0o666 & ~_current_umask()
 
 
 @register("http:client")
-class HttpClient(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
+class HttpClient(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True):
     """A file downloaded from `url` (GET), verified by `sha256`, fetched again when the
     file drifts."""
 
@@ -73,7 +72,7 @@ class HttpClient(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         str | None, doc("permissions, octal `'0644'` or symbolic; unset = kept (new: 0644)")
     ] = None
 
-    def _path(self) -> str:
+    def _out(self) -> str:
         return os.path.normpath(self.file or self.name)
 
     def validate(self) -> None:
@@ -97,26 +96,9 @@ class HttpClient(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             except ValueError as e:
                 raise self.bad("mode", str(e)) from None
 
-    def claims(self) -> list[str]:
-        return [f"content:{self._path()}"]  # all of its content is ours
-
-    def autoedge_provides(self) -> list[str]:
-        return [f"path:{self._path()}"]
-
-    def autoedge_wants(self) -> Iterator[Iterator[str]]:
-        yield parent_dir_keys(self._path())
-
-    def reversal(self) -> Resource | None:
-        """A file that did not exist is removed again; one that did is left."""
-        from evergraph.resources.file import File
-
-        if os.path.lexists(self._path()):
-            return None
-        return File(name=self._path(), state="absent")
-
     async def init(self, handle: Handle) -> None:
         await super().init(handle)
-        self._target = self._path()
+        self._target = self._out()
         self._mode = parse_mode(self.mode) if self.mode is not None else None
         self._want = self.sha256.lower()
         self._own_ino = 0
