@@ -45,7 +45,6 @@ from evergraph.resources.svc import (
     RELOAD_TIMEOUT,
     SYSTEMD,
     UNIT,
-    Unreachable,
     _Systemd,
 )
 
@@ -194,13 +193,7 @@ class Cron(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         await super().init(handle)
         self._timer = f"{self.name}.timer"
         self._sd: _Systemd | None = None
-        try:
-            self._sd = await _Systemd.acquire(self.session)
-        except Unreachable as e:
-            bus = "user" if self.session else "system"
-            raise ResourceError(
-                f"systemd's D-Bus API is not reachable on the {bus} bus: {e}"
-            ) from None
+        self._sd = await _Systemd.acquire_for(self.session)
 
     async def cleanup(self) -> None:
         if getattr(self, "_sd", None) is not None:

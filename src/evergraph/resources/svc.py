@@ -128,6 +128,17 @@ class _Systemd:
 
     # -- sharing --------------------------------------------------------------
     @classmethod
+    async def acquire_for(cls, session: bool) -> _Systemd:
+        """`acquire`, with an unreachable bus as the resource's failure (one line)."""
+        try:
+            return await cls.acquire(session)
+        except Unreachable as e:
+            bus = "user" if session else "system"
+            raise ResourceError(
+                f"systemd's D-Bus API is not reachable on the {bus} bus: {e}"
+            ) from None
+
+    @classmethod
     async def acquire(cls, session: bool) -> _Systemd:
         address = bus_address(session)
         key = (id(asyncio.get_running_loop()), address)
@@ -400,13 +411,7 @@ class Svc(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         await super().init(handle)
         self._unit = unit_name(self.name)
         self._sd: _Systemd | None = None
-        try:
-            self._sd = await _Systemd.acquire(self.session)
-        except Unreachable as e:
-            bus = "user" if self.session else "system"
-            raise ResourceError(
-                f"systemd's D-Bus API is not reachable on the {bus} bus: {e}"
-            ) from None
+        self._sd = await _Systemd.acquire_for(self.session)
 
     async def _systemd(self) -> _Systemd:
         """The shared connection; a new one if the bus went away since."""
