@@ -96,6 +96,46 @@ def test_check_of_a_one_file_graph_imports_only_the_file_kind(tmp_path: Path) ->
         assert heavy not in mods, heavy
 
 
+def _modules_at_exit(*argv: str) -> set[str]:
+    """`sys.modules` when `evergraph ARGV` leaves through `os._exit` (as `run` does)."""
+    code = (
+        "import sys, os, json, runpy\n"
+        "real = os._exit\n"
+        "def _exit(status):\n"
+        "    print(json.dumps(sorted(sys.modules)), file=sys.stderr, flush=True)\n"
+        "    real(status)\n"
+        "os._exit = _exit\n"
+        f"sys.argv = {['evergraph', *argv]!r}\n"
+        "runpy.run_module('evergraph.cli.main', run_name='__main__')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    return set(json.loads(p.stderr.strip().splitlines()[-1]))
+
+
+def test_run_of_a_yaml_graph_outside_the_farm_imports_no_farm_python_frontend_or_http(
+    tmp_path: Path,
+) -> None:
+    g = tmp_path / "g.yaml"
+    g.write_text(f"resources:\n  file:\n  - name: f\n    path: {tmp_path}/x\n    content: hi\n")
+    st = tmp_path / "state"
+    mods = _modules_at_exit("run", str(g), "--converged-exit", "--state-dir", str(st))
+    assert (tmp_path / "x").read_text() == "hi"
+    assert "evergraph.agent.run" in mods
+    assert "evergraph.world.sqlite" in mods
+    for heavy in (
+        "evergraph.farm",  # the farm package: --worker or --http only
+        "evergraph.farm.host",
+        "cryptography",  # the farm worker's RSA job keys
+        "evergraph.frontends.python",  # .py graphs only
+        "evergraph.http",  # --http only
+        "httpx",
+        "grpc",  # the etcd World only
+        "evergraph.world.etcd",
+    ):
+        assert heavy not in mods, heavy
+
+
 def test_the_lazy_commands_table_names_what_each_module_registers() -> None:
     import importlib
 

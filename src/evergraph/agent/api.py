@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 from evergraph.errors import InputError
 from evergraph.frontends.base import Frontend
-from evergraph.frontends.python import Graph
 from evergraph.world.open import BACKENDS, WorldOptions
 
 if TYPE_CHECKING:
     from evergraph.agent.run import FarmOptions, Service
+    from evergraph.frontends.python import Graph
 
 log = logging.getLogger("evergraph")
 
@@ -28,14 +28,18 @@ def frontend_for(target: Frontend | Graph | str | os.PathLike[str] | None) -> Fr
 
     if isinstance(target, Frontend):
         return target
-    if isinstance(target, Graph):
-        return Static(target.model(), label=target.name or "graph")
     if target is None:
         from evergraph.frontends.deploy import DeployFrontend
 
         return DeployFrontend(builtin_registry())
     if isinstance(target, str | os.PathLike):
         return open_frontend(target, builtin_registry())
+    # imported here: the Python frontend (and the World's exports under it) is
+    # not needed for a graph file of another kind
+    from evergraph.frontends.python import Graph
+
+    if isinstance(target, Graph):
+        return Static(target.model(), label=target.name or "graph")
     raise InputError(f"run() takes a Graph or a path to a graph file, not {type(target).__name__}")
 
 

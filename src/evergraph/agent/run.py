@@ -328,18 +328,20 @@ class Agent:
         return membership
 
     async def _join_farm(self, kv: KV, host: str, membership: Membership) -> None:
-        # imported here: the farm's crypto costs start-up time other agents need not pay
-        from evergraph.farm.facts import discovered, worker_uuid
-        from evergraph.farm.host import WorkerHost
-        from evergraph.farm.leader import FarmLeader
-        from evergraph.world.election import Election
-
+        # imported in each branch: the farm's modules (the worker's RSA keys:
+        # cryptography) cost start-up time agents without the farm need not pay
         opts = self.farm
         if opts.matcher:
+            from evergraph.farm.leader import FarmLeader
+            from evergraph.world.election import Election
+
             election = Election(kv, "farm", host)
             self._service(election.run(), "farm-election")
             self._service(FarmLeader(kv, election, opts.settings).run(), "farm-matcher")
         if opts.worker:
+            from evergraph.farm.facts import discovered, worker_uuid
+            from evergraph.farm.host import WorkerHost
+
             assert self.publisher is not None
             try:
                 uuid = worker_uuid(self.settings.state_dir)

@@ -166,15 +166,18 @@ def _farm_options(
     farm_servers: tuple[str, ...],
     http_addr: str | None,
 ) -> FarmOptions | None:
-    from evergraph.agent.run import FarmOptions
-    from evergraph.farm.facts import parse_caps
-    from evergraph.world.names import hostname_problem
-
     if not worker and (caps or groups or farm_servers or authorized_keys):
         raise InputError(
             "--cap, --group, --authorized-keys and --farm-server describe a worker: add --worker",
             "--worker",
         )
+    if not worker and not http_addr:
+        return None
+    # imported here: an agent outside the farm does not load the farm package
+    from evergraph.agent.run import FarmOptions
+    from evergraph.farm.facts import parse_caps
+    from evergraph.world.names import hostname_problem
+
     try:
         parsed = parse_caps(caps)
     except ValueError as e:
@@ -183,8 +186,6 @@ def _farm_options(
         why = hostname_problem(h)
         if why:
             raise InputError(why, "--farm-server")
-    if not worker and not http_addr:
-        return None
     return FarmOptions(
         worker=worker,
         caps=parsed,
