@@ -205,25 +205,46 @@ def _too_large(size: int | None) -> str:
     return f"too large ({shown}): a graph file may be at most {limit}"
 
 
-#: wait this long after a change of a watched file before reading it: editors
-#: save in several steps
+#: wait this long after the last event of a watched file before reading it:
+#: editors save in several steps (write, rename, chmod)
 DEBOUNCE = 0.05
+#: ... or only this long when the last event ends a save: a file closed after
+#: writing, or renamed into place (a later step of the same save still lands
+#: within it, and an event after the read is read again anyway)
+SETTLE = 0.01
+#: the end of a save, as inotify reports it (IN_CLOSE_WRITE, IN_MOVED_TO)
+_SAVED = 0x8 | 0x80
 
 
 async def file_changes(watcher: Any, path: Path, text: str) -> AsyncIterator[str]:
     """The file's new text after each saved change (`text`: what was read last).
 
+    The file is read once no event came for DEBOUNCE (SETTLE after the end of
+    a save), so the steps of one save make one change.
     The file was read before this watch existed: a save in between would be
     lost, so it is read once more as soon as the watch is armed."""
     import asyncio
 
+    loop = asyncio.get_running_loop()
     changed = asyncio.Event()
-    unsubscribe = watcher.subscribe(str(path), lambda _mask: changed.set())
+    last_at, last_mask = 0.0, 0  # when the last event came, and its mask
+
+    def on_event(mask: int) -> None:
+        nonlocal last_at, last_mask
+        last_at, last_mask = loop.time(), mask
+        changed.set()
+
+    unsubscribe = watcher.subscribe(str(path), on_event)
     changed.set()  # the re-read after arming
     try:
         while True:
             await changed.wait()
-            await asyncio.sleep(DEBOUNCE)
+            while True:  # until quiet: each event restarts the wait
+                quiet = SETTLE if last_mask & _SAVED else DEBOUNCE
+                left = last_at + quiet - loop.time()
+                if left <= 0:
+                    break
+                await asyncio.sleep(left)
             changed.clear()
             try:
                 new = read_graph_file(path)
