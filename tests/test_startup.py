@@ -99,10 +99,12 @@ def test_check_of_a_one_file_graph_imports_only_the_file_kind(tmp_path: Path) ->
 def _modules_at_exit(*argv: str) -> set[str]:
     """`sys.modules` when `evergraph ARGV` leaves through `os._exit` (as `run` does)."""
     code = (
-        "import sys, os, json, runpy\n"
+        "import sys, os, runpy\n"
         "real = os._exit\n"
         "def _exit(status):\n"
-        "    print(json.dumps(sorted(sys.modules)), file=sys.stderr, flush=True)\n"
+        "    mods = sorted(sys.modules)\n"
+        "    import json\n"
+        "    print(json.dumps(mods), file=sys.stderr, flush=True)\n"
         "    real(status)\n"
         "os._exit = _exit\n"
         f"sys.argv = {['evergraph', *argv]!r}\n"
