@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import UnionType
 from typing import Annotated, Any, NamedTuple, Union, get_args, get_origin
@@ -92,8 +93,12 @@ class GraphModel:
     def dag(self) -> DAG[str]:
         return DAG.build(self.resources, ((e.from_id, e.to_id) for e in self.edges))
 
-    def check(self) -> list[str]:
-        """Validate every resource and the shape; returns a topological order."""
+    def check(self, valid: Mapping[str, Resource] | None = None) -> list[str]:
+        """Validate every resource and the shape; returns a topological order.
+
+        `valid`: resources validated before (`validated()` of an earlier model):
+        one equal to its entry there is not validated again (`validate` checks
+        the parameters alone), e.g. the unchanged 9,999 of a live edit."""
         #: semaphore id -> (its count, the first resource that gave it)
         semas: dict[str, tuple[int, Resource]] = {}
         #: what each resource manages (`file:/etc/x`) -> the first resource claiming it
@@ -109,7 +114,8 @@ class GraphModel:
                 raise InputError(
                     f"{res.kind} resources cannot be reversed", f"{res.ident}.meta.reverse"
                 )
-            res.validate()
+            if valid is None or valid.get(res.ident) != res:
+                res.validate()
             for key in res.claims():
                 first = claimed.setdefault(key, res)
                 if first is not res and not same_but_named(first, res):
@@ -127,6 +133,12 @@ class GraphModel:
             cyc = [str(v) for v in e.cycle]
             where = self.origins.get(cyc[0], "")
             raise GraphCycleError(cyc, where) from None
+
+    def validated(self) -> dict[str, Resource]:
+        """Right after `check`: its resources, for a later model's `check(valid=)`.
+        Those carrying state of their own (set by `validate`, or since) are left
+        out: they are validated again."""
+        return {i: r for i, r in self.resources.items() if not r.__dict__}
 
     def claimed(self) -> tuple[dict[str, Resource], dict[str, Resource]]:
         """What the graph's resources manage whole (`file:/etc/x`) and in part

@@ -20,7 +20,7 @@ import difflib
 import logging
 import re
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -173,12 +173,20 @@ class _Locator:
         return self.filename
 
 
-def parse_yaml(text: str, filename: str, registry: Registry, warn: bool = True) -> GraphModel:
+def parse_yaml(
+    text: str,
+    filename: str,
+    registry: Registry,
+    warn: bool = True,
+    valid: Mapping[str, Resource] | None = None,
+) -> GraphModel:
     """Parse and validate a yamlgraph document; every error names `file:line:col`.
-    `warn`: log the keys ignored for mgmt's sake (off when parsing a text again)."""
+    `warn`: log the keys ignored for mgmt's sake (off when parsing a text again);
+    `valid`: resources validated before (`GraphModel.validated()`): equal ones are
+    not validated again."""
     with gc_paused():
         try:
-            return _parse_yaml(text, filename, registry, warn)
+            return _parse_yaml(text, filename, registry, warn, valid)
         except RecursionError:
             # the parsers and the error path's locator recurse per level of nesting
             raise InputError(
@@ -206,7 +214,13 @@ def _long_number(text: str, filename: str) -> str:
     return f"{filename}:{line}:{col}"
 
 
-def _parse_yaml(text: str, filename: str, registry: Registry, warn: bool) -> GraphModel:
+def _parse_yaml(
+    text: str,
+    filename: str,
+    registry: Registry,
+    warn: bool,
+    valid: Mapping[str, Resource] | None,
+) -> GraphModel:
     loc = _Locator(filename, text)
 
     def fail(msg: str, path: tuple[PathPart, ...] = (), key: bool = False) -> InputError:
@@ -333,7 +347,7 @@ def _parse_yaml(text: str, filename: str, registry: Registry, warn: bool) -> Gra
         if warn and count > WARN_EACH:
             log.warning("%s: %s: %d more ignored the same way", filename, group, count - WARN_EACH)
     try:
-        model.check()
+        model.check(valid)
     except GraphCycleError as e:
         # Point at the edge that closes the cycle.
         closing = (e.cycle[-2], e.cycle[-1])
@@ -564,6 +578,8 @@ class YamlFrontend(Frontend):
         self.registry = registry
         self._raw: GraphModel | None = None
         self._text = ""
+        #: the last graph's resources, as validated (`GraphModel.validated`)
+        self._valid: dict[str, Resource] = {}
         #: the exports the running graph was built with, and the specs that found them
         self._found: list[Exported] = []
         self._specs: list[CollectSpec] = []
@@ -572,7 +588,7 @@ class YamlFrontend(Frontend):
         """Parse the file now (InputError)."""
         text = read_graph_file(self.path)
         model = parse_yaml(text, str(self.path), self.registry)
-        self._text = text
+        self._text, self._valid = text, model.validated()
         return model
 
     def graph_file(self) -> Path:
@@ -611,14 +627,16 @@ class YamlFrontend(Frontend):
             async for what, payload in merged(texts(), exports()):
                 if what == "file":
                     try:
-                        raw = parse_yaml(payload, str(self.path), self.registry)
+                        raw = parse_yaml(payload, str(self.path), self.registry, valid=self._valid)
                     except InputError as e:
                         log.error("%s (the running graph is kept)", e)
                         continue
-                    self._text = payload
+                    self._text, self._valid = payload, raw.validated()
                     log.info("%s changed: swapping the graph live", self.path)
                 else:
-                    raw = parse_yaml(self._text, str(self.path), self.registry, warn=False)
+                    raw = parse_yaml(
+                        self._text, str(self.path), self.registry, warn=False, valid=self._valid
+                    )
                 now = matching(collector.current(), raw.collect) if collector else []
                 if what == "collected":
                     if now == self._found:
