@@ -138,6 +138,86 @@ def test_run_of_a_yaml_graph_outside_the_farm_imports_no_farm_python_frontend_or
         assert heavy not in mods, heavy
 
 
+ENTRY = [sys.executable, "-m", "evergraph.cli.entry"]  # the console script's main
+CLICK = [sys.executable, "-m", "evergraph.cli.main"]  # the click application's
+
+
+def test_the_console_script_is_the_entry_module() -> None:
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name="evergraph")
+    assert script.value == "evergraph.cli.entry:main"
+
+
+def test_check_file_is_answered_without_click(tmp_path: Path) -> None:
+    g = tmp_path / "g.yaml"
+    g.write_text(f"resources:\n  file:\n  - name: f\n    path: {tmp_path}/x\n    content: hi\n")
+    code = (
+        "import sys, runpy\n"
+        f"sys.argv = ['evergraph', 'check', {str(g)!r}]\n"
+        "try:\n"
+        "    runpy.run_module('evergraph.cli.entry', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert not e.code, e.code\n"
+        "mods = sorted(sys.modules)\n"
+        "import json\n"
+        "print(json.dumps(mods), file=sys.stderr)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "is valid: 1 resources (file: 1)" in p.stdout
+    mods = set(json.loads(p.stderr.strip().splitlines()[-1]))
+    assert "evergraph.resources.file" in mods
+    assert "click" not in mods
+    assert "evergraph.cli.main" not in mods
+
+
+def _both(*args: str) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
+    def one(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=60)
+
+    return one(ENTRY), one(CLICK)
+
+
+def test_check_says_the_same_with_and_without_click(tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(
+        "resources:\n  file:\n  - name: f\n    path: /tmp/x\n    content: hi\n"
+        "  noop:\n  - name: n\n"
+    )
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("resources:\n  file:\n  - name: f\n    path: /tmp/x\n    content: [1]\n")
+    evil_name = tmp_path / "e\x1b[31m.yaml"  # a terminal escape: click's own path
+    evil_name.write_text(good.read_text())
+    for args in (
+        ("check", str(good)),
+        ("check", f"{tmp_path}/./good.yaml"),
+        ("check", str(bad)),
+        ("check", str(tmp_path / "missing.yaml")),
+        ("check", str(tmp_path)),  # a directory: click's error
+        ("check", str(evil_name)),
+        ("check", "--", str(good)),
+        ("check", "--help"),
+        ("--help",),
+    ):
+        fast, slow = _both(*args)
+        assert (fast.returncode, fast.stdout, fast.stderr) == (
+            slow.returncode,
+            slow.stdout,
+            slow.stderr,
+        ), args
+    fast, _ = _both("check", str(good))
+    assert fast.returncode == 0
+    assert "is valid: 2 resources (file: 1, noop: 1), 0 edges" in fast.stdout
+    fast, _ = _both("check", str(bad))
+    assert fast.returncode == 2
+    assert fast.stderr.startswith(f"evergraph: {bad}:5:")
+    assert fast.stderr.count("\n") == 1
+    fast, _ = _both("check", str(tmp_path))
+    assert fast.returncode == 2
+    assert "is a directory" in fast.stderr
+
+
 def test_the_lazy_commands_table_names_what_each_module_registers() -> None:
     import importlib
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -13,6 +12,7 @@ from typing import TYPE_CHECKING, NoReturn
 import click
 
 from evergraph._version import __version__
+from evergraph.cli.entry import check_summary, error_line, one_line
 from evergraph.errors import InputError
 
 if TYPE_CHECKING:
@@ -24,16 +24,8 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 ETCD_PASSWORD_ENV = "EVERGRAPH_ETCD_PASSWORD"
 
 
-def one_line(text: str) -> str:
-    """`text` with every unprintable character escaped (`\\n`, `\\x1b`, `\\u2028`): a
-    message quoting the user's input stays one line, and cannot drive the terminal."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
-
-
 def _die(e: InputError) -> NoReturn:
-    click.echo(f"evergraph: {one_line(str(e))}", err=True)
+    click.echo(error_line(e), err=True)
     sys.exit(2)
 
 
@@ -553,12 +545,7 @@ def check(file: Path) -> None:
         model = open_graph_file(file).load()
     except InputError as e:
         _die(e)
-    kinds = Counter(r.kind for r in model.resources.values())
-    per_kind = ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items()))
-    click.echo(
-        f"{file}: graph {model.name or '(unnamed)'!r} is valid: "
-        f"{len(model.resources)} resources ({per_kind or 'none'}), {len(model.edges)} edges"
-    )
+    click.echo(check_summary(file, model))  # cli/entry.py answers `check FILE` alone
 
 
 @cli.command(context_settings=CONTEXT)
