@@ -9,6 +9,13 @@ its declared content. Detection: our own inotify instance on the parent
 directories (IN_CLOSE_WRITE | IN_MOVED_TO), reading the file on each event
 naming it; 20 s cap per trial. The floor is bench/floor_watcher.py, a minimal
 asyncinotify watcher process, measured the same way.
+
+Churn: the agent (and then the floor) manages 10,000 W1 files; a writer
+process changes random ones at a fixed rate (1,000, 2,000, 3,000, 5,000 per
+second, 3 s each; `--quick`: 1,000) and each change is timed until the file
+next reads back as declared (same detection). A rate is kept up with when
+every change is repaired and p99 stays under 100 ms; the first rate that is
+not ends the series ("behind").
 """
 
 from __future__ import annotations
@@ -108,6 +115,133 @@ def trials(files: list[tuple[str, str]], n: int, seed: int) -> tuple[list[float]
     return out, capped
 
 
+#: the churn case: files managed, rates tried (changes/s), seconds per rate
+CHURN_FILES = 10_000
+CHURN_RATES = (1_000, 2_000, 3_000, 5_000)
+CHURN_S = 3.0
+#: a rate is kept up with when every change is repaired and p99 stays under this
+BEHIND_P99_S = 0.1
+
+#: the writer process: changes random files at a fixed rate (absolute schedule),
+#: then prints each change's (file index, perf_counter time) as JSON lines
+_WRITER = """
+import json, os, random, sys, time
+paths = json.load(open(sys.argv[1])); rate = float(sys.argv[2]); dur = float(sys.argv[3])
+rng = random.Random(int(sys.argv[4])); out = []
+t0 = time.perf_counter(); n = int(rate * dur)
+for k in range(n):
+    due = t0 + k / rate
+    now = time.perf_counter()
+    if due > now:
+        time.sleep(due - now)
+    i = rng.randrange(len(paths))
+    t = time.perf_counter()
+    fd = os.open(paths[i], os.O_WRONLY | os.O_TRUNC)
+    os.write(fd, b"churn %d\\n" % k)
+    os.close(fd)
+    out.append((i, t))
+json.dump({"changes": out, "took": time.perf_counter() - t0}, sys.stdout)
+"""
+
+
+def churn(files: list[tuple[str, str]], work: Path, rate: int, seed: int) -> dict[str, Any]:
+    """One rate: the writer changes random files; repairs are seen through our own
+    inotify instance (each event naming a file reads it). Latency of a change:
+    until the first time after it the file reads back as declared."""
+    import json
+    import subprocess
+
+    plist = work / "churn-paths.json"
+    plist.write_text(json.dumps([p for p, _ in files]))
+    index = {p: i for i, (p, _) in enumerate(files)}
+    declared = [text for _, text in files]
+    dirs = sorted({os.path.dirname(p) for p, _ in files})
+    repairs: dict[int, list[float]] = {}
+    with Inotify() as ino:
+        by_watch = {}
+        for d in dirs:
+            by_watch[ino.add_watch(d, Mask.CLOSE_WRITE | Mask.MOVED_TO)] = d
+        _drain(ino)
+        w = subprocess.Popen(
+            [PYTHON, "-c", _WRITER, str(plist), str(rate), str(CHURN_S), str(seed)],
+            stdout=subprocess.PIPE,
+        )
+        end = time.perf_counter() + CHURN_S + 2.0  # the run, then 2 s to catch up
+        while time.perf_counter() < end:
+            ino.sync_timeout = max(0.0, end - time.perf_counter())
+            ev = ino.sync_get()
+            if ev is None:
+                break
+            d = by_watch.get(ev.watch) if ev.watch is not None else None
+            if d is None or ev.name is None:
+                continue
+            i = index.get(f"{d}/{ev.name}")
+            if i is None:
+                continue
+            t = time.perf_counter()
+            try:
+                with open(files[i][0]) as f:
+                    ok = f.read() == declared[i]
+            except FileNotFoundError:
+                continue
+            if ok:
+                repairs.setdefault(i, []).append(t)
+        out, _ = w.communicate(timeout=60)
+    got = json.loads(out)
+    lat: list[float] = []
+    lost = 0
+    for i, tw in got["changes"]:
+        after = [t for t in repairs.get(i, ()) if t > tw]
+        if after:
+            lat.append(min(after) - tw)
+        else:
+            lost += 1
+    if not lat:
+        return {"rate": rate, "changes": len(got["changes"]), "lost": lost, "behind": True}
+    p99 = percentile(lat, 99)
+    return {
+        "rate": rate,
+        "achieved_rate": len(got["changes"]) / got["took"],
+        "changes": len(got["changes"]),
+        "lost": lost,
+        "p50_s": percentile(lat, 50),
+        "p99_s": p99,
+        "max_s": max(lat),
+        "behind": lost > 0 or p99 > BEHIND_P99_S,
+    }
+
+
+def measure_churn(impl: str, work: Path, rates: tuple[int, ...]) -> list[dict[str, Any]]:
+    root = work / f"churn-{impl}"
+    files = layout(root, CHURN_FILES)
+    sub = work / f"churn-in-{impl}"
+    sub.mkdir()
+    yaml_path, spec_path = write_inputs(sub, files)
+    status = work / f"churn-status-{impl}"
+    if impl == "evergraph":
+        cmd = [EVERGRAPH, "run", str(yaml_path), "--state-dir", str(work / "churn-state")]
+        cmd += ["--converged-status-file", str(status), "--converged-timeout", "0.2"]
+    else:
+        cmd = [PYTHON, FLOOR, str(spec_path), str(status)]
+    with open(work / f"churn-{impl}.log", "wb") as log:
+        p = spawn(cmd, stdout=log, stderr=log)
+    out = []
+    try:
+        wait_converged(p, status, timeout=300)
+        for k, rate in enumerate(rates):
+            time.sleep(0.5)  # idle again
+            r = churn(files, work, rate, seed=k)
+            print(f"  churn {impl} {rate}/s: {r}", file=sys.stderr)
+            out.append(r)
+            if p.poll() is not None:
+                raise RuntimeError(f"{impl} exited with status {p.returncode} during the churn")
+            if r["behind"]:
+                break
+    finally:
+        stop(p, grace=5.0)
+    return out
+
+
 def measure(impl: str, work: Path, n_trials: int) -> dict[str, Any]:
     root = work / f"target-{impl}"
     files = layout(root, N_FILES)
@@ -171,12 +305,29 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
                 yes_no(met),
             ]
         )
+    rates = CHURN_RATES[:1] if quick else CHURN_RATES
+    churned = {impl: measure_churn(impl, work, rates) for impl in ("evergraph", "floor")}
+    for eg_r, fl_r in zip(churned["evergraph"], churned["floor"], strict=False):
+        for key, label in (("p50_s", "p50"), ("p99_s", "p99"), ("max_s", "max")):
+            if key not in eg_r or key not in fl_r:
+                continue
+            rows.append(
+                [
+                    f"churn {eg_r['rate']:,}/s {label}",
+                    f"{CHURN_FILES:,}",
+                    fmt_s(eg_r[key]) + (" (behind)" if eg_r["behind"] else ""),
+                    fmt_s(fl_r[key]) + (" (behind)" if fl_r["behind"] else ""),
+                    fmt_ratio(eg_r[key] / fl_r[key]),
+                    "-",
+                    "-",
+                ]
+            )
     header = ["case", "N", "evergraph", "floor", "ratio", "target", "met?"]
     title = (
         f"drift latency: {n_trials} trials, one file rewritten in place -> content restored"
         f" ({eg['fs']}); evergraph repaired {eg['repaired']}/{n_trials},"
         f" floor {fl['repaired']}/{n_trials}"
     )
-    result = {"evergraph": eg, "floor": fl, "target_p99_s": TARGET_P99_S}
+    result = {"evergraph": eg, "floor": fl, "target_p99_s": TARGET_P99_S, "churn": churned}
     result["met"] = eg["p99_s"] <= TARGET_P99_S and eg["capped"] == 0
     return result, table(title, header, rows)
