@@ -320,3 +320,11 @@ def sweep_leftovers_of(path: Path | str) -> list[str]:
         except OSError:
             continue
     return removed
+
+
+def current_umask() -> int:
+    """The process umask (read by setting it and putting it back: call it at import,
+    before any thread could create a file in between)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

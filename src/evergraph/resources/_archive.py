@@ -28,7 +28,7 @@ import tempfile
 from collections.abc import Callable, Iterable
 from typing import IO, Annotated
 
-from evergraph._util.atomic import atomic_copy, atomic_write, sweep_leftovers_of
+from evergraph._util.atomic import atomic_copy, atomic_write, current_umask, sweep_leftovers_of
 from evergraph.engine.contract import (
     Handle,
     PathSubscription,
@@ -37,20 +37,13 @@ from evergraph.engine.contract import (
 )
 from evergraph.errors import ResourceError
 from evergraph.resources._output import OutputFile
-from evergraph.watch.inotify import MOVED_TO
 
 #: the state file holding the input digest and the output hash
 STATE = "archive.json"
 _CHUNK = 1 << 20
 
 
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_NEW_MODE = 0o666 & ~_current_umask()
+_NEW_MODE = 0o666 & ~current_umask()
 
 
 def file_hash(path: str, shown: str = "") -> str | None:
@@ -110,7 +103,7 @@ class Archive(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True):
             handle.logger.info("%s: removed %s (an interrupted write's)", self.ident, left)
 
     def subscribe(self) -> Callable[[], None]:
-        self._subs[self._target] = self.handle.watcher.subscribe(self._target, self._out_changed)
+        self._subs[self._target] = self.handle.watcher.subscribe(self._target, self._output_changed)
         self._rewatch()
         return self._unsubscribe
 
@@ -140,16 +133,6 @@ class Archive(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True):
                 self._subs[key] = hub(key, self._input_changed)
 
     def _input_changed(self, mask: int) -> None:
-        self.handle.event()
-
-    def _out_changed(self, mask: int) -> None:
-        if mask & MOVED_TO and self._own_ino:
-            own, self._own_ino = self._own_ino, 0  # our own write renamed into place
-            try:
-                if os.lstat(self._target).st_ino == own:
-                    return
-            except OSError:
-                pass
         self.handle.event()
 
     # -- check and apply --------------------------------------------------------

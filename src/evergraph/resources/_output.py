@@ -7,11 +7,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from evergraph.engine.contract import Resource, parent_dir_keys
+from evergraph.watch.inotify import MOVED_TO
 
 
 class OutputFile(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
+    if TYPE_CHECKING:  # set by the kind's init (not struct fields)
+        #: the output path, and the inode of our last write
+        _target: str
+        _own_ino: int
+
     def _out(self) -> str:
         """The output file's normalised path."""
         raise NotImplementedError
@@ -24,6 +31,18 @@ class OutputFile(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
 
     def autoedge_wants(self) -> Iterator[Iterator[str]]:
         yield parent_dir_keys(self._out())
+
+    def _output_changed(self, mask: int) -> None:
+        """The output file's watch callback: an event, unless it is our own write
+        renamed into place (`_own_ino`, noted just before the rename)."""
+        if mask & MOVED_TO and self._own_ino:
+            own, self._own_ino = self._own_ino, 0
+            try:
+                if os.lstat(self._target).st_ino == own:
+                    return
+            except OSError:
+                pass
+        self.handle.event()
 
     def reversal(self) -> Resource | None:
         """An output that did not exist is removed again; one that did is left."""

@@ -42,6 +42,7 @@ from typing import Annotated, Literal
 from evergraph._util.atomic import (
     atomic_copy,
     atomic_write,
+    current_umask,
     is_leftover,
     leftover_of,
     make_dirs,
@@ -58,15 +59,8 @@ from evergraph.engine.contract import (
 from evergraph.errors import ResourceError
 from evergraph.watch.inotify import MOVED_TO
 
-
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 #: read once: asking the kernel means setting it, which is racy with threads
-_UMASK = _current_umask()
+_UMASK = current_umask()
 _SYMBOLIC_WHO = {"u": 0o4700, "g": 0o2070, "o": 0o0007, "a": 0o0777}
 _SYMBOLIC_PERM = {"r": 0o444, "w": 0o222, "x": 0o111, "s": 0o6000, "t": 0o1000}
 #: content larger than this is reported by its size: never read whole just to show a diff

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from evergraph._util.atomic import atomic_copy, atomic_write, sweep_leftovers_of
+from evergraph._util.atomic import atomic_copy, atomic_write, current_umask, sweep_leftovers_of
 from evergraph.engine.contract import (
     Handle,
     PathSubscription,
@@ -40,7 +40,6 @@ from evergraph.errors import ResourceError
 from evergraph.resources._archive import file_hash
 from evergraph.resources._output import OutputFile
 from evergraph.resources.file import parse_mode
-from evergraph.watch.inotify import MOVED_TO
 
 #: the state file: the URL and the hash of the last download
 STATE = "download.json"
@@ -49,13 +48,7 @@ _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 TIMEOUT = 30.0
 
 
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_NEW_MODE = 0o666 & ~_current_umask()
+_NEW_MODE = 0o666 & ~current_umask()
 
 
 @register("http:client")
@@ -107,23 +100,13 @@ class HttpClient(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True
             handle.logger.info("%s: removed %s (an interrupted write's)", self.ident, left)
 
     def subscribe(self) -> Callable[[], None]:
-        self._sub = self.handle.watcher.subscribe(self._target, self._changed)
+        self._sub = self.handle.watcher.subscribe(self._target, self._output_changed)
         return self._unsubscribe
 
     def _unsubscribe(self) -> None:
         if self._sub is not None:
             self._sub()
             self._sub = None
-
-    def _changed(self, mask: int) -> None:
-        if mask & MOVED_TO and self._own_ino:
-            own, self._own_ino = self._own_ino, 0  # our own write renamed into place
-            try:
-                if os.lstat(self._target).st_ino == own:
-                    return
-            except OSError:
-                pass
-        self.handle.event()
 
     # -- state --------------------------------------------------------------------
     def _state_file(self) -> str:

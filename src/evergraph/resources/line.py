@@ -24,7 +24,7 @@ import stat
 from collections.abc import Callable, Iterator
 from typing import Annotated, Literal
 
-from evergraph._util.atomic import atomic_write, sweep_leftovers_of
+from evergraph._util.atomic import atomic_write, current_umask, sweep_leftovers_of
 from evergraph.engine.contract import (
     Handle,
     PathSubscription,
@@ -36,14 +36,7 @@ from evergraph.engine.contract import (
 from evergraph.errors import ResourceError
 from evergraph.watch.inotify import MOVED_TO
 
-
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_NEW_MODE = 0o666 & ~_current_umask()
+_NEW_MODE = 0o666 & ~current_umask()
 
 
 @register("line")
