@@ -112,11 +112,12 @@ class Archive(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True):
             sub()
         self._subs.clear()
 
-    def _rewatch(self) -> None:
+    def _rewatch(self) -> bool:
         """Watch each input, and every directory of an input tree (again after each
-        check: new directories get a watch, vanished ones lose theirs)."""
+        check: new directories get a watch, vanished ones lose theirs). True if a
+        watch was added: what changed in it before it was armed was not seen."""
         if not self._subs:
-            return  # not watching (meta.poll, or before subscribe)
+            return False  # not watching (meta.poll, or before subscribe)
         want: dict[str, bool] = {}  # key -> listing
         for path, tree in self.input_paths():
             want[path] = False
@@ -127,10 +128,13 @@ class Archive(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True):
         watcher = self.handle.watcher
         for key in [k for k in self._subs if k != self._target and k not in want]:
             self._subs.pop(key)()
+        added = False
         for key, listing in want.items():
             if key not in self._subs:
                 hub = watcher.subscribe_dir if listing else watcher.subscribe
                 self._subs[key] = hub(key, self._input_changed)
+                added = True
+        return added
 
     def _input_changed(self, mask: int) -> None:
         self.handle.event()
@@ -155,7 +159,10 @@ class Archive(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True):
         try:
             return await self._check_apply(apply)
         finally:
-            self._rewatch()
+            if self._rewatch():
+                # a new directory's files may have changed between our read and its
+                # watch: look again (cheap when nothing did: the hashes compare)
+                self.handle.event()
 
     async def _check_apply(self, apply: bool) -> bool:
         inputs, have = await asyncio.to_thread(self._examine)
