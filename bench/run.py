@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import datetime
+import importlib
 import json
 import signal
 import sys
@@ -75,46 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in chosen:
         t0 = time.perf_counter()
         print(f"== {name}", file=sys.stderr, flush=True)
-        if name == "engine":
-            from bench import engine
-
-            out["engine"], text = engine.run(args.quick)
-        elif name == "graphops":
-            from bench import graphops
-
-            out["graphops"], text = graphops.run(args.quick)
-        elif name == "files":
-            from bench import files
-
-            out["files"], text = files.run(args.quick)
-        elif name == "world":
-            from bench import world
-
-            out["world"], text = world.run(args.quick)
-        elif name == "farm":
-            from bench import farm
-
-            out["farm"], text = farm.run(args.quick)
-        elif name == "soak":
-            from bench import soak
-
-            out["soak"], text = soak.run(args.quick)
-        elif name == "cluster":
-            from bench import cluster
-
-            out["cluster"], text = cluster.run(args.quick)
-        elif name == "world10k":
-            from bench import world10k
-
-            out["world10k"], text = world10k.run(args.quick)
-        elif name == "http":
-            from bench import http
-
-            out["http"], text = http.run(args.quick)
-        else:
-            from bench import drift
-
-            out["drift"], text = drift.run(args.quick)
+        # each benchmark is a module bench/<name>.py with run(quick) -> (results, table)
+        module = importlib.import_module(f"bench.{name}")
+        out[name], text = module.run(args.quick)
         took = time.perf_counter() - t0
         out.setdefault("seconds", {})[name] = round(took, 1)
         print(f"\n{text}\n", flush=True)
