@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from evergraph._util.atomic import atomic_write
 from evergraph.engine.contract import Handle, Resource, doc, register
 from evergraph.errors import ResourceError
+from evergraph.resources._dbus import call as dbus_call
 from evergraph.resources._pollpri import watch_pri
 
 if TYPE_CHECKING:
@@ -228,24 +229,9 @@ class _Hostnamed:
     async def call(
         self, dest: str, path: str, iface: str, member: str, signature: str = "", *body: Any
     ) -> list[Any]:
-        from dbus_fast import Message, MessageType
+        from dbus_fast import MessageType
 
-        msg = Message(
-            destination=dest,
-            path=path,
-            interface=iface,
-            member=member,
-            signature=signature,
-            body=list(body),
-        )
-        try:
-            async with asyncio.timeout(BUS_TIMEOUT):
-                reply = await self.bus.call(msg)
-        except TimeoutError:
-            raise ResourceError(f"D-Bus {member}: no answer after {BUS_TIMEOUT:g} s") from None
-        except Exception as e:
-            raise ResourceError(f"D-Bus {member}: {e}") from None
-        assert reply is not None
+        reply = await dbus_call(self.bus, dest, path, iface, member, signature, body, BUS_TIMEOUT)
         if reply.message_type is MessageType.ERROR:
             detail = reply.body[0] if reply.body else reply.error_name
             raise ResourceError(f"hostnamed {member}: {detail}")

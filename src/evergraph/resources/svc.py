@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from evergraph.engine.contract import Handle, Resource, doc, register
 from evergraph.errors import ResourceError
+from evergraph.resources._dbus import call as dbus_call
 
 if TYPE_CHECKING:
     from dbus_fast import Message
@@ -260,23 +261,9 @@ class _Systemd:
         *body: Any,
         timeout: float = CALL_TIMEOUT,
     ) -> Message:
-        from dbus_fast import Message, MessageType
+        from dbus_fast import MessageType
 
-        msg = Message(
-            destination=dest,
-            path=path,
-            interface=iface,
-            member=member,
-            signature=signature,
-            body=list(body),
-        )
-        try:
-            async with asyncio.timeout(timeout):
-                reply = await self.bus.call(msg)
-        except TimeoutError:
-            raise ResourceError(f"D-Bus {member}: no answer after {timeout:g} s") from None
-        except Exception as e:
-            raise ResourceError(f"D-Bus {member}: {e}") from None
+        reply = await dbus_call(self.bus, dest, path, iface, member, signature, body, timeout)
         if reply.message_type is MessageType.ERROR:
             detail = reply.body[0] if reply.body else ""
             raise CallFailed(f"{member}: {detail or reply.error_name}", reply.error_name or "")
