@@ -226,6 +226,44 @@ def test_one_change_among_100_costs_one_verification(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_a_host_joining_reverifies_its_own_records_only(tmp_path: Path) -> None:
+    """A new exporter's key re-verifies that exporter's records, never the others';
+    one that arrived before its key is verified once when the key comes (the
+    collector now finds them through an index by exporter, not a scan of all)."""
+
+    async def main() -> None:
+        store = MemoryStore()
+        a = Host(MemoryKV(store), tmp_path / "a", "hosta")
+        b = Host(MemoryKV(store), tmp_path / "b", "hostb")
+        joined: dict[str, asyncio.Event] = {"hostc": asyncio.Event(), "hostd": asyncio.Event()}
+        b.book.listen(lambda h: joined[h].set() if h in joined else None)
+        async with a.running(), b.running():
+            a.publisher.set([("hostb", "file", f"f{i}", _params(f"{i}\n")) for i in range(50)])
+            while len(b.collector.current()) < 50:
+                await b.next_change()
+            before = b.collector.verified
+            c = Host(MemoryKV(store), tmp_path / "c", "hostc")
+            async with c.running():
+                await asyncio.wait_for(joined["hostc"].wait(), 10)
+                assert b.collector.verified == before  # none of hosta's 50 again
+                # a record whose exporter's key is not there yet waits, and is
+                # verified (once) when the key arrives
+                d_keys = HostKeys(tmp_path / "d")
+                rec = make_record(
+                    d_keys, "hostd", "hostb", "file", "late", _params("x\n"), b.keys.public
+                )
+                await c.kv.put(export_key("hostb", "hostd", "file", "late"), rec)
+                while b.collector._pending.get("hostd") is None:
+                    await asyncio.sleep(0)
+                assert b.collector.verified == before
+                await publish_hostkeys(c.kv, d_keys, "hostd")
+                await asyncio.wait_for(joined["hostd"].wait(), 10)
+                assert b.collector.verified == before + 1
+                assert [e.src for e in b.collector.current() if e.name == "late"] == ["hostd"]
+
+    asyncio.run(main())
+
+
 def test_a_key_swap_in_the_world_changes_nothing_sealed_or_applied(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -443,6 +443,9 @@ class Collector(Follower[KeyValue]):
         #: records waiting for their exporter's key (by exporter)
         self._pending: dict[str, dict[str, KeyValue]] = {}
         self._raw: dict[str, KeyValue] = {}
+        #: World keys of the records in `_raw`, by exporter (a key that arrives
+        #: re-verifies its exporter's records: O(theirs), not O(all))
+        self._by_src: dict[str, set[str]] = {}
         self._listeners: list[Callable[[], None]] = []
         self._synced = 0
         self.ready = asyncio.Event()
@@ -487,17 +490,33 @@ class Collector(Follower[KeyValue]):
             self._items[kv.key] = exp
             self._dirty = True
 
+    def _keep(self, kv: KeyValue) -> None:
+        self._raw[kv.key] = kv
+        if (where := parse_key(kv.key)) is not None:
+            self._by_src.setdefault(where[1], set()).add(kv.key)
+
     def _forget(self, key: str) -> None:
         self._raw.pop(key, None)
-        for waiting in self._pending.values():
-            waiting.pop(key, None)
+        if (where := parse_key(key)) is not None:
+            src = where[1]
+            mine = self._by_src.get(src)
+            if mine is not None:
+                mine.discard(key)
+                if not mine:
+                    del self._by_src[src]
+            waiting = self._pending.get(src)
+            if waiting is not None:
+                waiting.pop(key, None)
+                if not waiting:
+                    del self._pending[src]
         if self._items.pop(key, None) is not None:
             self._dirty = True
 
     def _key_changed(self, host: str) -> None:
         # a key that arrived (or a pin that changed): verify that exporter's records
         again = dict(self._pending.pop(host, {}))
-        again.update({k: kv for k, kv in self._raw.items() if (w := parse_key(k)) and w[1] == host})
+        for k in self._by_src.get(host, ()):
+            again[k] = self._raw[k]
         for kv in again.values():
             self._open(kv)
         self._notify()
@@ -510,11 +529,11 @@ class Collector(Follower[KeyValue]):
 
     # follower callbacks: the raw record; checks happen here, once per change
     async def new(self, obj: KeyValue) -> None:
-        self._raw[obj.key] = obj
+        self._keep(obj)
         self._open(obj)
 
     async def updated(self, prev: KeyValue, new: KeyValue) -> None:
-        self._raw[new.key] = new
+        self._keep(new)
         self._open(new)
 
     def equals(self, a: KeyValue, b: KeyValue) -> bool:
