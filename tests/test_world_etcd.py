@@ -510,3 +510,19 @@ def test_user_and_password_and_an_expiring_token(shm: Path, servers: list[EtcdSe
             assert [e.value for e in await next_batch(it)] == [b"2"]
 
     run(body)
+
+
+def test_clients_start_at_a_random_member_of_their_seeds() -> None:
+    """Agents given the same seeds spread over the members (etcd's clients balance
+    so); before, every one connected to the first seed and loaded it alone."""
+    ports = [free_port() for _ in range(3)]
+
+    async def body() -> None:
+        firsts = set()
+        for _ in range(40):
+            kv = EtcdKV([f"http://127.0.0.1:{p}" for p in ports], timeout=0.5)
+            firsts.add(kv._endpoint().url)
+            await kv.close()
+        assert len(firsts) > 1  # all 40 on one member: (1/3)^39 by chance
+
+    run(body)

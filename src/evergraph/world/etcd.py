@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,7 +298,9 @@ class EtcdKV(KV):
         self._user = user
         self._password = password
         self.timeout = timeout
-        self._current = 0
+        # start at a random member, as etcd's own clients balance: agents given the
+        # same --seeds would otherwise all connect to (and load) the first one
+        self._current = random.randrange(len(self._endpoints))
         self._closed = False
         self._closed_event = asyncio.Event()
         #: unfinished streaming calls and the steps awaiting them, cancelled by close()
@@ -419,9 +422,10 @@ class EtcdKV(KV):
         if len(failures) == 1:
             ((url, why),) = failures.items()
             return WorldError(f"etcd at {url} is not reachable: {why}")
+        given = [ep.url for ep in self._endpoints]  # in the order given, not tried
         return WorldError(
             "etcd is not reachable at any endpoint: "
-            + "; ".join(f"{url}: {why}" for url, why in failures.items())
+            + "; ".join(f"{url}: {failures[url]}" for url in given if url in failures)
         )
 
     async def _call(
