@@ -1086,15 +1086,17 @@ class Engine:
         self.converger.idle()
 
     def _on_converged(self) -> None:
-        failed = [v for v in self.vertices.values() if not v.ok]
-        changed = sum(1 for v in self.vertices.values() if v.changed_count)
+        # one walk of the vertices (at 1M vertices each walk holds the loop ~0.1 s)
+        failed: list[str] = []
+        named, others = self._recap_statuses(failed)
+        changed = sum(1 for s in named if s.changed_count)
         took = self.clock.monotonic() - self.started
         if failed:
             log.error(
                 "converged with %d of %d vertices not clean (%s) after %.2fs",
                 len(failed),
                 len(self.vertices),
-                ", ".join(v.ident for v in failed[:5]) + (", ..." if len(failed) > 5 else ""),
+                ", ".join(failed[:5]) + (", ..." if len(failed) > 5 else ""),
                 took,
             )
         else:
@@ -1104,19 +1106,23 @@ class Engine:
                 changed,
                 took,
             )
-        named, others = self._recap_statuses()
         text, data = self.recaps.take(named, "converged", self.settings.noop, others)
         log.info("%s", text, extra={"data": data})
         if self.settings.converged_exit or not self.settings.watch:
             self._stop.set()  # without watches, nothing would ever run again
 
-    def _recap_statuses(self) -> tuple[list[VertexStatus], tuple[int, int]]:
+    def _recap_statuses(
+        self, failed: list[str] | None = None
+    ) -> tuple[list[VertexStatus], tuple[int, int]]:
         """Snapshots of the vertices a recap may name (ever changed, or failing), and
-        (how many others, how many of those are clean): no snapshot per clean vertex."""
+        (how many others, how many of those are clean): no snapshot per clean vertex.
+        `failed` gets the idents of the vertices not clean."""
         named: list[VertexStatus] = []
         others = clean = 0
         for v in self.vertices.values():
             state = v.state
+            if failed is not None and not v.ok:
+                failed.append(v.ident)
             if v.changed_count or state == "failed" or state == "retrying":
                 named.append(v.status())
             else:
@@ -1148,18 +1154,22 @@ class Engine:
         self.converger.close()
         for t in [*aux, *self._timers]:
             t.cancel()
-        for v in self.vertices.values():
+        for i, v in enumerate(list(self.vertices.values()), 1):
             self._unsubscribe(v)
             if v.watch_task is not None:
                 v.watch_task.cancel()
+            if i % YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # a 1M graph: keep the loop (and leases) turning
         for v in self._waiting:  # changed nothing yet: nothing to finish
             if v.apply_task is not None:
                 v.apply_task.cancel()
         applies = {v.apply_task for v in self.vertices.values() if v.apply_task is not None}
         if applies:
             await self._end_applies(applies)
-        for v in self.vertices.values():
+        for i, v in enumerate(list(self.vertices.values()), 1):
             await self._call_cleanup(v)
+            if i % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
 
     async def _end_applies(self, applies: set[asyncio.Task[None]]) -> None:
         """Let in-flight applies finish, for `settings.stop_grace` seconds at most, or
