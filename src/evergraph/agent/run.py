@@ -261,7 +261,11 @@ class Agent:
     async def run(self, flush: tuple[Callable[[], None], float] | None) -> int:
         opened: OpenWorld | None = None
         try:
-            async with InotifyHub() as hub, asyncio.TaskGroup() as tg:
+            # a run that exits the moment it converges watches no file (see
+            # `Settings.one_shot`): its hub makes no inotify instance unless
+            # something subscribes (a kind's own watch task may)
+            lazy = self.settings.one_shot
+            async with InotifyHub(lazy=lazy) as hub, asyncio.TaskGroup() as tg:
                 self._tg = tg
                 self._service(hub.run(), "inotify")
                 if flush is not None:
@@ -413,7 +417,11 @@ class Agent:
         raw = self._with_job(raw)
         self._publish(raw)
         model = prepare_model(raw, settings)
-        updates = self._prepared(self._jobs(self.frontend.updates(ctx))) if settings.watch else None
+        # a one-shot run does not follow the graph file (nor later graphs): like a
+        # change to a checked file during it, a save during it is not seen, as
+        # the same save a moment after the exit would not be
+        follow = settings.watch and not settings.one_shot
+        updates = self._prepared(self._jobs(self.frontend.updates(ctx))) if follow else None
         return await engine.run(model, updates)
 
     def _with_job(self, raw: GraphModel, fresh: bool = True) -> GraphModel:

@@ -46,6 +46,13 @@ class Settings:
         if why := seconds_problem(self.stop_grace, zero=True):
             raise InputError(why, "stop_grace")
 
+    @property
+    def one_shot(self) -> bool:
+        """The run ends the moment it converges (`--converged-exit` with a
+        converged-timeout of 0): it sets up no passive watches (the engine's
+        `one_shot`) and follows no later graph (the agent)."""
+        return self.watch and self.converged_exit and self.converged_timeout == 0
+
     def host(self) -> str:
         return self.hostname or socket.gethostname()
 

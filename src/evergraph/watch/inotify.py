@@ -23,12 +23,14 @@ import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # asyncinotify (and asyncio) are imported when a hub starts
-    from asyncinotify import Inotify, Watch
+from evergraph._util.inotify import Inotify
+
+if TYPE_CHECKING:  # asyncio is imported when a hub starts
+    import asyncio
 
 log = logging.getLogger("evergraph.watch")
 
-# the kernel's event bits (linux/inotify.h; asyncinotify's Mask has the same values)
+# the kernel's event bits (linux/inotify.h)
 IN_MODIFY = 0x2
 IN_ATTRIB = 0x4
 IN_CLOSE_WRITE = 0x8
@@ -82,10 +84,10 @@ class _Sub:
 
 
 class _DirWatch:
-    __slots__ = ("by_name", "watch")
+    __slots__ = ("by_name", "wd")
 
-    def __init__(self, watch: Watch) -> None:
-        self.watch = watch
+    def __init__(self, wd: int) -> None:
+        self.wd = wd
         self.by_name: dict[str, set[_Sub]] = {}
 
 
@@ -94,10 +96,19 @@ def _join(d: str, name: str) -> str:
 
 
 class InotifyHub:
-    """Use as `async with InotifyHub() as hub:`; `hub.run()` must be running (a task)."""
+    """Use as `async with InotifyHub() as hub:`; `hub.run()` must be running (a task).
 
-    def __init__(self) -> None:
+    `lazy`: the inotify instance is made on the first subscription, not on entry.
+    For a run that may never watch anything (one that exits the moment it
+    converges): an instance that had watches costs its process up to ~15 ms of
+    wall time in the kernel when it is closed (or at exit), waiting for the
+    marks' RCU grace period. An eager hub reports "no inotify instance left"
+    on entry; a lazy one to whatever subscribes first."""
+
+    def __init__(self, lazy: bool = False) -> None:
+        self._lazy = lazy
         self._ino: Inotify | None = None
+        self._opened: asyncio.Event | None = None
         self._dirs: dict[str, _DirWatch] = {}
         #: watch descriptor -> the directory it watches
         self._by_watch: dict[int, str] = {}
@@ -106,11 +117,17 @@ class InotifyHub:
         self._missing: set[str] = set()
 
     async def __aenter__(self) -> InotifyHub:
-        from asyncinotify import Inotify, Mask
+        import asyncio
 
-        self._ino = Inotify()
-        self._dir_mask = Mask(_DIR_MASK)
+        self._opened = asyncio.Event()
+        if not self._lazy:
+            self._open()
         return self
+
+    def _open(self) -> None:
+        assert self._opened is not None, "use `async with InotifyHub()` first"
+        self._ino = Inotify()
+        self._opened.set()
 
     async def __aexit__(self, *exc: object) -> None:
         if self._ino is not None:
@@ -132,6 +149,8 @@ class InotifyHub:
         if not path.startswith("/") or "/." in path or "//" in path:
             path = os.path.abspath(path)
         sub = _Sub(path, callback)
+        if self._ino is None and self._lazy:
+            self._open()
         self._arm(sub)
         return Subscription(self, sub)
 
@@ -146,10 +165,13 @@ class InotifyHub:
         The descriptor is read directly (one `os.read` of up to 64 KiB, some
         2,000 events, per wake-up), not through asyncinotify's iterator, which
         builds a `Path` and an enum per event and re-registers the reader per
-        batch of ~60: under 1,000 changes/s that cost more than the repairs."""
-        assert self._ino is not None, "use `async with InotifyHub()` first"
+        batch of ~60: under 1,000 changes/s that cost more than the repairs.
+        A lazy hub waits for its first subscription."""
+        assert self._opened is not None, "use `async with InotifyHub()` first"
         import asyncio
 
+        await self._opened.wait()
+        assert self._ino is not None
         loop = asyncio.get_running_loop()
         fd = self._ino.fd
         failed: asyncio.Future[None] = loop.create_future()
@@ -192,10 +214,6 @@ class InotifyHub:
                     for s in list(subs):
                         s.callback(RESCAN)
             return
-        if mask & IN_IGNORED and self._ino is not None:
-            # the kernel dropped the watch: asyncinotify forgets it when it reads
-            # the event itself, which it no longer does
-            self._ino._watches.pop(wd, None)
         d = self._by_watch.get(wd)
         if d is None:
             return
@@ -263,7 +281,7 @@ class InotifyHub:
                 return d, name, False
             if d not in self._missing:
                 try:
-                    w = self._ino.add_watch(d, self._dir_mask)
+                    w = self._ino.add_watch(d, _DIR_MASK)
                 except (FileNotFoundError, NotADirectoryError):
                     self._missing.add(d)
                 except PermissionError:
@@ -271,7 +289,7 @@ class InotifyHub:
                     return "", "", False
                 else:
                     self._dirs[d] = _DirWatch(w)
-                    self._by_watch[w.wd] = d
+                    self._by_watch[w] = d
                     return d, name, True
             if d == "/":
                 return "", "", False
@@ -295,16 +313,16 @@ class InotifyHub:
         dw = self._dirs.pop(d, None)
         if dw is None:
             return
-        self._by_watch.pop(dw.watch.wd, None)
+        self._by_watch.pop(dw.wd, None)
         if self._ino is not None:
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                self._ino.rm_watch(dw.watch)
+            with contextlib.suppress(OSError):
+                self._ino.rm_watch(dw.wd)
 
     def _drop_dir(self, d: str) -> None:
         dw = self._dirs.pop(d, None)
         if dw is None:
             return
-        self._by_watch.pop(dw.watch.wd, None)
+        self._by_watch.pop(dw.wd, None)
         subs = [s for group in dw.by_name.values() for s in group]
         for s in subs:
             s.dir = s.name = ""

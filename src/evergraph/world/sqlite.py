@@ -7,8 +7,10 @@ watcher in any process reads what changed after the revision it has seen.
 
 How a watcher learns that another process wrote: inotify on the `-wal` file
 (every commit writes it), with a slow poll (30 s) behind it in case an event
-is missed (e.g. a checkpoint that truncated the file between our reads). An
-idle agent wakes for nothing else than its lease: no fixed tick.
+is missed (e.g. a checkpoint that truncated the file between our reads),
+armed 0.1 s after the first watch starts (`ARM_AFTER`: a short-lived client
+never pays an inotify instance's teardown). An idle agent wakes for nothing
+else than its lease: no fixed tick.
 
 Leases keep their deadline as wall-clock time in the file. Expired leases
 are swept by whoever writes, and by every open client with a watch when the
@@ -76,7 +78,17 @@ HISTORY = 10_000
 _SWEEP = 0.05  # at least this long between lease sweeps while watching
 _IDLE = 30.0  # at most this long between them (a missed inotify event, no leases)
 _POLL = 30.0  # fallback poll for other processes' writes (inotify is the way)
+#: the notifier arms its inotify instance this long after the first watch starts:
+#: a client done by then (a run that exits the moment it converges) never pays the
+#: instance's teardown, ~15 ms of wall time in the kernel at close or exit (the
+#: marks' RCU grace period). Another process's commit (or a lease's expiry) in that
+#: moment reaches the watchers when it is armed: at most this late.
+ARM_AFTER = 0.1
 _PUT, _DEL = 0, 1
+# inotify's event bits (linux/inotify.h): MODIFY | CLOSE_WRITE | ATTRIB, and
+# CREATE | DELETE | MOVED_FROM | MOVED_TO
+_IN_MODIFY_CLOSE_WRITE_ATTRIB = 0x2 | 0x8 | 0x4
+_IN_CREATE_DELETE_MOVED = 0x100 | 0x200 | 0x40 | 0x80
 
 
 def _upper(prefix: str) -> str:
@@ -447,10 +459,16 @@ class SQLiteKV(KV):
     async def _notify_loop(self) -> None:
         """Wake watchers on other processes' commits (inotify on the WAL) and sweep
         expired leases, so deletions by expiry reach watchers without any write."""
-        from asyncinotify import Inotify, Mask, Watch
+        from evergraph._util.inotify import Inotify
 
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(ARM_AFTER):
+                await self._closed.wait()
+        if self._closed.is_set():
+            return
         loop = asyncio.get_running_loop()
         woke = asyncio.Event()
+        woke.set()  # look again once armed: what was committed before
 
         def drain(fd: int) -> None:
             # A write to the -wal, or the World's files deleted, created or renamed in
@@ -470,7 +488,7 @@ class SQLiteKV(KV):
                 woke.set()
 
         with Inotify() as ino:
-            watch: Watch | None = None
+            watch = -1  # the -wal file's watch descriptor
             watched = -1  # the epoch (World) whose -wal file is watched
 
             def add_watch() -> None:
@@ -478,10 +496,8 @@ class SQLiteKV(KV):
                 # ATTRIB: its deletion (a link count change) wakes us too
                 nonlocal watch, watched
                 with contextlib.suppress(OSError):
-                    new = ino.add_watch(
-                        str(self.path) + "-wal", Mask.MODIFY | Mask.CLOSE_WRITE | Mask.ATTRIB
-                    )
-                    if watch is not None and watch.wd != new.wd:
+                    new = ino.add_watch(str(self.path) + "-wal", _IN_MODIFY_CLOSE_WRITE_ATTRIB)
+                    if watch != -1 and watch != new:
                         with contextlib.suppress(OSError):
                             ino.rm_watch(watch)
                     watch, watched = new, self._epoch
@@ -490,11 +506,7 @@ class SQLiteKV(KV):
             base = os.fsencode(self.path.name)
             dir_wd = -1
             with contextlib.suppress(OSError):
-                dir_wd = ino.add_watch(
-                    str(self.path.parent),
-                    Mask.CREATE | Mask.DELETE | Mask.MOVED_FROM | Mask.MOVED_TO,
-                ).wd
-            os.set_blocking(ino.fd, False)  # drain reads until empty
+                dir_wd = ino.add_watch(str(self.path.parent), _IN_CREATE_DELETE_MOVED)
             loop.add_reader(ino.fd, drain, ino.fd)
             try:
                 # Sweep on a deadline — the earliest lease expiry — not on quiet ticks
@@ -503,7 +515,7 @@ class SQLiteKV(KV):
                 # by anyone wakes us: a new lease may expire sooner.
                 next_sweep = loop.time() + self._until_expiry()
                 while not self._closed.is_set():
-                    if watched != self._epoch or watch is None:
+                    if watched != self._epoch or watch == -1:
                         add_watch()  # a new World, or a -wal that did not exist yet
                     written = False
                     with contextlib.suppress(TimeoutError):
