@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -263,3 +265,135 @@ def test_the_watch_bits_are_the_kernels() -> None:
         assert getattr(inotify, f"IN_{name}") == int(getattr(Mask, name)), name
     for name in ("DELETE", "DELETE_SELF", "MOVE_SELF", "Q_OVERFLOW", "IGNORED", "ONLYDIR"):
         assert getattr(inotify, f"IN_{name}") == int(getattr(Mask, name)), name
+
+
+def _at_exit(argv: list[str], module: str = "evergraph.cli.entry") -> tuple[int, str, set[str]]:
+    """Run `evergraph ARGV` through `module` in a subprocess: (status, stderr, the
+    modules imported, and "<an inotify instance>" if it made one)."""
+    code = (
+        "import sys, os, runpy\n"
+        "from evergraph._util import inotify\n"
+        "made, init = [], inotify.Inotify.__init__\n"
+        "def counted(self):\n"
+        "    init(self)\n"
+        "    made.append(self.fd)\n"
+        "inotify.Inotify.__init__ = counted\n"
+        "real = os._exit\n"
+        "def _exit(status):\n"
+        "    mods = sorted(m for m in sys.modules if m != 'ctypes' or made)\n"
+        "    if made:\n"
+        "        mods.append('<an inotify instance>')\n"
+        "    import json\n"
+        "    print(json.dumps(mods), file=sys.stderr, flush=True)\n"
+        "    real(status)\n"
+        "os._exit = _exit\n"
+        f"sys.argv = {['evergraph', *argv]!r}\n"
+        f"runpy.run_module({module!r}, run_name='__main__')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    return p.returncode, p.stderr, set(json.loads(p.stderr.strip().splitlines()[-1]))
+
+
+def test_run_file_is_answered_without_click_and_a_one_shot_run_opens_no_inotify(
+    tmp_path: Path,
+) -> None:
+    g = tmp_path / "g.yaml"
+    g.write_text(f"resources:\n  file:\n  - name: f\n    path: {tmp_path}/x\n    content: hi\n")
+    st = str(tmp_path / "state")
+    rc, err, mods = _at_exit(["run", str(g), "--converged-exit", "--state-dir", st])
+    assert rc == 0, err
+    assert (tmp_path / "x").read_text() == "hi"
+    assert "evergraph.world.sqlite" in mods  # the World was used (members, host keys)
+    for heavy in ("click", "evergraph.cli.main", "asyncinotify", "<an inotify instance>"):
+        assert heavy not in mods, heavy
+    # a run that goes on after converging watches its files (the hub's instance)
+    rc, err, mods = _at_exit(["run", str(g), "--no-watch", "--state-dir", st, "--max-runtime", "5"])
+    assert rc == 0, err
+    assert "click" not in mods
+    rc, err, mods = _at_exit(
+        ["run", str(g), "--converged-exit", "--converged-timeout", "0.01", "--state-dir", st]
+    )
+    assert rc == 0, err
+    assert "<an inotify instance>" in mods
+    assert "click" not in mods
+    # an option the fast path leaves to click
+    rc, err, mods = _at_exit(["run", str(g), "--converged-exit", "--sema", "2", "--state-dir", st])
+    assert rc == 0, err
+    assert "click" in mods
+
+
+#: what differs between two runs of the same command: times of day, durations, pids
+_STAMP = re.compile(r"\d+(\.\d+)?")
+
+
+def test_run_says_and_does_the_same_with_and_without_click(tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(
+        f"resources:\n  file:\n  - name: f\n    path: {tmp_path}/out\n    content: hi\n"
+        "  noop:\n  - name: n\n"
+    )
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("resources:\n  file:\n  - name: f\n    path: /tmp/x\n    content: [1]\n")
+    failing = tmp_path / "failing.yaml"
+    failing.write_text(f"resources:\n  exec:\n  - name: e\n    cmd: {tmp_path}/no-such-program\n")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    st = str(tmp_path / "state")
+    cases = [
+        ("run", str(good), "--converged-exit", "--state-dir", st),
+        ("run", str(good), "--converged-exit", "--state-dir", st, "--noop"),
+        ("run", "--noop", "--state-dir", st, str(good), "--converged-exit", "-v"),
+        ("run", str(good), "--no-watch", "--state-dir", st, "--log-format", "json"),
+        ("run", str(good), "--converged-exit", "--state-dir", st, "--diff", "-vv"),
+        ("run", str(good), "--converged-exit", "--converged-timeout", "0.05", "--state-dir", st),
+        ("run", str(good), "--converged-exit", "--converged-timeout", "-1", "--state-dir", st),
+        ("run", str(good), "--converged-exit", "--converged-timeout", "1e400", "--state-dir", st),
+        ("run", str(good), "--converged-exit", "--converged-timeout", "soon", "--state-dir", st),
+        ("run", str(good), "--converged-exit", "--max-runtime", "0", "--state-dir", st),
+        ("run", str(good), "--converged-exit", "--hostname", "bad_name!", "--state-dir", st),
+        ("run", str(good), "--converged-exit", "--log-format", "xml", "--state-dir", st),
+        ("run", str(good), "--converged-exit", "--state-dir", str(a_file)),
+        ("run", str(good), "--converged-exit", "--state-dir"),
+        ("run", str(good), "--converged-exit", "--converged-exit", "--state-dir", st),
+        ("run", str(good), str(good), "--converged-exit", "--state-dir", st),
+        ("run", str(bad), "--converged-exit", "--state-dir", st),
+        ("run", str(failing), "--converged-exit", "--state-dir", st),
+        ("run", str(tmp_path / "missing.yaml"), "--converged-exit", "--state-dir", st),
+        ("run", str(tmp_path), "--converged-exit", "--state-dir", st),  # a directory
+        ("run", str(good), "--converged-exit", "--converged-status-file", str(tmp_path)),
+        ("run", str(good), "--converged-exit", "--bogus", "--state-dir", st),
+        ("run", "--help"),
+    ]
+
+    def fresh() -> None:  # each command on the same machine state
+        shutil.rmtree(st, ignore_errors=True)
+        (tmp_path / "out").unlink(missing_ok=True)
+
+    said = []
+    for args in cases:
+        fresh()
+        fast = subprocess.run([*ENTRY, *args], capture_output=True, text=True, timeout=60)
+        out = (tmp_path / "out").exists()
+        fresh()
+        slow = subprocess.run([*CLICK, *args], capture_output=True, text=True, timeout=60)
+        assert fast.returncode == slow.returncode, (args, fast.stderr, slow.stderr)
+        assert fast.stdout == slow.stdout, args
+        assert _STAMP.sub("T", fast.stderr) == _STAMP.sub("T", slow.stderr), args
+        assert out == (tmp_path / "out").exists(), args
+        said.append(fast)
+    assert said[0].returncode == 0, said[0].stderr
+    assert "converged: 2 vertices clean, 1 changed" in said[0].stderr
+    assert said[1].returncode == 3  # --noop: something would change
+    assert said[16].returncode == 2
+    assert said[16].stderr.startswith(f"evergraph: {bad}:5:")
+    assert said[17].returncode == 1
+
+
+def test_the_fast_run_path_starts_from_clicks_defaults() -> None:
+    from evergraph.cli import main, runner
+
+    ctx = main.run.make_context("run", [])
+    assert ctx.params == runner.DEFAULTS
+    for flag, name in {**runner._FLAGS, **runner._VALUED}.items():
+        (opt,) = [p for p in main.run.params if flag in p.opts]
+        assert opt.name == name, flag

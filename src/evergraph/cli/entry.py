@@ -1,7 +1,8 @@
-"""The `evergraph` console script. `evergraph check FILE`, the one command whose
-start-up is most of its time, is answered without importing click (~15-20 ms of
-a ~95 ms check); every other command line, `--help` included, goes to the click
-application in cli/main.py, which has the same `check`."""
+"""The `evergraph` console script. `evergraph check FILE` and `evergraph run FILE`
+with a few common flags (cli/runner.py's `parse_fast`), the commands whose
+start-up is much of their time, are answered without importing click (~20 ms);
+every other command line, `--help` included, goes to the click application in
+cli/main.py, whose `check` and `run` say and do the same."""
 
 from __future__ import annotations
 
@@ -79,6 +80,19 @@ def main() -> None:
     argv = sys.argv[1:]
     if len(argv) == 2 and argv[0] == "check" and _plain_file(argv[1]):
         _check(argv[1])
+    if argv and argv[0] == "run":
+        from evergraph.cli import runner
+
+        params = runner.parse_fast(argv[1:])
+        if params is not None:
+            try:
+                runner.run_command(params)
+            except (KeyboardInterrupt, EOFError):  # as click says it (before the loop)
+                print("\nAborted!", file=sys.stderr, flush=True)
+                sys.exit(1)
+            except BrokenPipeError:  # as click: exit 1, nothing more said
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                sys.exit(1)
     from evergraph.cli.main import main as click_main
 
     click_main()

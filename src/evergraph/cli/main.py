@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,15 +12,13 @@ import click
 
 from evergraph._version import __version__
 from evergraph.cli.entry import check_summary, error_line, one_line
+from evergraph.cli.runner import ETCD_PASSWORD_ENV, run_command, world_opts
 from evergraph.errors import InputError
 
 if TYPE_CHECKING:
-    from evergraph.agent.run import Agent, FarmOptions, Service
     from evergraph.world.open import WorldOptions
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-#: where the etcd password may come from, rather than a command line
-ETCD_PASSWORD_ENV = "EVERGRAPH_ETCD_PASSWORD"
 
 
 def _die(e: InputError) -> NoReturn:
@@ -79,6 +76,11 @@ def cli() -> None:
       evergraph run site.py                          # a reactive Python graph
       evergraph deploy site.yaml                     # ship it to agents run without FILE
     """
+
+
+def _world_opts(world: dict[str, object]) -> WorldOptions:
+    """The World's options from the command line's (cli/world.py's commands too)."""
+    return world_opts(world)
 
 
 def world_options(f: Callable[..., None]) -> Callable[..., None]:
@@ -146,138 +148,6 @@ def world_options(f: Callable[..., None]) -> Callable[..., None]:
     for opt in reversed(opts):
         f = opt(f)
     return f
-
-
-def _farm_options(
-    worker: bool,
-    caps: tuple[str, ...],
-    groups: tuple[str, ...],
-    ssh_port: int,
-    ssh_user: str,
-    authorized_keys: Path | None,
-    farm_servers: tuple[str, ...],
-    http_addr: str | None,
-) -> FarmOptions | None:
-    if not worker and (caps or groups or farm_servers or authorized_keys):
-        raise InputError(
-            "--cap, --group, --authorized-keys and --farm-server describe a worker: add --worker",
-            "--worker",
-        )
-    if not worker and not http_addr:
-        return None
-    # imported here: an agent outside the farm does not load the farm package
-    from evergraph.agent.run import FarmOptions
-    from evergraph.farm.facts import parse_caps
-    from evergraph.world.names import hostname_problem
-
-    try:
-        parsed = parse_caps(caps)
-    except ValueError as e:
-        raise InputError(str(e), "--cap") from None
-    for h in farm_servers:
-        why = hostname_problem(h)
-        if why:
-            raise InputError(why, "--farm-server")
-    return FarmOptions(
-        worker=worker,
-        caps=parsed,
-        groups=list(groups),
-        ssh_port=ssh_port,
-        ssh_user=ssh_user,
-        authorized_keys=str(authorized_keys.absolute()) if authorized_keys else "",
-        key_servers=tuple(farm_servers),
-        matcher=bool(http_addr),
-    )
-
-
-def _http_service(addr: str, anonymous: str | None) -> Service:
-    """The HTTP server as an agent service; the socket is bound now (InputError)."""
-    from evergraph.http.server import HttpServer, bind
-
-    sock = bind(addr)
-
-    async def serve(agent: Agent) -> None:
-        from evergraph.farm.service import Farm
-        from evergraph.http.app import create_app
-        from evergraph.http.farm_api import FarmApi
-        from evergraph.http.observe import AgentView
-
-        farm = None
-        if agent.kv is not None:
-            farm = Farm(agent.kv, host=agent.settings.host(), collector=agent.collector)
-        view = AgentView(agent, farm=farm is not None)
-        app = create_app(agent.status, FarmApi(farm, anonymous), view)
-        await view.serve(HttpServer(app, sock, on_stop=view.close))
-
-    serve.observes = True  # type: ignore[attr-defined]  # metrics and the live view
-    return serve
-
-
-def _etcd_password(world: dict[str, object]) -> str | None:
-    """From --etcd-password-file, else the environment, else --etcd-password (warned:
-    a command line is visible to every user of the host)."""
-    # Taken out of the environment: the commands the agent runs inherit it.
-    env = os.environ.pop(ETCD_PASSWORD_ENV, None)
-    given, file = world.get("etcd_password"), world.get("etcd_password_file")
-    if given is not None and file is not None:
-        raise InputError(
-            "give --etcd-password-file or --etcd-password, not both", "--etcd-password"
-        )
-    if file is not None:
-        try:
-            with open(str(file), "rb") as f:
-                data = f.read(65537)
-        except OSError as e:
-            raise InputError(f"cannot read {file}: {e.strerror}", "--etcd-password-file") from None
-        if len(data) > 65536:
-            raise InputError(f"{file} is over 64 KiB: not a password", "--etcd-password-file")
-        try:
-            password = data.decode().rstrip("\r\n")  # one line, as `echo` writes it
-        except UnicodeDecodeError:
-            raise InputError(f"{file} is not UTF-8 text", "--etcd-password-file") from None
-        if not password:
-            raise InputError(f"{file} is empty", "--etcd-password-file")
-        return password
-    if given is not None:
-        click.echo(
-            "evergraph: warning: --etcd-password is visible to every user of this host "
-            f"(ps): use --etcd-password-file FILE or {ETCD_PASSWORD_ENV}",
-            err=True,
-        )
-        return str(given) or None
-    return env or None
-
-
-def _world_opts(world: dict[str, object]) -> WorldOptions:
-    from evergraph.world.open import WorldOptions, seed_problem
-
-    seeds = tuple(u.strip() for u in str(world.get("seeds") or "").split(",") if u.strip())
-    for url in seeds:
-        why = seed_problem(url)
-        if why:
-            raise InputError(why, "--seeds")
-    for flag in ("etcd_ca", "etcd_cert", "etcd_key"):
-        p = world.get(flag)
-        if p is not None and not Path(str(p)).is_file():
-            raise InputError(f"no such file: {p}", "--" + flag.replace("_", "-"))
-    if (world.get("etcd_cert") is None) != (world.get("etcd_key") is None):
-        raise InputError("give both --etcd-cert and --etcd-key, or neither", "--etcd-cert")
-
-    def path(k: str) -> Path | None:
-        v = world.get(k)
-        return Path(str(v)) if v is not None else None
-
-    return WorldOptions(
-        backend=str(world.get("world_backend") or "sqlite"),
-        db=path("world_db"),
-        seeds=seeds,
-        embedded=world.get("etcd_mode") == "embedded",
-        ca=path("etcd_ca"),
-        cert=path("etcd_cert"),
-        key=path("etcd_key"),
-        user=str(world["etcd_user"]) if world.get("etcd_user") else None,
-        password=_etcd_password(world),
-    )
 
 
 @cli.command(context_settings=CONTEXT)
@@ -473,61 +343,10 @@ def run(
       evergraph run site.yaml --diff                        # show each change's diff
       evergraph run site.yaml --converged-timeout 5 --converged-status-file /run/eg.status
     """
-    from evergraph.agent.api import frontend_for
-    from evergraph.agent.api import run as run_graph
-    from evergraph.cli.logs import flush_logs, flusher, setup_logging, terminal_handler
-    from evergraph.cli.progress import service as progress_service
-    from evergraph.engine.settings import check_times
-
-    setup_logging(log_format, verbose)
-    try:
-        check_times(converged_timeout, max_runtime)
-        frontend = frontend_for(file)
-        if deployers:
-            from evergraph.frontends.deploy import trust_deployers
-
-            trust_deployers(frontend, deployers)
-        frontend.preload()
-        world_opts = _world_opts(world)
-        services = [_http_service(http_addr, farm_anonymous)] if http_addr else []
-        # the live display on a terminal; "still running" lines in a pipe
-        services.append(progress_service(terminal_handler()))
-        services.append(flusher)  # a pipe's buffered lines, written soon after they come
-        farm = _farm_options(
-            worker, caps, groups, ssh_port, ssh_user, authorized_keys, farm_servers, http_addr
-        )
-    except InputError as e:
-        _die(e)
-    try:
-        status = run_graph(
-            frontend,
-            state_dir=state_dir,
-            hostname=hostname,
-            noop=noop,
-            diff=diff,
-            sema=sema,
-            watch=not no_watch,
-            autoedges=not no_autoedges,
-            autogroup=not no_autogroup,
-            converged_timeout=converged_timeout,
-            converged_exit=converged_exit,
-            converged_status_file=converged_status_file,
-            max_runtime=max_runtime,
-            graphviz=graphviz,
-            world=world_opts,
-            replace=replace,
-            deployers=list(deployers),
-            services=services,
-            farm=farm,
-        )
-    finally:
-        flush_logs()
-    # The agent has stopped: its World is closed, its children are gone, its writes
-    # are on disk. Skip the interpreter's teardown, which would free a big graph
-    # object by object (0.6 s for 50k vertices) after SIGTERM asked us to go.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    params = dict(locals())
+    params.update(params.pop("world"))
+    # the console script's fast path calls the same (cli/entry.py)
+    run_command(params)
 
 
 @cli.command(context_settings=CONTEXT)

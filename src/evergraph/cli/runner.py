@@ -1,0 +1,385 @@
+"""`evergraph run`'s work, without click: the click command in cli/main.py and the
+console script's fast path (cli/entry.py: `run FILE` with a few common flags,
+parsed here) both call `run_command`, so that both say and do the same."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from evergraph.cli.entry import error_line
+from evergraph.errors import InputError
+
+if TYPE_CHECKING:
+    from evergraph.agent.run import Agent, FarmOptions, Service
+    from evergraph.world.open import WorldOptions
+
+#: where the etcd password may come from, rather than a command line
+ETCD_PASSWORD_ENV = "EVERGRAPH_ETCD_PASSWORD"
+
+#: every parameter of `run` with click's default (tests/test_startup.py checks them
+#: against the click command's)
+DEFAULTS: dict[str, Any] = {
+    "file": None,
+    "state_dir": None,
+    "hostname": "",
+    "noop": False,
+    "diff": False,
+    "sema": 0,
+    "no_watch": False,
+    "no_autoedges": False,
+    "no_autogroup": False,
+    "converged_timeout": None,
+    "converged_exit": False,
+    "converged_status_file": None,
+    "max_runtime": None,
+    "graphviz": None,
+    "log_format": "text",
+    "http_addr": None,
+    "farm_anonymous": None,
+    "worker": False,
+    "caps": (),
+    "groups": (),
+    "ssh_port": 22,
+    "ssh_user": "root",
+    "authorized_keys": None,
+    "farm_servers": (),
+    "replace": False,
+    "world_backend": "sqlite",
+    "world_db": None,
+    "seeds": "",
+    "etcd_mode": None,
+    "etcd_ca": None,
+    "etcd_cert": None,
+    "etcd_key": None,
+    "etcd_user": None,
+    "etcd_password_file": None,
+    "etcd_password": None,
+    "deployers": (),
+    "verbose": 0,
+}
+
+#: the World's options among them (passed on as `world`)
+WORLD_PARAMS = (
+    "world_backend",
+    "world_db",
+    "seeds",
+    "etcd_mode",
+    "etcd_ca",
+    "etcd_cert",
+    "etcd_key",
+    "etcd_user",
+    "etcd_password_file",
+    "etcd_password",
+)
+
+
+def die(e: InputError) -> NoReturn:
+    print(error_line(e), file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def farm_options(
+    worker: bool,
+    caps: tuple[str, ...],
+    groups: tuple[str, ...],
+    ssh_port: int,
+    ssh_user: str,
+    authorized_keys: Path | None,
+    farm_servers: tuple[str, ...],
+    http_addr: str | None,
+) -> FarmOptions | None:
+    if not worker and (caps or groups or farm_servers or authorized_keys):
+        raise InputError(
+            "--cap, --group, --authorized-keys and --farm-server describe a worker: add --worker",
+            "--worker",
+        )
+    if not worker and not http_addr:
+        return None
+    # imported here: an agent outside the farm does not load the farm package
+    from evergraph.agent.run import FarmOptions
+    from evergraph.farm.facts import parse_caps
+    from evergraph.world.names import hostname_problem
+
+    try:
+        parsed = parse_caps(caps)
+    except ValueError as e:
+        raise InputError(str(e), "--cap") from None
+    for h in farm_servers:
+        why = hostname_problem(h)
+        if why:
+            raise InputError(why, "--farm-server")
+    return FarmOptions(
+        worker=worker,
+        caps=parsed,
+        groups=list(groups),
+        ssh_port=ssh_port,
+        ssh_user=ssh_user,
+        authorized_keys=str(authorized_keys.absolute()) if authorized_keys else "",
+        key_servers=tuple(farm_servers),
+        matcher=bool(http_addr),
+    )
+
+
+def http_service(addr: str, anonymous: str | None) -> Service:
+    """The HTTP server as an agent service; the socket is bound now (InputError)."""
+    from evergraph.http.server import HttpServer, bind
+
+    sock = bind(addr)
+
+    async def serve(agent: Agent) -> None:
+        from evergraph.farm.service import Farm
+        from evergraph.http.app import create_app
+        from evergraph.http.farm_api import FarmApi
+        from evergraph.http.observe import AgentView
+
+        farm = None
+        if agent.kv is not None:
+            farm = Farm(agent.kv, host=agent.settings.host(), collector=agent.collector)
+        view = AgentView(agent, farm=farm is not None)
+        app = create_app(agent.status, FarmApi(farm, anonymous), view)
+        await view.serve(HttpServer(app, sock, on_stop=view.close))
+
+    serve.observes = True  # type: ignore[attr-defined]  # metrics and the live view
+    return serve
+
+
+def etcd_password(world: dict[str, object]) -> str | None:
+    """From --etcd-password-file, else the environment, else --etcd-password (warned:
+    a command line is visible to every user of the host)."""
+    # Taken out of the environment: the commands the agent runs inherit it.
+    env = os.environ.pop(ETCD_PASSWORD_ENV, None)
+    given, file = world.get("etcd_password"), world.get("etcd_password_file")
+    if given is not None and file is not None:
+        raise InputError(
+            "give --etcd-password-file or --etcd-password, not both", "--etcd-password"
+        )
+    if file is not None:
+        try:
+            with open(str(file), "rb") as f:
+                data = f.read(65537)
+        except OSError as e:
+            raise InputError(f"cannot read {file}: {e.strerror}", "--etcd-password-file") from None
+        if len(data) > 65536:
+            raise InputError(f"{file} is over 64 KiB: not a password", "--etcd-password-file")
+        try:
+            password = data.decode().rstrip("\r\n")  # one line, as `echo` writes it
+        except UnicodeDecodeError:
+            raise InputError(f"{file} is not UTF-8 text", "--etcd-password-file") from None
+        if not password:
+            raise InputError(f"{file} is empty", "--etcd-password-file")
+        return password
+    if given is not None:
+        print(
+            "evergraph: warning: --etcd-password is visible to every user of this host "
+            f"(ps): use --etcd-password-file FILE or {ETCD_PASSWORD_ENV}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return str(given) or None
+    return env or None
+
+
+def world_opts(world: dict[str, object]) -> WorldOptions:
+    from evergraph.world.open import WorldOptions, seed_problem
+
+    seeds = tuple(u.strip() for u in str(world.get("seeds") or "").split(",") if u.strip())
+    for url in seeds:
+        why = seed_problem(url)
+        if why:
+            raise InputError(why, "--seeds")
+    for flag in ("etcd_ca", "etcd_cert", "etcd_key"):
+        p = world.get(flag)
+        if p is not None and not Path(str(p)).is_file():
+            raise InputError(f"no such file: {p}", "--" + flag.replace("_", "-"))
+    if (world.get("etcd_cert") is None) != (world.get("etcd_key") is None):
+        raise InputError("give both --etcd-cert and --etcd-key, or neither", "--etcd-cert")
+
+    def path(k: str) -> Path | None:
+        v = world.get(k)
+        return Path(str(v)) if v is not None else None
+
+    return WorldOptions(
+        backend=str(world.get("world_backend") or "sqlite"),
+        db=path("world_db"),
+        seeds=seeds,
+        embedded=world.get("etcd_mode") == "embedded",
+        ca=path("etcd_ca"),
+        cert=path("etcd_cert"),
+        key=path("etcd_key"),
+        user=str(world["etcd_user"]) if world.get("etcd_user") else None,
+        password=etcd_password(world),
+    )
+
+
+def run_command(params: dict[str, Any]) -> NoReturn:
+    """Run the agent with `run`'s parameters (`DEFAULTS` keys), then leave the process
+    with its exit status; bad input: one line, exit 2."""
+    file: Path | None = params["file"]
+    state_dir: Path | None = params["state_dir"]
+    hostname: str = params["hostname"]
+    noop: bool = params["noop"]
+    diff: bool = params["diff"]
+    sema: int = params["sema"]
+    no_watch: bool = params["no_watch"]
+    no_autoedges: bool = params["no_autoedges"]
+    no_autogroup: bool = params["no_autogroup"]
+    converged_timeout: float | None = params["converged_timeout"]
+    converged_exit: bool = params["converged_exit"]
+    converged_status_file: Path | None = params["converged_status_file"]
+    max_runtime: float | None = params["max_runtime"]
+    graphviz: Path | None = params["graphviz"]
+    log_format: str = params["log_format"]
+    replace: bool = params["replace"]
+    http_addr: str | None = params["http_addr"]
+    farm_anonymous: str | None = params["farm_anonymous"]
+    worker: bool = params["worker"]
+    caps: tuple[str, ...] = params["caps"]
+    groups: tuple[str, ...] = params["groups"]
+    ssh_port: int = params["ssh_port"]
+    ssh_user: str = params["ssh_user"]
+    authorized_keys: Path | None = params["authorized_keys"]
+    farm_servers: tuple[str, ...] = params["farm_servers"]
+    verbose: int = params["verbose"]
+    deployers: tuple[str, ...] = params["deployers"]
+    world = {k: params[k] for k in WORLD_PARAMS}
+    from evergraph.agent.api import frontend_for
+    from evergraph.agent.api import run as run_graph
+    from evergraph.cli.logs import flush_logs, flusher, setup_logging, terminal_handler
+    from evergraph.cli.progress import service as progress_service
+    from evergraph.engine.settings import check_times
+
+    setup_logging(log_format, verbose)
+    try:
+        check_times(converged_timeout, max_runtime)
+        frontend = frontend_for(file)
+        if deployers:
+            from evergraph.frontends.deploy import trust_deployers
+
+            trust_deployers(frontend, deployers)
+        frontend.preload()
+        opts = world_opts(world)
+        services = [http_service(http_addr, farm_anonymous)] if http_addr else []
+        # the live display on a terminal; "still running" lines in a pipe
+        services.append(progress_service(terminal_handler()))
+        services.append(flusher)  # a pipe's buffered lines, written soon after they come
+        farm = farm_options(
+            worker, caps, groups, ssh_port, ssh_user, authorized_keys, farm_servers, http_addr
+        )
+    except InputError as e:
+        die(e)
+    try:
+        status = run_graph(
+            frontend,
+            state_dir=state_dir,
+            hostname=hostname,
+            noop=noop,
+            diff=diff,
+            sema=sema,
+            watch=not no_watch,
+            autoedges=not no_autoedges,
+            autogroup=not no_autogroup,
+            converged_timeout=converged_timeout,
+            converged_exit=converged_exit,
+            converged_status_file=converged_status_file,
+            max_runtime=max_runtime,
+            graphviz=graphviz,
+            world=opts,
+            replace=replace,
+            deployers=list(deployers),
+            services=services,
+            farm=farm,
+        )
+    finally:
+        flush_logs()
+    # The agent has stopped: its World is closed, its children are gone, its writes
+    # are on disk. Skip the interpreter's teardown, which would free a big graph
+    # object by object (0.6 s for 50k vertices) after SIGTERM asked us to go.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+#: the flags the fast path takes (anything else, `--opt=value` and a repeated flag
+#: included, goes to click): flag -> (parameter, kind)
+_FLAGS = {
+    "--converged-exit": "converged_exit",
+    "--noop": "noop",
+    "--diff": "diff",
+    "--no-watch": "no_watch",
+    "--no-autoedges": "no_autoedges",
+    "--no-autogroup": "no_autogroup",
+}
+_VALUED = {
+    "--state-dir": "state_dir",
+    "--hostname": "hostname",
+    "--converged-timeout": "converged_timeout",
+    "--max-runtime": "max_runtime",
+    "--converged-status-file": "converged_status_file",
+    "--log-format": "log_format",
+}
+
+
+def _plain(arg: str) -> bool:
+    """A value click would take unchanged: not an option, printable ASCII."""
+    return bool(arg) and not arg.startswith("-") and arg.isprintable() and arg.isascii()
+
+
+def _seconds(arg: str) -> float | None:
+    """A plain decimal number (click's float would take more: those go to click)."""
+    head, _, tail = arg.partition(".")
+    if (head or tail) and (not head or head.isdigit()) and (not tail or tail.isdigit()):
+        return float(arg)
+    return None
+
+
+def parse_fast(argv: list[str]) -> dict[str, Any] | None:
+    """`run`'s parameters from `argv` (after `run`) when it is FILE and only the
+    flags above, each value plain and as click would convert it; None: leave the
+    command line to click (its own errors, help, every other option)."""
+    params = dict(DEFAULTS)
+    seen: set[str] = set()
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg in ("-v", "-vv", "-vvv", "--verbose"):
+            params["verbose"] += len(arg) - 1 if arg != "--verbose" else 1
+            continue
+        if arg in seen:
+            return None
+        seen.add(arg)
+        if arg in _FLAGS:
+            params[_FLAGS[arg]] = True
+            continue
+        if arg in _VALUED:
+            if i >= len(argv) or not _plain(argv[i]):
+                return None
+            value: Any = argv[i]
+            i += 1
+            name = _VALUED[arg]
+            if name in ("converged_timeout", "max_runtime"):
+                value = _seconds(value)
+                if value is None:
+                    return None
+            elif name == "log_format":
+                if value not in ("text", "json"):
+                    return None
+            elif name == "state_dir":
+                if os.path.exists(value) and not os.path.isdir(value):
+                    return None  # click's "is a file"
+                value = Path(value)
+            elif name == "converged_status_file":
+                if os.path.isdir(value):
+                    return None  # click's "is a directory"
+                value = Path(value)
+            params[name] = value
+            continue
+        if params["file"] is not None or not _plain(arg) or os.path.isdir(arg):
+            return None  # a second argument, an option we leave to click, a directory
+        params["file"] = Path(arg)
+    if params["file"] is None:
+        return None  # without FILE: follow deploys (click's)
+    return params
