@@ -4,7 +4,6 @@ live `Vertex` objects (the CLI's status now, HTTP and metrics later)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
@@ -17,12 +16,12 @@ if TYPE_CHECKING:
 State = Literal["pending", "running", "clean", "changed", "failed", "retrying"]
 
 
-@dataclass(frozen=True, slots=True)
-class Change:
+class Change(msgspec.Struct, frozen=True, gc=False):
     """One thing a check_apply changed, or would change under noop: a field with its
     old and new value as text (None: absent; secrets already masked); for content,
     old and new are sizes and `diff` a unified diff (truncated past a size), built
-    under noop and with `run --diff` only (engine/changes.py)."""
+    under noop and with `run --diff` only (engine/changes.py). A Struct, like
+    VertexStatus (a dataclass's generated methods are compiled at import)."""
 
     field: str
     old: str | None

@@ -27,9 +27,10 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from evergraph.engine.vertex import vertex_dir, vertex_name
 
@@ -47,13 +48,13 @@ REVERSAL = "reversal.json"
 SEALED = "sealed"
 
 
-@dataclass
-class Owed:
-    """What an earlier run left to do."""
+class Owed(msgspec.Struct):
+    """What an earlier run left to do. (A Struct: a dataclass's generated methods
+    are compiled at import.)"""
 
-    refresh: set[str] = field(default_factory=set)
+    refresh: set[str] = msgspec.field(default_factory=set)
     #: identity -> reversal record ({"kind": ..., "params": {...}})
-    reversals: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reversals: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
 
 
 class VertexStore:

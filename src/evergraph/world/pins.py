@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from evergraph._util.atomic import atomic_write
@@ -49,13 +48,33 @@ def fingerprint_of(ident: str) -> str:
     return fingerprint(ident.replace(":", ""))
 
 
-@dataclass(frozen=True, slots=True)
 class HostPin:
-    host: str
-    public: str
-    verify: str
-    #: "first-use" or "explicit"
-    how: str
+    """A pinned host key. (A plain class, not a dataclass: a dataclass's generated
+    methods are compiled at import, ~1 ms of every start.)"""
+
+    __slots__ = ("host", "how", "public", "verify")
+
+    def __init__(self, host: str, public: str, verify: str, how: str) -> None:
+        self.host = host
+        self.public = public
+        self.verify = verify
+        #: "first-use" or "explicit"
+        self.how = how
+
+    def _key(self) -> tuple[str, str, str, str]:
+        return (self.host, self.public, self.verify, self.how)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HostPin) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (
+            f"HostPin(host={self.host!r}, public={self.public!r}, verify={self.verify!r}, "
+            f"how={self.how!r})"
+        )
 
     @property
     def identity(self) -> str:
