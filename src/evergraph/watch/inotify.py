@@ -23,10 +23,10 @@ import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from evergraph._util.inotify import Inotify
-
-if TYPE_CHECKING:  # asyncio is imported when a hub starts
+if TYPE_CHECKING:  # imported when a hub starts (ctypes, asyncio): `check` needs neither
     import asyncio
+
+    from evergraph._util.inotify import Inotify
 
 log = logging.getLogger("evergraph.watch")
 
@@ -125,6 +125,8 @@ class InotifyHub:
         return self
 
     def _open(self) -> None:
+        from evergraph._util.inotify import Inotify
+
         assert self._opened is not None, "use `async with InotifyHub()` first"
         self._ino = Inotify()
         self._opened.set()
