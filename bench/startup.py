@@ -1,7 +1,10 @@
 """Issue 15 item 3: start-up and parsing, each figure against its floor.
 
-`python -m bench.startup [--quick] [--edit]` (a standalone case; tmpfs under
-/dev/shm; `--edit`: the one-line edit case alone):
+`python -m bench.startup [--quick] [--edit] [--startup] [--against SRC]` (a
+standalone case; tmpfs under /dev/shm; `--edit`: the one-line edit case alone;
+`--startup`: the start-up cases alone; `--against SRC`: each start-up case also
+with `PYTHONPATH=SRC`, e.g. an unpacked `git archive` of an earlier commit,
+byte-compiled, run interleaved with the working tree's, for a before/after):
 
 - start-up: `evergraph check` and `evergraph run --converged-exit` of a
   one-resource graph, and `python -c "import evergraph.cli.main"`, as whole
@@ -33,13 +36,13 @@ N = 10_000
 ROOT = Path("/dev/shm/evergraph-bench-startup")
 
 
-def _once(cmd: list[str]) -> float:
+def _once(cmd: list[str], env: dict[str, str] | None = None) -> float:
     t0 = time.perf_counter()
-    subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=env)
     return time.perf_counter() - t0
 
 
-def startup(runs: int) -> list[tuple[str, float, float]]:
+def startup(runs: int, against: str | None = None) -> list[tuple[str, float, float]]:
     g = ROOT / "one.yaml"
     g.write_text(f"resources:\n  file:\n  - name: f\n    path: {ROOT}/one.txt\n    content: hi\n")
     cases = {
@@ -51,11 +54,20 @@ def startup(runs: int) -> list[tuple[str, float, float]]:
         "import evergraph.cli.main": [PYTHON, "-c", "import evergraph.cli.main"],
     }
     times: dict[str, list[float]] = {k: [] for k in cases}
+    before: dict[str, list[float]] = {k: [] for k in cases if k != "floor"}
+    env = {**os.environ, "PYTHONPATH": against} if against else None
     for _ in range(runs):
         for k, cmd in cases.items():
             times[k].append(_once(cmd))
+            if env is not None and k in before:  # interleaved: the same minutes
+                before[k].append(_once(cmd, env))
     floor = statistics.median(times.pop("floor"))
-    return [(k, statistics.median(v), floor) for k, v in times.items()]
+    rows = []
+    for k, v in times.items():
+        if env is not None:
+            rows.append((f"{k} (--against)", statistics.median(before[k]), floor))
+        rows.append((k, statistics.median(v), floor))
+    return rows
 
 
 def _line(i: int, tag: str) -> str:
@@ -148,6 +160,8 @@ def edit(lines: list[str], trials: int) -> tuple[float, float]:
 def main() -> int:
     quick = "--quick" in sys.argv
     edit_only = "--edit" in sys.argv  # the one-line edit case alone
+    startup_only = "--startup" in sys.argv  # the start-up cases alone
+    against = sys.argv[sys.argv.index("--against") + 1] if "--against" in sys.argv else None
     subprocess.run(["rm", "-rf", str(ROOT)], check=True)
     ROOT.mkdir(parents=True)
     try:
@@ -155,14 +169,17 @@ def main() -> int:
         lines = ["resources:", "  file:"] + [_line(i, "v0") for i in range(N)]
         if not edit_only:
             rows += [
-                (k, fmt_s(v), fmt_s(f), fmt_ratio(v / f)) for k, v, f in startup(5 if quick else 20)
+                (k, fmt_s(v), fmt_s(f), fmt_ratio(v / f))
+                for k, v, f in startup(5 if quick else 20, against)
             ]
+        if not edit_only and not startup_only:
             ours, floor = parse(lines, 3 if quick else 9)
             rows.append(("parse 10k (load)", fmt_s(ours), fmt_s(floor), fmt_ratio(ours / floor)))
-        ours, floor = edit(lines, 5 if quick else 15)
-        rows.append(
-            ("1-line edit -> disk, 10k", fmt_s(ours), fmt_s(floor), fmt_ratio(ours / floor))
-        )
+        if not startup_only:
+            ours, floor = edit(lines, 5 if quick else 15)
+            rows.append(
+                ("1-line edit -> disk, 10k", fmt_s(ours), fmt_s(floor), fmt_ratio(ours / floor))
+            )
     finally:
         subprocess.run(["rm", "-rf", str(ROOT)], check=True)
     print(table("start-up and parsing", ["case", "evergraph", "floor", "ratio"], rows))

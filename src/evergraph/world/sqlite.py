@@ -459,13 +459,13 @@ class SQLiteKV(KV):
     async def _notify_loop(self) -> None:
         """Wake watchers on other processes' commits (inotify on the WAL) and sweep
         expired leases, so deletions by expiry reach watchers without any write."""
-        from evergraph._util.inotify import Inotify
-
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(ARM_AFTER):
                 await self._closed.wait()
         if self._closed.is_set():
             return
+        from evergraph._util.inotify import Inotify  # (ctypes) once armed
+
         loop = asyncio.get_running_loop()
         woke = asyncio.Event()
         woke.set()  # look again once armed: what was committed before
