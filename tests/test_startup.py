@@ -402,3 +402,63 @@ def test_the_fast_run_path_starts_from_clicks_defaults() -> None:
     for flag, name in {**runner._FLAGS, **runner._VALUED}.items():
         (opt,) = [p for p in main.run.params if flag in p.opts]
         assert opt.name == name, flag
+
+
+def test_a_lazy_hub_makes_its_instance_on_the_first_subscription(tmp_path: Path) -> None:
+    import asyncio
+    import contextlib
+
+    from evergraph.watch import InotifyHub
+
+    async def main() -> list[int]:
+        seen: asyncio.Queue[int] = asyncio.Queue()
+        async with InotifyHub(lazy=True) as hub:
+            pump = asyncio.create_task(hub.run())
+            try:
+                await asyncio.sleep(0)  # run() waits: no instance yet
+                assert hub._ino is None
+                assert not pump.done()
+                unsubscribe = hub.subscribe(str(tmp_path / "f"), seen.put_nowait)
+                assert hub._ino is not None
+                (tmp_path / "f").write_text("x")
+                masks = [await asyncio.wait_for(seen.get(), 10)]
+                unsubscribe()
+                return masks
+            finally:
+                pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pump
+
+    (mask, *_) = asyncio.run(main())
+    from evergraph.watch import inotify
+
+    assert mask & (inotify.IN_CREATE | inotify.IN_MODIFY | inotify.IN_CLOSE_WRITE)
+
+
+def test_a_sqlite_watcher_sees_another_clients_commit_made_before_its_notifier_is_armed(
+    tmp_path: Path,
+) -> None:
+    """The notifier arms its inotify instance ARM_AFTER after the first watch: a
+    commit by another client (process) in that moment is not lost."""
+    import asyncio
+
+    from evergraph.world import sqlite
+
+    async def main() -> list[str]:
+        mine = sqlite.SQLiteKV(tmp_path / "world.sqlite")
+        other = sqlite.SQLiteKV(tmp_path / "world.sqlite")  # another client's connection
+        try:
+            _, rev = await mine.range("k/")
+            events = mine.watch("k/", rev + 1)
+            first = asyncio.ensure_future(anext(events))
+            await asyncio.sleep(0)  # the watch reads, finds nothing, waits
+            await other.put("k/a", b"1")  # its own notify does not reach `mine`
+            # seen once armed (without the look after arming: at the 30 s poll)
+            batch = await asyncio.wait_for(first, 10)
+            await events.aclose()
+            return [e.key for e in batch]
+        finally:
+            await mine.close()
+            await other.close()
+
+    assert asyncio.run(main()) == ["k/a"]
