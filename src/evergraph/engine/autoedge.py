@@ -10,34 +10,97 @@ from __future__ import annotations
 
 import itertools
 import logging
+from typing import Any
 
+from evergraph.engine.contract import Resource
 from evergraph.engine.model import Edge, GraphCycleError, GraphModel
 from evergraph.graph import CycleError
 
 log = logging.getLogger("evergraph.autoedge")
 
 
+#: built-in kinds whose keys are a function of their parameters alone (not pkg:
+#: it provides its installed files): their keys are kept from one prepare to the
+#: next for an equal resource (a live edit of a 10k graph changes a few)
+PURE_KEYS = frozenset(
+    {
+        "file", "line", "exec", "svc", "user", "group", "sysctl", "ssh_authorized_key",
+        "password", "augeas", "mount", "tar", "gzip",
+    }
+)  # fmt: skip
+_RESOURCES_PACKAGE = "evergraph.resources."
+
+
+#: the last prepared graph's keys, by identity (kinds of PURE_KEYS only): a
+#: copy of the resource as it was then (fields only: never the one the engine
+#: runs, whose fields may have received values since), its provided keys, and
+#: the namespaces its wants use (None until walked)
+_last: dict[str, list[Any]] = {}
+#: per resource type: are its keys kept (a built-in kind of PURE_KEYS)
+_pure: dict[type[Resource], bool] = {}
+#: keys are kept from the second prepare of a process on: a one-shot run
+#: prepares once and would only pay for the copies (~1 us a resource)
+_again = False
+
+
+def _keeps(cls: type[Resource]) -> bool:
+    got = _pure.get(cls)
+    if got is None:
+        got = _pure[cls] = cls.kind in PURE_KEYS and cls.__module__.startswith(_RESOURCES_PACKAGE)
+    return got
+
+
 def add_autoedges(model: GraphModel) -> int:
     """Add automatic edges to `model` in place; returns how many were added."""
+    global _last, _again
+    last, now = _last, {}
+    keep, _again = _again, True
     index: dict[str, str] = {}
+    entries: list[tuple[str, Resource, list[Any] | None]] = []
+    cls: type[Resource] | None = None
+    keeps = False
     for ident, res in model.resources.items():
-        if res.meta.autoedge:
+        if not res.meta.autoedge:
+            continue
+        if type(res) is not cls:
+            cls = type(res)
+            keeps = keep and _keeps(cls)
+        if keeps:
+            keys = last.get(ident)
+            if keys is None or keys[0] != res:
+                keys = [res.__copy__(), res.autoedge_provides(), None]  # type: ignore[attr-defined]
+            now[ident] = keys
+            entries.append((ident, res, keys))
+            for key in keys[1]:
+                index.setdefault(key, ident)
+        else:
+            entries.append((ident, res, None))
             for key in res.autoedge_provides():
                 index.setdefault(key, ident)
+    _last = now
     if not index:
         return 0
     namespaces = {key.partition(":")[0] for key in index}
     existing = {(e.from_id, e.to_id) for e in model.edges}
     added: list[Edge] = []
-    for ident, res in model.resources.items():
-        if not res.meta.autoedge:
-            continue
+    for ident, res, keys in entries:
+        if keys is not None and (was := keys[2]) is not None:
+            for ns in was:
+                if ns in namespaces:
+                    break
+            else:
+                continue  # nothing provides what it wants
+        wanted: list[str] = []
         for group in res.autoedge_wants():
-            keys = iter(group)
-            first = next(keys, None)
-            if first is None or first.partition(":")[0] not in namespaces:
+            keys_of = iter(group)
+            first = next(keys_of, None)
+            if first is None:
+                continue
+            ns = first.partition(":")[0]
+            wanted.append(ns)
+            if ns not in namespaces:
                 continue  # nothing provides this kind of key: skip the walk
-            for key in itertools.chain((first,), keys):
+            for key in itertools.chain((first,), keys_of):
                 provider = index.get(key)
                 if provider is None or provider == ident:
                     continue
@@ -45,6 +108,8 @@ def add_autoedges(model: GraphModel) -> int:
                     existing.add((provider, ident))
                     added.append(Edge(provider, ident, name="auto"))
                 break
+        if keys is not None:
+            keys[2] = wanted
     if not added:
         return 0
     model.edges.extend(added)

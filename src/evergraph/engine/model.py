@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import UnionType
 from typing import Annotated, Any, NamedTuple, Union, get_args, get_origin
@@ -58,6 +58,10 @@ class GraphModel:
     origins: dict[str, str] = field(default_factory=dict)
     #: live queries for resources other hosts export to this one (YAML `collect:`)
     collect: list[CollectSpec] = field(default_factory=list)
+    #: each resource's claims (whole, part) as `check(keep=True)` found them
+    _claims: dict[str, tuple[Iterable[str], Iterable[str]]] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def add(self, res: Resource, origin: str = "") -> None:
         """Add a resource; an equal duplicate merges, a different one is an error."""
@@ -93,40 +97,58 @@ class GraphModel:
     def dag(self) -> DAG[str]:
         return DAG.build(self.resources, ((e.from_id, e.to_id) for e in self.edges))
 
-    def check(self, valid: Mapping[str, Resource] | None = None) -> list[str]:
+    def check(
+        self, valid: Mapping[str, Resource] | None = None, *, keep: bool = False
+    ) -> list[str]:
         """Validate every resource and the shape; returns a topological order.
 
         `valid`: resources validated before (`validated()` of an earlier model):
         one equal to its entry there is not validated again (`validate` checks
-        the parameters alone), e.g. the unchanged 9,999 of a live edit."""
+        the parameters alone), e.g. the unchanged 9,999 of a live edit, and its
+        claims are taken from there (a `Validated` of a model checked with
+        `keep`: claims are keys of parameter values too). `keep`: remember each
+        resource's claims for `validated()`."""
         #: semaphore id -> (its count, the first resource that gave it)
         semas: dict[str, tuple[int, Resource]] = {}
         #: what each resource manages (`file:/etc/x`) -> the first resource claiming it
         claimed: dict[str, Resource] = {}
         #: what resources manage a part of (`content:/etc/hosts`) -> the first doing so
         parts: dict[str, Resource] = {}
-        for res in self.resources.values():
-            if res.meta is not DEFAULT_META:
-                res.meta.check(res.ident)
-                if res.meta.sema:
+        known = valid.claims if isinstance(valid, Validated) else None
+        kept: dict[str, tuple[Iterable[str], Iterable[str]]] | None = {} if keep else None
+        default = DEFAULT_META
+        for ident, res in self.resources.items():
+            meta = res.meta
+            if meta is not default:
+                meta.check(ident)
+                if meta.sema:
                     self._check_semas(res, semas)
-            if res.meta.reverse and not res.reversible():
-                raise InputError(
-                    f"{res.kind} resources cannot be reversed", f"{res.ident}.meta.reverse"
-                )
-            if valid is None or valid.get(res.ident) != res:
+                if meta.reverse and not res.reversible():
+                    raise InputError(
+                        f"{res.kind} resources cannot be reversed", f"{ident}.meta.reverse"
+                    )
+            got = None
+            if valid is None or valid.get(ident) != res:
                 res.validate()
-            for key in res.claims():
+            elif known is not None:
+                got = known.get(ident)
+            if got is None:
+                got = (res.claims(), res.claims_part())
+            if kept is not None:
+                kept[ident] = got
+            whole, part = got
+            for key in whole:
                 first = claimed.setdefault(key, res)
                 if first is not res and not same_but_named(first, res):
                     self._fight(key, first, res)
                 if parts and key in parts and parts[key] is not res:
                     self._fight_part(key, res, parts[key], later=res)
-            for key in res.claims_part():
-                whole = claimed.get(key)
-                if whole is not None and whole is not res:
-                    self._fight_part(key, whole, res, later=res)
+            for key in part:
+                other = claimed.get(key)
+                if other is not None and other is not res:
+                    self._fight_part(key, other, res, later=res)
                 parts.setdefault(key, res)
+        self._claims = kept
         try:
             return self.order()
         except CycleError as e:
@@ -134,11 +156,13 @@ class GraphModel:
             where = self.origins.get(cyc[0], "")
             raise GraphCycleError(cyc, where) from None
 
-    def validated(self) -> dict[str, Resource]:
+    def validated(self) -> Validated:
         """Right after `check`: its resources, for a later model's `check(valid=)`.
         Those carrying state of their own (set by `validate`, or since) are left
-        out: they are validated again."""
-        return {i: r for i, r in self.resources.items() if not r.__dict__}
+        out: they are validated again. With their claims if `check` kept them."""
+        out = Validated((i, r) for i, r in self.resources.items() if not r.__dict__)
+        out.claims = self._claims or {}
+        return out
 
     def claimed(self) -> tuple[dict[str, Resource], dict[str, Resource]]:
         """What the graph's resources manage whole (`file:/etc/x`) and in part
@@ -187,6 +211,13 @@ class GraphModel:
                     + f" but {n} in {res.ident}: one count per id (`{sid}` is `{sid}:1`)",
                     f"{res.ident}.meta.sema",
                 )
+
+
+class Validated(dict[str, Resource]):
+    """`GraphModel.validated()`: identity -> resource as validated, and `claims`:
+    what each claimed (whole, part), when its `check` kept them."""
+
+    claims: dict[str, tuple[Iterable[str], Iterable[str]]]
 
 
 def same_but_named(a: Resource, b: Resource) -> bool:
