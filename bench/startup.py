@@ -33,7 +33,8 @@ import yaml_rs
 from bench.common import EVERGRAPH, PYTHON, fmt_ratio, fmt_s, spawn, stop, table
 
 N = 10_000
-ROOT = Path("/dev/shm/evergraph-bench-startup")
+#: per process: two runs at once (several engineers on one machine) must not share it
+ROOT = Path(f"/dev/shm/evergraph-bench-startup-{os.getpid()}")
 
 
 def _once(cmd: list[str], env: dict[str, str] | None = None) -> float:
