@@ -274,7 +274,8 @@ def test_the_watch_bits_are_the_kernels() -> None:
 
 def _at_exit(argv: list[str], module: str = "evergraph.cli.entry") -> tuple[int, str, set[str]]:
     """Run `evergraph ARGV` through `module` in a subprocess: (status, stderr, the
-    modules imported, and "<an inotify instance>" if it made one)."""
+    modules imported, "<an inotify instance>" if it made one, "<the cyclic GC off>"
+    if the collector was off when it left)."""
     code = (
         "import sys, os, runpy\n"
         "from evergraph._util import inotify\n"
@@ -288,6 +289,9 @@ def _at_exit(argv: list[str], module: str = "evergraph.cli.entry") -> tuple[int,
         "    mods = sorted(sys.modules)\n"
         "    if made:\n"
         "        mods.append('<an inotify instance>')\n"
+        "    import gc\n"
+        "    if not gc.isenabled():\n"
+        "        mods.append('<the cyclic GC off>')\n"
         "    import json\n"
         "    print(json.dumps(mods), file=sys.stderr, flush=True)\n"
         "    real(status)\n"
@@ -311,6 +315,8 @@ def test_run_file_is_answered_without_click_and_a_one_shot_run_opens_no_inotify(
     assert "evergraph.world.sqlite" in mods  # the World was used (members, host keys)
     for heavy in ("click", "evergraph.cli.main", "asyncinotify", "<an inotify instance>"):
         assert heavy not in mods, heavy
+    # the console script pauses the collector for the imports only: on for the agent
+    assert "<the cyclic GC off>" not in mods
     # a run that goes on after converging watches its files (the hub's instance)
     rc, err, mods = _at_exit(["run", str(g), "--no-watch", "--state-dir", st, "--max-runtime", "5"])
     assert rc == 0, err

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from evergraph.cli.entry import error_line
+from evergraph.cli.entry import collector_on, error_line
 from evergraph.errors import InputError
 
 if TYPE_CHECKING:
@@ -251,6 +251,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     from evergraph.cli.progress import service as progress_service
     from evergraph.engine.settings import check_times
 
+    collector_on()  # the console script paused it for the imports
     setup_logging(log_format, verbose)
     try:
         check_times(converged_timeout, max_runtime)
