@@ -4,6 +4,7 @@ parsed here) both call `run_command`, so that both say and do the same."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -251,6 +252,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     from evergraph.cli.progress import service as progress_service
     from evergraph.engine.settings import check_times
 
+    importlib.import_module("evergraph.agent.run")  # (api.run's) with the GC paused too
     collector_on()  # the console script paused it for the imports
     setup_logging(log_format, verbose)
     try:
