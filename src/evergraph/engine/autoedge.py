@@ -53,51 +53,56 @@ def _keeps(cls: type[Resource]) -> bool:
 def add_autoedges(model: GraphModel) -> int:
     """Add automatic edges to `model` in place; returns how many were added."""
     global _last, _again
-    last, now = _last, {}
     keep, _again = _again, True
+    last: dict[str, list[Any]] = _last
+    now: dict[str, list[Any]] = {}
     index: dict[str, str] = {}
-    entries: list[tuple[str, Resource, list[Any] | None]] = []
     cls: type[Resource] | None = None
     keeps = False
     for ident, res in model.resources.items():
         if not res.meta.autoedge:
             continue
-        if type(res) is not cls:
+        if keep and type(res) is not cls:
             cls = type(res)
-            keeps = keep and _keeps(cls)
+            keeps = _keeps(cls)
         if keeps:
             keys = last.get(ident)
             if keys is None or keys[0] != res:
                 keys = [res.__copy__(), res.autoedge_provides(), None]  # type: ignore[attr-defined]
             now[ident] = keys
-            entries.append((ident, res, keys))
-            for key in keys[1]:
-                index.setdefault(key, ident)
+            provides: list[str] = keys[1]
         else:
-            entries.append((ident, res, None))
-            for key in res.autoedge_provides():
-                index.setdefault(key, ident)
+            provides = res.autoedge_provides()
+        for key in provides:
+            index.setdefault(key, ident)
     _last = now
     if not index:
         return 0
     namespaces = {key.partition(":")[0] for key in index}
     existing = {(e.from_id, e.to_id) for e in model.edges}
     added: list[Edge] = []
-    for ident, res, keys in entries:
-        if keys is not None and (was := keys[2]) is not None:
-            for ns in was:
-                if ns in namespaces:
-                    break
-            else:
-                continue  # nothing provides what it wants
-        wanted: list[str] = []
+    for ident, res in model.resources.items():
+        if not res.meta.autoedge:
+            continue
+        wanted: list[str] | None = None
+        if now:
+            keys = now.get(ident)
+            if keys is not None:
+                if (was := keys[2]) is not None:
+                    for ns in was:
+                        if ns in namespaces:
+                            break
+                    else:
+                        continue  # nothing provides what it wants
+                keys[2] = wanted = []
         for group in res.autoedge_wants():
             keys_of = iter(group)
             first = next(keys_of, None)
             if first is None:
                 continue
             ns = first.partition(":")[0]
-            wanted.append(ns)
+            if wanted is not None:
+                wanted.append(ns)
             if ns not in namespaces:
                 continue  # nothing provides this kind of key: skip the walk
             for key in itertools.chain((first,), keys_of):
@@ -108,8 +113,6 @@ def add_autoedges(model: GraphModel) -> int:
                     existing.add((provider, ident))
                     added.append(Edge(provider, ident, name="auto"))
                 break
-        if keys is not None:
-            keys[2] = wanted
     if not added:
         return 0
     model.edges.extend(added)

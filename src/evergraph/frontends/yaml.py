@@ -277,9 +277,10 @@ def _model(
     valid: Mapping[str, Resource] | None,
     text: str,
     keep: bool,
-) -> tuple[GraphModel, dict[str, list[_Known]] | None]:
+) -> tuple[GraphModel, dict[str, list[Resource | _Known]] | None]:
     """The checked model of a parsed document, and its resource entries as built
-    (`_Known`, per kind as written; None when a key was ignored). `reused`: per
+    (per kind as written, a pristine copy of each, as `_Known` where it was
+    exported or seen before; None when a key was ignored). `reused`: per
     kind, the entries of a re-parse: `_Known` where the text was seen before, else
     parsed data; then a key to ignore raises `_Reparse`. `keep`: return the
     entries as built (else None)."""
@@ -331,7 +332,7 @@ def _model(
         raise fail("`resources` must map each kind to a list of resources", ("resources",))
     kinds = registry.kinds()
     may_export = _may_hold_export(text)
-    kept: dict[str, list[_Known]] = {}
+    kept: dict[str, list[Resource | _Known]] = {}
     #: each kind's resources as added, for errors found later (where each was declared)
     added: list[tuple[str, list[Resource]]] = []
     graph = model.resources
@@ -350,7 +351,7 @@ def _model(
                 ("resources", kind),
                 key=True,
             )
-        known: list[_Known] | None = None
+        known: list[Resource | _Known] | None = None
         if keep:
             kept[kind] = known = []
         if reused is not None and kind in reused:
@@ -427,7 +428,7 @@ def _built(
     loc: _Locator,
     ignored: Callable[..., None],
     may_export: bool,
-    known: list[_Known] | None,
+    known: list[Resource | _Known] | None,
 ) -> tuple[list[Resource], set[int]]:
     """A kind's resources (each a new object) and the indexes of those exported;
     `known` (if given) gets each entry as built. `items`: parsed entries, or `_Known` ones
@@ -444,8 +445,10 @@ def _built(
         # integers for text take their source text; else find the bad one and say where
         new = [_build(cls, kind, items[i], ("resources", kind, i), fail, loc) for i in fresh]
     if raw is items:
-        if known is not None:
-            known.extend(_Known(_copy(r), i in exported) for i, r in enumerate(new))
+        if known is not None:  # a plain copy stands for an entry not exported
+            known.extend([r.__copy__() for r in new])  # type: ignore[attr-defined]
+            for i in exported:
+                known[i] = _Known(known[i], True)  # type: ignore[arg-type]
         return new, exported
     built: list[Resource] = []
     fresh_at = dict(zip(fresh, new, strict=True))
@@ -458,7 +461,7 @@ def _built(
             if it.exported:
                 exported.add(i)
         else:
-            known.append(_Known(_copy(res), i in exported))
+            known.append(_Known(_copy(res), True) if i in exported else _copy(res))
             built.append(res)
     return built, exported
 
@@ -608,12 +611,14 @@ class Entries:
     def __init__(self) -> None:
         self._text = ""
         #: the last text's entries as built, per kind (None: not to be reused)
-        self._kept: dict[str, list[_Known]] | None = None
+        self._kept: dict[str, list[Resource | _Known]] | None = None
         #: the same by source text (per kind: its entries' indentation, then by
         #: text), once the last text was split
         self._by_text: dict[str, tuple[int, dict[str, _Known]]] | None = None
 
-    def keep(self, text: str, kept: dict[str, list[_Known]] | None, split: Split | None) -> None:
+    def keep(
+        self, text: str, kept: dict[str, list[Resource | _Known]] | None, split: Split | None
+    ) -> None:
         """After a parse of `text`: its entries as built (`split`: its split, if made)."""
         self._text, self._kept, self._by_text = text, kept, None
         if kept is not None and split is not None:
@@ -699,7 +704,7 @@ def _entry(d: int, text: str, at_end: bool) -> list[Any] | None:
 
 
 def _paired(
-    split: Split, kept: dict[str, list[_Known]], aliases: bool
+    split: Split, kept: dict[str, list[Resource | _Known]], aliases: bool
 ) -> dict[str, tuple[int, dict[str, _Known]]] | None:
     """A text's entries by source text, from its parse's entries (`kept`): one
     to one when each kind has as many entries as the split found. `aliases`:
@@ -716,7 +721,14 @@ def _paired(
         pairs = zip(texts, built, strict=True)
         if split[2] and j == len(split[1]) - 1:
             pairs = zip(texts[:-1], built[:-1], strict=True)
-        out[kind] = d, {t: b for t, b in pairs if not (aliases and _may_alias(t))}
+        out[kind] = (
+            d,
+            {
+                t: b if type(b) is _Known else _Known(b, False)  # type: ignore[arg-type]
+                for t, b in pairs
+                if not (aliases and _may_alias(t))
+            },
+        )
     return out
 
 
