@@ -347,6 +347,11 @@ def test_run_says_and_does_the_same_with_and_without_click(tmp_path: Path) -> No
     bad.write_text("resources:\n  file:\n  - name: f\n    path: /tmp/x\n    content: [1]\n")
     failing = tmp_path / "failing.yaml"
     failing.write_text(f"resources:\n  exec:\n  - name: e\n    cmd: {tmp_path}/no-such-program\n")
+    py = tmp_path / "site.py"
+    py.write_text(
+        "def graph(g, world):\n"
+        f"    g.add('file', 'p', path={str(tmp_path / 'out')!r}, content='from python')\n"
+    )
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     st = str(tmp_path / "state")
@@ -374,23 +379,39 @@ def test_run_says_and_does_the_same_with_and_without_click(tmp_path: Path) -> No
         ("run", str(good), "--converged-exit", "--converged-status-file", str(tmp_path)),
         ("run", str(good), "--converged-exit", "--bogus", "--state-dir", st),
         ("run", "--help"),
+        ("run", str(py), "--converged-exit", "--state-dir", st),
+        (
+            "run",
+            str(good),
+            "--converged-exit",
+            "--state-dir",
+            st,
+            "--converged-status-file",
+            str(tmp_path / "status"),
+        ),
+        ("run", str(good), "--noop", "--no-watch", "--state-dir", st, "--hostname", "h1"),
     ]
 
     def fresh() -> None:  # each command on the same machine state
         shutil.rmtree(st, ignore_errors=True)
         (tmp_path / "out").unlink(missing_ok=True)
+        (tmp_path / "status").unlink(missing_ok=True)
 
     said = []
     for args in cases:
         fresh()
         fast = subprocess.run([*ENTRY, *args], capture_output=True, text=True, timeout=60)
         out = (tmp_path / "out").exists()
+        status = (tmp_path / "status").read_text() if args[-1].endswith("status") else ""
         fresh()
         slow = subprocess.run([*CLICK, *args], capture_output=True, text=True, timeout=60)
         assert fast.returncode == slow.returncode, (args, fast.stderr, slow.stderr)
         assert fast.stdout == slow.stdout, args
         assert _STAMP.sub("T", fast.stderr) == _STAMP.sub("T", slow.stderr), args
         assert out == (tmp_path / "out").exists(), args
+        if status:
+            assert status.endswith("true\n")
+            assert status == (tmp_path / "status").read_text()
         said.append(fast)
     assert said[0].returncode == 0, said[0].stderr
     assert "converged: 2 vertices clean, 1 changed" in said[0].stderr
