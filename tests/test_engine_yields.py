@@ -67,3 +67,39 @@ def test_objects_built_with_the_collector_paused_go_to_the_oldest_generation() -
     assert gc.get_count()[0] < 1_000
     oldest = {id(o) for o in gc.get_objects(generation=2)}
     assert all(id(x) in oldest for x in built[::997])
+
+
+def test_the_agent_prepares_a_big_graph_while_its_loop_turns() -> None:
+    """Automatic edges and grouping of a big graph run in a thread: the loop keeps
+    serving the World lease's keep-alive meanwhile."""
+    from evergraph.agent.run import PREPARE_IN_THREAD, prepare_off_loop
+
+    model = GraphModel(name="big")
+    for i in range(PREPARE_IN_THREAD):
+        model.add(Noop(name=f"n{i}"))
+    model.check()
+    settings = Settings(state_dir=Path("/nonexistent"), hostname="test")
+
+    async def main() -> tuple[int, GraphModel]:
+        turns = 0
+        done = False
+
+        async def ticker() -> None:
+            nonlocal turns
+            while not done:
+                turns += 1
+                await asyncio.sleep(0)
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        start = turns
+        try:
+            out = await prepare_off_loop(model, settings)
+        finally:
+            done = True
+            await tick
+        return turns - start, out
+
+    turns, out = asyncio.run(main())
+    assert turns > 1
+    assert len(out.resources) == 1  # grouped: it was prepared, not skipped

@@ -93,6 +93,19 @@ def prepare_model(model: GraphModel, settings: Settings) -> GraphModel:
     return prepare(model, autoedges=settings.autoedges, autogroup=settings.autogroup)
 
 
+#: graphs of at least this many resources are prepared in a thread: automatic edges
+#: and grouping of a million resources take seconds, while the loop must keep the
+#: World lease alive (the thread gives it the GIL every switch interval, 5 ms)
+PREPARE_IN_THREAD = 20_000
+
+
+async def prepare_off_loop(model: GraphModel, settings: Settings) -> GraphModel:
+    """`prepare_model`, in a thread for a big graph (nothing else touches `model`)."""
+    if len(model.resources) < PREPARE_IN_THREAD:
+        return prepare_model(model, settings)
+    return await asyncio.to_thread(prepare_model, model, settings)
+
+
 class FarmOptions(msgspec.Struct, frozen=True):
     """This agent's part in the farm (SPEC 4.6). (A Struct: a dataclass's generated
     methods are compiled at import, ~1 ms of every start.)"""
@@ -417,7 +430,7 @@ class Agent:
             return 0  # stopped while waiting for a first graph (a deploy)
         raw = self._with_job(raw)
         self._publish(raw)
-        model = prepare_model(raw, settings)
+        model = await prepare_off_loop(raw, settings)
         # a one-shot run does not follow the graph file (nor later graphs): like a
         # change to a checked file during it, a save during it is not seen, as
         # the same save a moment after the exit would not be
@@ -507,7 +520,7 @@ class Agent:
         async for raw in graphs:
             self._publish(raw)
             try:
-                yield prepare_model(raw, self.settings)
+                yield await prepare_off_loop(raw, self.settings)
             except InputError as e:
                 log.error("%s (the running graph is kept)", e)
 
