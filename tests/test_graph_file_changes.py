@@ -11,14 +11,21 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
+
+from evergraph.frontends import base
 from evergraph.frontends.base import DEBOUNCE, SETTLE, file_changes
 from evergraph.watch import InotifyHub
+
+#: the hub of the running `_with_changes`, for a test's own subscription
+_HUB: list[InotifyHub] = []
 
 
 async def _with_changes(path: Path, body: object) -> list[str]:
     """Run `body(next_change)` while file_changes(path) runs; the changes seen."""
     seen: list[str] = []
     async with InotifyHub() as hub:
+        _HUB[:] = [hub]
         pump = asyncio.create_task(hub.run())
         it: AsyncIterator[str] = file_changes(hub, path, path.read_text())
         try:
@@ -66,3 +73,35 @@ def test_a_save_in_steps_is_one_change_with_the_final_text(tmp_path: Path) -> No
 
     seen = asyncio.run(_with_changes(g, body))
     assert seen == [FINAL, "second\n"]
+
+
+def test_the_end_of_a_save_shortens_a_wait_already_begun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save's first event (the truncation) starts the long wait; its close,
+    a moment later, must cut it to SETTLE: the file is read then, not when the
+    wait begun at the first event is over (here an hour: the deadline is 10 s)."""
+    monkeypatch.setattr(base, "DEBOUNCE", 3600.0)
+    g = tmp_path / "g.yaml"
+    g.write_text("old\n")
+
+    async def body(next_change: object) -> None:
+        waiting = asyncio.create_task(next_change())  # type: ignore[operator]
+        await asyncio.sleep(0)  # armed and read once
+        hub = _HUB[0]
+        modified = asyncio.Event()
+        unsubscribe = hub.subscribe(str(g), lambda mask: modified.set())
+        try:
+            fd = os.open(g, os.O_WRONLY | os.O_TRUNC)
+            try:
+                await modified.wait()  # the truncation was seen: the long wait begins
+                for _ in range(5):
+                    await asyncio.sleep(0)  # (yields: file_changes enters its wait)
+                os.write(fd, b"new\n")
+            finally:
+                os.close(fd)
+            assert await waiting == "new\n"
+        finally:
+            unsubscribe()
+
+    assert asyncio.run(_with_changes(g, body)) == ["new\n"]

@@ -244,7 +244,11 @@ async def file_changes(watcher: Any, path: Path, text: str) -> AsyncIterator[str
                 left = last_at + quiet - loop.time()
                 if left <= 0:
                     break
-                await asyncio.sleep(left)
+                # woken by the next event too: the save's end shortens the wait
+                changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(left):
+                        await changed.wait()
             changed.clear()
             try:
                 new = read_graph_file(path)
