@@ -38,6 +38,8 @@ _RESOURCES_PACKAGE = "evergraph.resources."
 _last: dict[str, list[Any]] = {}
 #: per resource type: are its keys kept (a built-in kind of PURE_KEYS)
 _pure: dict[type[Resource], bool] = {}
+#: the namespaces resources want, shared (`("dir", "pkgfile")` for every file)
+_wants: dict[tuple[str, ...], tuple[str, ...]] = {}
 #: keys are kept from the second prepare of a process on: a one-shot run
 #: prepares once and would only pay for the copies (~1 us a resource)
 _again = False
@@ -85,16 +87,15 @@ def add_autoedges(model: GraphModel) -> int:
         if not res.meta.autoedge:
             continue
         wanted: list[str] | None = None
-        if now:
-            keys = now.get(ident)
-            if keys is not None:
-                if (was := keys[2]) is not None:
-                    for ns in was:
-                        if ns in namespaces:
-                            break
-                    else:
-                        continue  # nothing provides what it wants
-                keys[2] = wanted = []
+        keys = now.get(ident) if now else None
+        if keys is not None:
+            if (was := keys[2]) is not None:
+                for ns in was:
+                    if ns in namespaces:
+                        break
+                else:
+                    continue  # nothing provides what it wants
+            wanted = []
         for group in res.autoedge_wants():
             keys_of = iter(group)
             first = next(keys_of, None)
@@ -113,6 +114,9 @@ def add_autoedges(model: GraphModel) -> int:
                     existing.add((provider, ident))
                     added.append(Edge(provider, ident, name="auto"))
                 break
+        if keys is not None and wanted is not None:
+            got = tuple(wanted)
+            keys[2] = _wants.setdefault(got, got)  # shared: most are alike
     if not added:
         return 0
     model.edges.extend(added)
