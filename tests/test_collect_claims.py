@@ -73,3 +73,34 @@ def test_a_collected_file_with_content_against_a_local_line_is_skipped(
     assert list(m.resources) == ["line[l]"]
     assert "collected file[hosts] manages" in caplog.text
     m.check()
+
+
+def test_collected_exports_are_rebuilt_only_when_they_change(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each round hands out new objects (prepare and the engine keep state on the
+    ones they get), built again only for a changed or new export; a bad one is
+    rejected every round, and a gone one is forgotten."""
+    from evergraph.frontends.collect import Built, to_resources
+    from evergraph.world.exports import Exported
+
+    def exp(src: str, name: str, content: str) -> Exported:
+        params = {"path": str(tmp_path / name), "content": content}
+        return Exported(src=src, to="me", kind="file", name=name, params=params)
+
+    cache = Built()
+    first = [exp("a", "one", "1\n"), exp("b", "two", "2\n")]
+    got1 = to_resources(default_registry, first, cache)
+    got1[0]._own_ino = 42  # state an engine would keep on its object
+    bad = Exported(src="c", to="me", kind="file", name="three", params={"mode": "rwx"})
+    second = [first[0], exp("b", "two", "changed\n"), bad]
+    with caplog.at_level(logging.WARNING, logger="evergraph.collect"):
+        got2 = to_resources(default_registry, second, cache)
+    assert [r.content for r in got2] == ["1\n", "changed\n"]  # type: ignore[attr-defined]
+    assert got2[0] is not got1[0]
+    assert got2[0] == got1[0]
+    assert got2[0].__dict__ == {}  # a copy of the fields, not of the engine's state
+    assert "rejected export: file[three]" in caplog.text
+    assert sorted(n for _, _, n in cache._by) == ["one", "two"]
+    to_resources(default_registry, [second[1]], cache)
+    assert [n for _, _, n in cache._by] == ["two"]

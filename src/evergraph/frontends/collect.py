@@ -6,7 +6,7 @@ of this host's graph and merged into it."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -40,17 +40,51 @@ def matching(found: list[Exported], specs: list[CollectSpec]) -> list[Exported]:
     return [e for e in found if any(s.matches(e.kind, e.src, e.name, e.params) for s in specs)]
 
 
-def to_resources(registry: Registry, exports: list[Exported]) -> list[Resource]:
+class Built:
+    """The collected exports built last time, by (exporter, kind, name): their
+    parameters and a pristine copy of the validated resource. An export whose
+    parameters are unchanged is handed out as a new copy of that resource's fields
+    (~0.1 us), not built and validated again (~8 us): with 10,000 collected exports
+    each change rebuilt all of them. Never the object a graph was given (prepare and
+    the engine keep state on theirs); resources whose `validate` kept state of its
+    own are built each time."""
+
+    def __init__(self) -> None:
+        self._by: dict[tuple[str, str, str], tuple[dict[str, Any], Resource]] = {}
+
+    def get(self, exp: Exported) -> Resource | None:
+        hit = self._by.get((exp.src, exp.kind, exp.name))
+        if hit is None or not (hit[0] is exp.params or hit[0] == exp.params):
+            return None
+        return hit[1].__copy__()  # type: ignore[attr-defined,no-any-return]
+
+    def keep(self, exports: list[Exported], built: list[Resource | None]) -> None:
+        """What this round built (None: rejected), in place of the last round's."""
+        self._by = {
+            (exp.src, exp.kind, exp.name): (exp.params, res.__copy__())  # type: ignore[attr-defined]
+            for exp, res in zip(exports, built, strict=True)
+            if res is not None and not res.__dict__
+        }
+
+
+def to_resources(
+    registry: Registry, exports: list[Exported], cache: Built | None = None
+) -> list[Resource]:
     """Collected exports as resources of this host's graph; bad ones are skipped
-    with one line naming the export."""
-    out = []
+    with one line naming the export. `cache`: the last round's, kept for the next."""
+    got: list[Resource | None] = []
     for exp in exports:
-        where = f"{exp.kind}[{exp.name}] exported by {exp.src}"
-        try:
-            out.append(build(registry, exp.kind, {**exp.params, "name": exp.name}, where))
-        except InputError as e:
-            log.warning("rejected export: %s", e)
-    return out
+        res = cache.get(exp) if cache is not None else None
+        if res is None:
+            where = f"{exp.kind}[{exp.name}] exported by {exp.src}"
+            try:
+                res = build(registry, exp.kind, {**exp.params, "name": exp.name}, where)
+            except InputError as e:
+                log.warning("rejected export: %s", e)
+        got.append(res)
+    if cache is not None:
+        cache.keep(exports, got)
+    return [r for r in got if r is not None]
 
 
 def merge(model: GraphModel, collected: list[Resource]) -> GraphModel:

@@ -44,7 +44,7 @@ from evergraph.frontends.base import (
     merged,
     read_graph_file,
 )
-from evergraph.frontends.collect import merge, to_resources
+from evergraph.frontends.collect import Built, merge, to_resources
 from evergraph.world.exports import Exported
 from evergraph.world.follow import SimpleFollower, follow
 from evergraph.world.kv import WorldError
@@ -541,6 +541,8 @@ class PythonFrontend(Frontend):
         self._reads: list[_Read] = []
         #: how many times graph() has run (tests and logs)
         self.runs = 0
+        #: the collected exports as built last time (an unchanged one is not rebuilt)
+        self._built = Built()
 
     def _loaded(self) -> _Module:
         if self._module is None:
@@ -580,7 +582,7 @@ class PythonFrontend(Frontend):
             )
         model = g.model()
         if world.collected:
-            model = merge(model, to_resources(self.registry, world.collected))
+            model = merge(model, to_resources(self.registry, world.collected, self._built))
         return model
 
     def load(self) -> GraphModel:

@@ -33,7 +33,7 @@ from evergraph.engine.contract import R, Registry, Resource
 from evergraph.engine.model import CollectSpec, Edge, GraphCycleError, GraphModel
 from evergraph.errors import InputError
 from evergraph.frontends.base import Context, Frontend, file_changes, merged, read_graph_file
-from evergraph.frontends.collect import matching, merge, to_resources
+from evergraph.frontends.collect import Built, matching, merge, to_resources
 
 log = logging.getLogger("evergraph.frontend.yaml")
 
@@ -959,6 +959,8 @@ class YamlFrontend(Frontend):
         #: the exports the running graph was built with, and the specs that found them
         self._found: list[Exported] = []
         self._specs: list[CollectSpec] = []
+        #: the collected exports as built last time (an unchanged one is not rebuilt)
+        self._built = Built()
 
     def load(self) -> GraphModel:
         """Parse the file now (InputError)."""
@@ -979,7 +981,7 @@ class YamlFrontend(Frontend):
         self._specs = list(raw.collect)
         if raw.collect and ctx.collector is not None:
             self._found = matching(await ctx.collected(), raw.collect)
-            return merge(raw, to_resources(self.registry, self._found))
+            return merge(raw, to_resources(self.registry, self._found, self._built))
         return raw
 
     async def updates(self, ctx: Context) -> AsyncIterator[GraphModel]:
@@ -1030,7 +1032,7 @@ class YamlFrontend(Frontend):
                         continue  # a change this graph does not collect
                     log.info("collected exports changed: swapping the graph live")
                 self._found = now
-                yield merge(raw, to_resources(self.registry, now))
+                yield merge(raw, to_resources(self.registry, now, self._built))
         finally:
             if unlisten is not None:
                 unlisten()
