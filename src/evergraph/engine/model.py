@@ -29,14 +29,13 @@ class Edge(NamedTuple):
     name: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class CollectSpec:
+class CollectSpec(msgspec.Struct, frozen=True):
     """Collect exported resources of `kind` whose exporter, name and parameters match."""
 
     kind: str
     host: str | None = None
     name: str | None = None
-    params: dict[str, object] = field(default_factory=dict)
+    params: dict[str, object] = msgspec.field(default_factory=dict)
 
     def matches(self, kind: str, host: str, name: str, params: dict[str, object]) -> bool:
         return (

@@ -28,8 +28,9 @@ import shutil
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from evergraph._util.atomic import atomic_write
 
@@ -187,15 +188,13 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-@dataclass(frozen=True, slots=True)
-class Completed:
+class Completed(msgspec.Struct, frozen=True, gc=False):
     returncode: int
     stdout: str
     stderr: str
 
 
-@dataclass(frozen=True, slots=True)
-class RunAs:
+class RunAs(msgspec.Struct, frozen=True):
     """Where and as whom a command runs."""
 
     cwd: str | None = None
@@ -241,9 +240,13 @@ async def _stop_group(proc: asyncio.subprocess.Process) -> None:
         await proc.wait()
 
 
+#: a command run where and as the agent runs, with its environment
+AS_AGENT = RunAs()
+
+
 async def run(
     argv: Sequence[str],
-    how: RunAs = RunAs(),
+    how: RunAs = AS_AGENT,
     record: Path | None = None,
     on_line: OnLine | None = None,
 ) -> Completed:
@@ -306,7 +309,7 @@ async def _pump(
 
 
 async def lines(
-    argv: Sequence[str], how: RunAs = RunAs(), record: Path | None = None
+    argv: Sequence[str], how: RunAs = AS_AGENT, record: Path | None = None
 ) -> AsyncIterator[str]:
     """Yield stdout lines of a long-running command; raises when it exits.
     `record`: as for `run`."""

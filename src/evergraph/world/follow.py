@@ -41,8 +41,9 @@ import contextlib
 import inspect
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
+
+import msgspec
 
 from evergraph.world.kv import KV, Compacted, Event, KeyValue, WorldError, WorldReplaced, log
 
@@ -53,8 +54,7 @@ BACKOFF_FIRST = 0.05
 BACKOFF_MAX = 5.0
 
 
-@dataclass(frozen=True, slots=True)
-class Tombstone:
+class Tombstone(msgspec.Struct, frozen=True, gc=False):
     """`key` is absent, as of `revision` (the deleting revision, or the revision
     read at if the key was absent when looked at)."""
 

@@ -32,8 +32,9 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Literal
+
+import msgspec
 
 log = logging.getLogger("evergraph.world")
 
@@ -72,8 +73,7 @@ class LeaseExpired(WorldError):
     """A keep-alive came too late: the lease and its keys are gone."""
 
 
-@dataclass(frozen=True, slots=True)
-class KeyValue:
+class KeyValue(msgspec.Struct, frozen=True, gc=False):
     key: str
     value: bytes
     create_revision: int
@@ -81,8 +81,7 @@ class KeyValue:
     lease: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(msgspec.Struct, frozen=True, gc=False):
     type: Literal["put", "delete"]
     key: str
     #: the new value; for a delete, empty
@@ -93,8 +92,7 @@ class Event:
     lease: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Compare:
+class Compare(msgspec.Struct, frozen=True, gc=False):
     """A txn's condition: `key`'s mod revision equals `mod_revision` (0: the key
     must not exist)."""
 
@@ -102,8 +100,7 @@ class Compare:
     mod_revision: int
 
 
-@dataclass(frozen=True, slots=True)
-class Put:
+class Put(msgspec.Struct, frozen=True, gc=False):
     """A txn's write of `key` (under `lease`, if not 0)."""
 
     key: str
@@ -111,8 +108,7 @@ class Put:
     lease: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Delete:
+class Delete(msgspec.Struct, frozen=True, gc=False):
     """A txn's deletion of `key` (a key that does not exist: nothing happens)."""
 
     key: str
