@@ -14,6 +14,9 @@ on disk before a name points at it), and the directory is fsynced after the
 rename (the new name is on disk before we return); a directory we create on
 the way is fsynced into its parent too. So after a power cut the target is
 the old file or the complete new one, and a returned write is durable.
+Writes may run in several threads at once (the file kind's writers): those
+renaming into one directory share its fsync (a group commit: each returns only
+after an fsync of the directory that began after its own rename).
 
 With `dir_fd` the file is named relative to an open directory, so no path
 component (a symlink planted by a user in their own home, say) is followed.
@@ -25,10 +28,10 @@ A kill -9 between the create and the rename leaves the temporary file:
 
 from __future__ import annotations
 
+import _thread  # (its locks: `threading` would cost `check` ~1 ms of import)
 import contextlib
 import os
 import re
-import secrets
 import shutil
 import stat
 from collections.abc import Callable, Iterable
@@ -47,7 +50,9 @@ _LEGACY_RE = re.compile(r"\A\.(.+)\.evergraph-[0-9]+(?:-[0-9a-f]+)?\Z", re.DOTAL
 
 
 def _suffix() -> str:
-    return secrets.token_hex(6)
+    # os.urandom is the CSPRNG `secrets` wraps; `secrets` would import hmac and
+    # hashlib into every command's start-up
+    return os.urandom(6).hex()
 
 
 def _short(name: str) -> str:
@@ -198,8 +203,7 @@ def _write(
                 os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
                 placed = True
             if durable:
-                with contextlib.suppress(OSError):
-                    os.fsync(dfd)
+                _sync_dir(dfd)
             return True
         finally:
             if not placed:  # ours until renamed; after, the name may be another's
@@ -208,6 +212,56 @@ def _write(
     finally:
         if dir_fd is None:
             os.close(dfd)
+
+
+class _DirSync:
+    """One directory's group commit: `renamed` counts the entries placed in it (a
+    ticket each, taken once its rename has returned), `synced` is the last ticket an
+    fsync of it covered (one that began after that rename)."""
+
+    __slots__ = ("lock", "renamed", "synced", "users")
+
+    def __init__(self) -> None:
+        self.lock = _thread.allocate_lock()  # held across the directory's fsync
+        self.renamed = 0
+        self.synced = 0
+        self.users = 0
+
+
+#: directories with a write waiting for their fsync, by (st_dev, st_ino)
+_dir_syncs: dict[tuple[int, int], _DirSync] = {}
+_dir_syncs_lock = _thread.allocate_lock()
+
+
+def _sync_dir(dfd: int) -> None:
+    """fsync the directory `dfd` after an entry was renamed into it. Writes from
+    several threads into one directory share fsyncs: one that began after our
+    rename returned covers it, so a write that finds the directory being fsynced
+    waits for that fsync and then for at most one more, its own or one covering it.
+    Errors are ignored as in `fsync_dir`."""
+    st = os.fstat(dfd)
+    key = (st.st_dev, st.st_ino)
+    with _dir_syncs_lock:
+        ds = _dir_syncs.get(key)
+        if ds is None:
+            ds = _dir_syncs[key] = _DirSync()
+        ds.renamed += 1
+        ticket = ds.renamed
+        ds.users += 1
+    try:
+        with ds.lock:
+            if ds.synced >= ticket:
+                return  # an fsync that began after our rename has ended
+            with _dir_syncs_lock:
+                upto = ds.renamed  # every one of these renames has returned
+            with contextlib.suppress(OSError):
+                os.fsync(dfd)
+            ds.synced = upto
+    finally:
+        with _dir_syncs_lock:
+            ds.users -= 1
+            if not ds.users:
+                del _dir_syncs[key]
 
 
 # -- leftovers of a kill ----------------------------------------------------------------
