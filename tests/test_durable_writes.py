@@ -1,0 +1,312 @@
+"""The file kind's durable writes off the event loop: writes that come in a stream
+run in writer threads (the loop checks other files meanwhile), each still atomic
+and durable (temp fsynced, renamed, directory fsynced), our own renames still
+recognised by the watch, and a write under way when its check is cancelled is
+finished before the cancellation ends the run."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import evergraph.resources.file as file_kind
+from evergraph._util import atomic
+from evergraph._util.atomic import TEMP_RE, temp_name
+from evergraph.engine.build import build
+from evergraph.engine.contract import default_registry
+from evergraph.engine.engine import Engine
+from evergraph.engine.model import GraphModel
+from evergraph.engine.settings import Settings
+from evergraph.watch import InotifyHub
+
+#: how long a spy waits for what the test expects to happen (a failure, not a hang)
+WAIT_S = 20.0
+
+
+def model_of(d: Path, n: int) -> GraphModel:
+    model = GraphModel(name="g")
+    for i in range(n):
+        data = {"name": f"f{i}", "path": f"{d}/f{i}", "content": f"{i}\n", "mode": "0640"}
+        model.add(build(default_registry, "file", data))
+    model.check()
+    return model
+
+
+def settings(tmp_path: Path, converged_timeout: float) -> Settings:
+    return Settings(
+        state_dir=tmp_path / "state",
+        hostname="test",
+        converged_timeout=converged_timeout,
+        converged_exit=True,
+    )
+
+
+class Spy:
+    """Records the fsyncs and renames of the atomic writes (what, name, in a writer
+    thread or not); `on_fsync(name)` may hold a writer thread's fsync of a temp file."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.ops: list[tuple[str, str, bool]] = []
+        self.lock = threading.Lock()
+        real_fsync, real_rename = os.fsync, os.rename
+
+        def fsync(fd: int) -> None:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            name = os.path.basename(path)
+            threaded = threading.current_thread() is not threading.main_thread()
+            if os.path.isdir(path):
+                self._add("fsync dir", name, threaded)
+            else:
+                self.on_fsync(name, threaded)
+                self._add("fsync file", name, threaded)
+            real_fsync(fd)
+
+        def rename(src: str, dst: str, **kw: object) -> None:
+            real_rename(src, dst, **kw)  # type: ignore[arg-type]
+            threaded = threading.current_thread() is not threading.main_thread()
+            self._add("rename", f"{src} -> {dst}", threaded)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "rename", rename)
+
+    def _add(self, what: str, name: str, threaded: bool) -> None:
+        with self.lock:
+            self.ops.append((what, name, threaded))
+
+    def on_fsync(self, name: str, threaded: bool) -> None:
+        pass
+
+    def of(self, i: int) -> list[tuple[str, str, bool]]:
+        """The ops of file f<i>'s writes (in directory d)."""
+        return [op for op in self.ops if f".f{i}." in op[1] or op[:2] == ("fsync dir", "d")]
+
+
+def test_a_stream_of_writes_overlaps_in_threads_each_durable_and_recognised_as_ours(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every write counts as slow and in a stream
+    monkeypatch.setattr(file_kind, "SLOW_S", 0.0)
+    monkeypatch.setattr(file_kind, "STREAM_S", 1e9)
+    monkeypatch.setattr(file_kind, "SAMPLE", 10**9)
+    d = tmp_path / "d"
+    d.mkdir()  # exists: its watch is set before the writes
+    spy = Spy(monkeypatch)
+    overlapped = threading.Event()
+    writing: set[str] = set()
+
+    def on_fsync(name: str, threaded: bool) -> None:
+        # The first write in a thread holds its fsync until another file's write
+        # has begun: only possible if the loop went on while this one waited.
+        if not threaded:
+            return  # (the engine's own state files)
+        with spy.lock:
+            writing.add(name)
+            if len(writing) > 1:
+                overlapped.set()
+        overlapped.wait(WAIT_S)
+
+    spy.on_fsync = on_fsync  # type: ignore[method-assign]
+    n = 12
+
+    async def main() -> tuple[int, Engine]:
+        async with InotifyHub() as hub:
+            pump = asyncio.create_task(hub.run())
+            try:
+                engine = Engine(settings(tmp_path, 0.3), watcher=hub)
+                return await asyncio.wait_for(engine.run(model_of(d, n)), 60), engine
+            finally:
+                pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pump
+
+    rc, engine = asyncio.run(main())
+    assert rc == 0
+    assert overlapped.is_set(), "no two writes were ever under way at once"
+    assert engine.subscriptions == n  # watched: our renames reach the watch...
+    assert engine.events == 0  # ...and none of them was taken for a change to repair
+    for i in range(n):
+        f = d / f"f{i}"
+        assert f.read_text() == f"{i}\n"
+        assert f.stat().st_mode & 0o7777 == 0o640
+        # each write: its temp fsynced in a writer thread, renamed, then the directory
+        mine = [(what, name) for what, name, _ in spy.ops if f".f{i}." in name]
+        assert [what for what, _ in mine] == ["fsync file", "rename"], mine
+        assert TEMP_RE.match(mine[0][1])
+        assert all(t for what, name, t in spy.ops if f".f{i}." in name)
+        k = spy.ops.index(("rename", mine[1][1], True))
+        assert ("fsync dir", "d", True) in spy.ops[k + 1 :]
+    assert not [p for p in d.iterdir() if p.name.startswith(".")]  # no temp file left
+
+
+def test_a_write_under_way_when_cancelled_is_finished_before_the_run_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(file_kind, "SLOW_S", 0.0)
+    monkeypatch.setattr(file_kind, "STREAM_S", 1e9)
+    monkeypatch.setattr(file_kind, "SAMPLE", 10**9)
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "f0").write_text("old\n")
+    spy = Spy(monkeypatch)
+    entered, release = threading.Event(), threading.Event()
+
+    def on_fsync(name: str, threaded: bool) -> None:
+        if threaded and name.startswith(".f0."):
+            entered.set()
+            release.wait(WAIT_S)
+
+    spy.on_fsync = on_fsync  # type: ignore[method-assign]
+
+    async def main() -> tuple[int, list[tuple[str, str, bool]], str]:
+        engine = Engine(settings(tmp_path, 0))
+        run = asyncio.create_task(engine.run(model_of(d, 1)))
+        assert await asyncio.to_thread(entered.wait, WAIT_S), "the write never reached a thread"
+        engine.request_stop()
+        engine.request_stop()  # the second stop cancels the applies in flight
+        for _ in range(200):  # the loop turns: the cancellation is delivered
+            await asyncio.sleep(0)
+            if run.done():
+                break
+        assert not run.done(), "the run ended while its write was still under way"
+        assert (d / "f0").read_text() == "old\n"  # not renamed yet: the thread is held
+        ops_then = list(spy.ops)
+        release.set()
+        rc = await asyncio.wait_for(run, WAIT_S)
+        return rc, ops_then, (d / "f0").read_text()
+
+    rc, ops_then, text = asyncio.run(main())
+    assert rc == 1  # the vertex reports its run cancelled
+    assert text == "0\n"  # the write was finished, whole
+    assert not any(what == "rename" for what, _, _ in ops_then)
+    whats = [what for what, _, _ in spy.of(0)]
+    assert whats[-3:] == ["fsync file", "rename", "fsync dir"]  # durable before the end
+    assert not [p for p in d.iterdir() if p.name.startswith(".")]
+
+
+def test_a_lone_write_is_done_inline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no write before it, a write does not pay a hop to a thread (a drift repair)."""
+    monkeypatch.setattr(file_kind, "_last_end", -1e9)
+    d = tmp_path / "d"
+    d.mkdir()
+    spy = Spy(monkeypatch)
+    rc = asyncio.run(asyncio.wait_for(Engine(settings(tmp_path, 0)).run(model_of(d, 1)), 30))
+    assert rc == 0
+    assert (d / "f0").read_text() == "0\n"
+    assert [(what, t) for what, _, t in spy.of(0)] == [
+        ("fsync file", False),
+        ("rename", False),
+        ("fsync dir", False),
+    ]
+
+
+def test_temp_names_are_random_without_the_secrets_module(tmp_path: Path) -> None:
+    names = {temp_name("f") for _ in range(100)}
+    assert len(names) == 100
+    assert all(TEMP_RE.match(n) for n in names)
+    code = (
+        "import sys, evergraph.resources.file, evergraph._util.atomic as a\n"
+        "a.atomic_write(sys.argv[1], b'x')\n"
+        "print(sorted(m for m in ('secrets', 'hmac', 'hashlib') if m in sys.modules))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "f")], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+    assert (tmp_path / "f").read_bytes() == b"x"
+
+
+def test_writes_into_one_directory_share_its_fsync_each_covered_after_its_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Group commit: while one write's directory fsync runs, the others renamed into
+    that directory wait and are covered by one more fsync that began after their
+    renames; none returns before such an fsync has ended."""
+    n = 6
+    d = tmp_path / "d"
+    d.mkdir()
+    log: list[tuple[str, str]] = []
+    lock = threading.Condition()
+    renamed = 0
+    real_fsync, real_rename = os.fsync, os.rename
+    me = threading.local()
+
+    def fsync(fd: int) -> None:
+        if not os.path.isdir(os.readlink(f"/proc/self/fd/{fd}")):
+            real_fsync(fd)
+            return
+        with lock:
+            log.append(("dir fsync start", me.name))
+            first = sum(1 for what, _ in log if what == "dir fsync start") == 1
+            if first:  # held until every other write has renamed (and must wait for us)
+                assert lock.wait_for(lambda: renamed == n, WAIT_S)
+        real_fsync(fd)
+        with lock:
+            log.append(("dir fsync end", me.name))
+
+    def rename(src: str, dst: str, **kw: object) -> None:
+        nonlocal renamed
+        real_rename(src, dst, **kw)  # type: ignore[arg-type]
+        with lock:
+            log.append(("rename", me.name))
+            renamed += 1
+            lock.notify_all()
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+
+    def write(i: int) -> None:
+        me.name = f"w{i}"
+        atomic.atomic_write(d / f"f{i}", f"{i}\n".encode(), mode=0o644)
+        with lock:
+            log.append(("returned", me.name))
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    assert not any(t.is_alive() for t in threads)
+    assert [f.read_text() for f in sorted(d.iterdir())] == [f"{i}\n" for i in range(n)]
+    starts = [k for k, (what, _) in enumerate(log) if what == "dir fsync start"]
+    assert len(starts) == 2  # the held one, then one for all the others (not n)
+    for i in range(n):
+        ren = log.index(("rename", f"w{i}"))
+        ret = log.index(("returned", f"w{i}"))
+        # some directory fsync began after this rename and ended before this return
+        covered = [
+            k
+            for k in starts
+            if ren < k
+            and any(
+                what == "dir fsync end" and who == log[k][1] and k < j < ret
+                for j, (what, who) in enumerate(log)
+            )
+        ]
+        assert covered, f"w{i}: returned without an fsync of the directory after its rename"
+
+
+def test_a_stream_of_fast_writes_stays_in_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writes quicker than SLOW_S (tmpfs) are not worth a thread's hop."""
+    monkeypatch.setattr(file_kind, "SLOW_S", 1.0)
+    monkeypatch.setattr(file_kind, "STREAM_S", 1e9)
+    monkeypatch.setattr(file_kind, "_inline_s", collections.deque([0.0], maxlen=5))
+    d = tmp_path / "d"
+    d.mkdir()
+    spy = Spy(monkeypatch)
+    rc = asyncio.run(asyncio.wait_for(Engine(settings(tmp_path, 0)).run(model_of(d, 20)), 30))
+    assert rc == 0
+    assert all((d / f"f{i}").read_text() == f"{i}\n" for i in range(20))
+    mine = [op for i in range(20) for op in spy.of(i)]
+    assert len([op for op in mine if op[0] == "rename"]) == 20
+    assert not [op for op in mine if op[2]]  # nothing in a writer thread
