@@ -8,7 +8,9 @@ close) and times, from just before the open, until the file reads back as
 its declared content. Detection: our own inotify instance on the parent
 directories (IN_CLOSE_WRITE | IN_MOVED_TO), reading the file on each event
 naming it; 20 s cap per trial. The floor is bench/floor_watcher.py, a minimal
-asyncinotify watcher process, measured the same way.
+asyncinotify watcher process, measured the same way; it writes without fsync,
+so it also runs with `--durable` (evergraph's fsyncs, inline) and both ratios
+are given.
 
 Churn: the agent (and then the floor) manages 10,000 W1 files; a writer
 process changes random ones at a fixed rate (1,000, 2,000, 3,000, 5,000 per
@@ -51,6 +53,15 @@ CAP_S = 20.0
 #: pause between trials, so each starts with the agent idle
 GAP_S = 0.025
 FLOOR = str(REPO / "bench" / "floor_watcher.py")
+
+
+def _floor(spec_path: Path, status: Path, impl: str) -> list[str]:
+    cmd = [PYTHON, FLOOR, str(spec_path), str(status)]
+    return [*cmd, "--durable"] if impl == "floor-durable" else cmd
+
+
+#: evergraph, the floor, the floor writing durably (fsyncs as evergraph's)
+IMPLS = ("evergraph", "floor", "floor-durable")
 
 
 def wait_converged(p: Any, status: Path, timeout: float = 120.0) -> float:
@@ -222,7 +233,7 @@ def measure_churn(impl: str, work: Path, rates: tuple[int, ...]) -> list[dict[st
         cmd = [EVERGRAPH, "run", str(yaml_path), "--state-dir", str(work / "churn-state")]
         cmd += ["--converged-status-file", str(status), "--converged-timeout", "0.2"]
     else:
-        cmd = [PYTHON, FLOOR, str(spec_path), str(status)]
+        cmd = _floor(spec_path, status, impl)
     with open(work / f"churn-{impl}.log", "wb") as log:
         p = spawn(cmd, stdout=log, stderr=log)
     out = []
@@ -253,7 +264,7 @@ def measure(impl: str, work: Path, n_trials: int) -> dict[str, Any]:
         cmd = [EVERGRAPH, "run", str(yaml_path), "--state-dir", str(work / "state")]
         cmd += ["--converged-status-file", str(status), "--converged-timeout", "0.2"]
     else:
-        cmd = [PYTHON, FLOOR, str(spec_path), str(status)]
+        cmd = _floor(spec_path, status, impl)
     with open(work / f"{impl}.log", "wb") as log:
         p = spawn(cmd, stdout=log, stderr=log)
     try:
@@ -290,6 +301,7 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
     eg = measure("evergraph", work, n_trials)
     print(f"  drift evergraph: p99 {fmt_s(eg['p99_s'])}", file=sys.stderr)
     fl = measure("floor", work, n_trials)
+    fd = measure("floor-durable", work, n_trials)
     rows = []
     for key, label in (("p50_s", "p50"), ("p99_s", "p99"), ("max_s", "max")):
         is_target = key == "p99_s"
@@ -301,33 +313,48 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
                 fmt_s(eg[key]),
                 fmt_s(fl[key]),
                 fmt_ratio(eg[key] / fl[key]),
+                fmt_s(fd[key]),
+                fmt_ratio(eg[key] / fd[key]),
                 f"<= {TARGET_P99_S * 1000:g} ms" if is_target else "-",
                 yes_no(met),
             ]
         )
     rates = CHURN_RATES[:1] if quick else CHURN_RATES
-    churned = {impl: measure_churn(impl, work, rates) for impl in ("evergraph", "floor")}
-    for eg_r, fl_r in zip(churned["evergraph"], churned["floor"], strict=False):
+    churned = {impl: measure_churn(impl, work, rates) for impl in IMPLS}
+
+    def cell(r: dict[str, Any], key: str) -> str:
+        return fmt_s(r[key]) + (" (behind)" if r["behind"] else "")
+
+    for eg_r, fl_r, fd_r in zip(*(churned[impl] for impl in IMPLS), strict=False):
         for key, label in (("p50_s", "p50"), ("p99_s", "p99"), ("max_s", "max")):
-            if key not in eg_r or key not in fl_r:
+            if key not in eg_r or key not in fl_r or key not in fd_r:
                 continue
             rows.append(
                 [
                     f"churn {eg_r['rate']:,}/s {label}",
                     f"{CHURN_FILES:,}",
-                    fmt_s(eg_r[key]) + (" (behind)" if eg_r["behind"] else ""),
-                    fmt_s(fl_r[key]) + (" (behind)" if fl_r["behind"] else ""),
+                    cell(eg_r, key),
+                    cell(fl_r, key),
                     fmt_ratio(eg_r[key] / fl_r[key]),
+                    cell(fd_r, key),
+                    fmt_ratio(eg_r[key] / fd_r[key]),
                     "-",
                     "-",
                 ]
             )
-    header = ["case", "N", "evergraph", "floor", "ratio", "target", "met?"]
+    header = ["case", "N", "evergraph", "floor", "ratio", "floor fsync", "ratio", "target", "met?"]
     title = (
         f"drift latency: {n_trials} trials, one file rewritten in place -> content restored"
         f" ({eg['fs']}); evergraph repaired {eg['repaired']}/{n_trials},"
-        f" floor {fl['repaired']}/{n_trials}"
+        f" floor {fl['repaired']}/{n_trials}, floor fsync {fd['repaired']}/{n_trials}"
+        " (the floor with evergraph's fsyncs: --durable)"
     )
-    result = {"evergraph": eg, "floor": fl, "target_p99_s": TARGET_P99_S, "churn": churned}
+    result = {
+        "evergraph": eg,
+        "floor": fl,
+        "floor_durable": fd,
+        "target_p99_s": TARGET_P99_S,
+        "churn": churned,
+    }
     result["met"] = eg["p99_s"] <= TARGET_P99_S and eg["capped"] == 0
     return result, table(title, header, rows)

@@ -1,10 +1,11 @@
 """Floor for drift latency: a minimal inotify watcher that repairs files when they change.
 
-Run as a whole process: `python bench/floor_watcher.py SPEC.json STATUS_FILE`.
-It converges every file once (as bench/floor_files.py does), watches each
-parent directory with one asyncinotify instance, appends `true` to
-STATUS_FILE when ready, then on any event naming a managed file checks it
-and rewrites it atomically if it differs. Stops on SIGTERM.
+Run as a whole process: `python bench/floor_watcher.py SPEC.json STATUS_FILE
+[--durable]`. It converges every file once (as bench/floor_files.py does),
+watches each parent directory with one asyncinotify instance, appends `true`
+to STATUS_FILE when ready, then on any event naming a managed file checks it
+and rewrites it atomically if it differs (`--durable`: with the fsyncs of
+evergraph's writes, inline, one after another). Stops on SIGTERM.
 """
 
 import asyncio
@@ -18,12 +19,12 @@ from floor_files import converge
 MASK = Mask.MODIFY | Mask.ATTRIB | Mask.CLOSE_WRITE | Mask.MOVED_FROM | Mask.MOVED_TO | Mask.DELETE
 
 
-async def watch(spec: list[list[str]], status_file: str) -> None:
-    by_dir: dict[str, dict[str, tuple[str, bytes, int]]] = {}
+async def watch(spec: list[list[str]], status_file: str, durable: bool) -> None:
+    by_dir: dict[str, dict[str, tuple[str, bytes, int, bool]]] = {}
     for path, content, mode in spec:
         d, _, name = path.rpartition("/")
-        by_dir.setdefault(d, {})[name] = (path, content.encode(), int(mode, 8))
-        converge(path, content.encode(), int(mode, 8))
+        by_dir.setdefault(d, {})[name] = (path, content.encode(), int(mode, 8), durable)
+        converge(path, content.encode(), int(mode, 8), durable)
     with Inotify() as ino:
         names = {}
         for d, files in by_dir.items():
@@ -42,7 +43,7 @@ async def watch(spec: list[list[str]], status_file: str) -> None:
 def main() -> int:
     with open(sys.argv[1], "rb") as f:
         spec = json.load(f)
-    asyncio.run(watch(spec, sys.argv[2]))
+    asyncio.run(watch(spec, sys.argv[2], "--durable" in sys.argv[3:]))
     return 0
 
 
