@@ -388,3 +388,22 @@ def test_the_periodic_check_reads_our_own_records_by_key_and_repairs_them(
                 assert ranges.count("exported/") == full  # no full read since the first
 
     asyncio.run(main())
+
+
+def test_a_publisher_cancelled_as_it_is_woken_ends(tmp_path: Path) -> None:
+    """The agent's stop can come in the same step as the graph's exports (an empty
+    one-shot run): 3.11's wait_for swallowed that cancellation, and the publisher
+    waited its 30 s recheck more, holding the agent's exit."""
+
+    async def main() -> None:
+        a = Host(MemoryKV(MemoryStore()), tmp_path / "a", "hosta")
+        task = asyncio.create_task(a.publisher.run())
+        for _ in range(5):
+            await asyncio.sleep(0)  # (it reconciles nothing, then waits)
+        a.publisher.set([])
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            async with asyncio.timeout(5):
+                await task
+
+    asyncio.run(main())

@@ -222,7 +222,8 @@ async def _wait_until(
     try:
         while not ready():  # checked after subscribing: no change slips by
             try:
-                await asyncio.wait_for(changed.wait(), deadline - loop.time())
+                async with asyncio.timeout_at(deadline):  # (wait_for may swallow a cancel)
+                    await changed.wait()
             except TimeoutError:
                 return ready()
             changed.clear()

@@ -796,7 +796,8 @@ class EtcdKV(KV):
 
     async def _closed_within(self, seconds: float) -> bool:
         try:
-            await asyncio.wait_for(self._closed_event.wait(), seconds)
+            async with asyncio.timeout(seconds):  # (wait_for may swallow a cancel)
+                await self._closed_event.wait()
         except TimeoutError:
             return False
         return True

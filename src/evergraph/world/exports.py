@@ -343,8 +343,13 @@ class Publisher:
         delay = 0.05
         while True:
             try:
+                # asyncio.timeout, not wait_for: 3.11's wait_for swallows a
+                # cancellation that comes as the event is set (the agent's stop
+                # right after its graph's exports were set), and this loop then
+                # waited 30 s more, holding the agent's exit
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), RECHECK)
+                    async with asyncio.timeout(RECHECK):
+                        await self._wake.wait()
                 if not self._wake.is_set():
                     self._recheck = True  # periodic anti-entropy pass: our own keys
                 self._wake.clear()
