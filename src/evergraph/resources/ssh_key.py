@@ -377,8 +377,7 @@ class SshAuthorizedKey(Resource, kw_only=True, dict=True, forbid_unknown_fields=
                 if target is not None and os.path.isdir(target.home):
                     return True
                 try:
-                    async with asyncio.timeout_at(deadline):  # (wait_for may swallow a cancel)
-                        await changed.wait()
+                    await asyncio.wait_for(changed.wait(), deadline - loop.time())
                 except TimeoutError:
                     return False
                 changed.clear()

@@ -222,8 +222,7 @@ async def _wait_until(
     try:
         while not ready():  # checked after subscribing: no change slips by
             try:
-                async with asyncio.timeout_at(deadline):  # (wait_for may swallow a cancel)
-                    await changed.wait()
+                await asyncio.wait_for(changed.wait(), deadline - loop.time())
             except TimeoutError:
                 return ready()
             changed.clear()
