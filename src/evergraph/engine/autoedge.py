@@ -86,6 +86,9 @@ def add_autoedges(model: GraphModel) -> int:
     for ident, res in model.resources.items():
         if not res.meta.autoedge:
             continue
+        might = res.wants_namespaces
+        if might is not None and might.isdisjoint(namespaces):
+            continue  # its kind wants nothing of what this graph provides
         wanted: list[str] | None = None
         keys = now.get(ident) if now else None
         if keys is not None:

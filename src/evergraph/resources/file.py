@@ -46,7 +46,7 @@ import shutil
 import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 from evergraph._util.atomic import (
     atomic_copy,
@@ -215,6 +215,9 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     # Keys: "dir:/a/b/" for a managed directory, "path:/a/b" for a file (an exec
     # wants the file of its program); separate namespaces let the autoedge
     # driver skip the parent walk when no directory is managed at all.
+    #: what autoedge_wants names: parent directories, the package that installs it
+    wants_namespaces: ClassVar[frozenset[str] | None] = frozenset({"dir", "pkgfile"})
+
     def autoedge_provides(self) -> list[str]:
         path = self.path or self.name
         norm = os.path.normpath(path)
