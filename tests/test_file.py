@@ -209,3 +209,33 @@ def test_directory_source_needs_recurse(tmp_path: Path) -> None:
     r = run_cli("check", g)
     assert r.returncode == 2
     assert f"file[{tmp_path}/d/].source: copying a directory needs recurse: true" in r.stderr
+
+
+def test_leftovers_of_killed_writes_are_swept_at_each_start_in_one_process(
+    tmp_path: Path,
+) -> None:
+    # many files of one directory share its listing within a start; a second run in
+    # the same process (another event loop) lists it again and finds new leftovers
+    import evergraph
+
+    d = tmp_path / "d"
+    d.mkdir()
+    names = [f"f{i}" for i in range(30)] + ["L" * 210]  # a long name: its temp name is cut
+    g = graph(tmp_path, "".join(f"  - {{name: {d / n}, content: x}}\n" for n in names))
+    common = {"state_dir": tmp_path / "s", "converged_exit": True, "world": "memory"}
+    common["handle_signals"] = False
+
+    def leave() -> list[Path]:
+        left = [d / f".{n[:200]}.0123456789ab.tmp" for n in names]
+        left.append(d / f".{names[3]}.evergraph-4242")  # an earlier version's name
+        for p in left:
+            p.write_text("half")
+        return left
+
+    for _ in range(2):
+        left = leave()
+        (d / ".unmanaged.0123456789ab.tmp").write_text("not ours to sweep")
+        assert evergraph.run(g, **common) == 0  # type: ignore[arg-type]
+        assert [p.name for p in left if p.exists()] == []
+        assert (d / ".unmanaged.0123456789ab.tmp").exists()
+        assert all((d / n).read_text() == "x" for n in names)

@@ -161,16 +161,17 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         is_dir = path.endswith("/")
         if self.symlink:
             self._validate_symlink(is_dir)
-        given = [
-            f for f in ("content", "source", "fragments") if getattr(self, f) not in (None, [])
-        ]
-        if len(given) > 1:
+        if (self.content is not None) + (self.source is not None) + bool(self.fragments) > 1:
+            given = [
+                f for f in ("content", "source", "fragments") if getattr(self, f) not in (None, [])
+            ]
             raise self.bad(given[1], f"cannot be combined with {given[0]}: pick one")
-        # (a link's target may be relative: to the link's directory)
-        copied = [] if self.symlink or self.source is None else [("source", self.source)]
-        for f, p in [*copied, *(("fragments", frag) for frag in self.fragments)]:
-            if not p.startswith("/"):
-                raise self.bad(f, f"{p!r} is not an absolute path")
+        if self.source is not None or self.fragments:
+            # (a link's target may be relative: to the link's directory)
+            copied = [] if self.symlink or self.source is None else [("source", self.source)]
+            for f, p in [*copied, *(("fragments", frag) for frag in self.fragments)]:
+                if not p.startswith("/"):
+                    raise self.bad(f, f"{p!r} is not an absolute path")
         if is_dir:
             if self.content is not None:
                 raise self.bad("content", "a directory (path ends with /) cannot have content")
@@ -183,10 +184,11 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 raise self.bad("purge", "only a directory (path ends with /) can be purged")
             if self.recurse:
                 raise self.bad("recurse", "only a directory (path ends with /) can recurse")
-        for f in ("owner", "group"):
-            v = getattr(self, f)
-            if v is not None and (not v or ":" in v or v.startswith("-")):
-                raise self.bad(f, f"{v!r} is not a name or a numeric id")
+        if self.owner is not None or self.group is not None:
+            for f in ("owner", "group"):
+                v = getattr(self, f)
+                if v is not None and (not v or ":" in v or v.startswith("-")):
+                    raise self.bad(f, f"{v!r} is not a name or a numeric id")
         if self.state == "absent":  # as mgmt: there is nothing to hold it
             for f in ("content", "source", "fragments", "purge"):
                 if getattr(self, f) not in (None, [], False):
@@ -203,9 +205,7 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
 
     def claims(self) -> list[str]:
         # a directory and a file of one path are one thing to manage
-        path = self.path or self.name
-        if "//" in path or "/." in path or path.endswith("/"):
-            path = os.path.normpath(path)  # (only then: graphs of 50k files are checked)
+        path = _normpath(self.path or self.name)
         whole = self._manages_content() or self.state == "absent" or self.symlink
         if whole or (self.path or self.name).endswith("/"):
             # all of its content (a directory has none): a `line` (claims_part) would fight
@@ -220,11 +220,11 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
 
     def autoedge_provides(self) -> list[str]:
         path = self.path or self.name
-        norm = os.path.normpath(path)
+        norm = _normpath(path)
         return [f"dir:{norm.rstrip('/')}/" if path.endswith("/") else f"path:{norm}"]
 
     def autoedge_wants(self) -> Iterator[Iterator[str]]:
-        norm = os.path.normpath(self.path or self.name)
+        norm = _normpath(self.path or self.name)
         yield parent_dir_keys(norm)
         yield iter((f"pkgfile:{norm}",))  # after the package that installs it
 
@@ -275,14 +275,23 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         await super().init(handle)
         path = self.path or self.name
         self._is_dir = path.endswith("/")
-        self._path = os.path.normpath(path)
+        self._path = _normpath(path)
         self._mode = parse_mode(self.mode) if self.mode is not None else None
         if self._mode is None and handle.is_secret("content"):
             self._mode = 0o600  # a secret (a received password) is not for every reader
         self._data = self.content.encode() if self.content is not None else None
         self._own_ino = 0  # inode of our last atomic write, until its rename is seen
+        #: the common case, checked first: a regular file of known content, no owner
+        self._plain = (
+            self._data is not None
+            and not self._is_dir
+            and self.state == "exists"
+            and not self.symlink
+            and self.owner is None
+            and self.group is None
+        )
         if not self._is_dir:
-            for left in sweep_leftovers_of(self._path):
+            for left in _sweep_leftovers(self._path):
                 handle.logger.info("%s: removed %s (an interrupted write's)", self.ident, left)
         self._watch: PathSubscription | None = None
         #: extra watches (source, fragments, listed directories) by path
@@ -361,6 +370,18 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             st: os.stat_result | None = os.lstat(self._path)
         except FileNotFoundError:
             st = None
+        if self._plain and st is not None:
+            # nothing changed (the common case): no more than one read, no objects
+            data = self._data
+            assert data is not None
+            mode = self._mode
+            if (
+                st.st_size == len(data)
+                and stat.S_ISREG(st.st_mode)
+                and (mode is None or stat.S_IMODE(st.st_mode) == mode)
+                and self._read(len(data)) == data
+            ):
+                return True
         if self.state == "absent":
             return self._absent(st, apply)
         uid, gid = self._ids()
@@ -632,7 +653,7 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         data = self._wanted()
         current = None  # read only when the size says it may be the same
         if st is not None and data is not None and st.st_size == len(data):
-            current = self._read()
+            current = self._read(len(data))
         content_ok = st is not None and (data is None or current == data)
         attrs_ok = st is not None and _attrs_ok(st, self._mode, uid, gid)
         if content_ok and attrs_ok:
@@ -722,7 +743,10 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         return path[len(self._path) :].lstrip("/") or "."
 
     # -- io ---------------------------------------------------------------------
-    def _read(self) -> bytes:
+    def _read(self, size: int = -1) -> bytes:
+        """The file's content. `size`: what its stat said; one read of size + 1
+        bytes that returns less is the end (a short read of a regular file), so a
+        file of that size takes one read, not a second one to see the end."""
         # raw syscalls, not open(): no buffered-reader object per check (10k
         # files are read on every no-change run)
         try:
@@ -730,7 +754,13 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         except FileNotFoundError:
             return b""
         try:
-            parts = []
+            if size >= 0:
+                first = os.read(fd, size + 1)
+                if len(first) <= size:
+                    return first
+                parts = [first]
+            else:
+                parts = []
             while chunk := os.read(fd, _READ_CHUNK):
                 parts.append(chunk)
             return parts[0] if len(parts) == 1 else b"".join(parts)
@@ -917,6 +947,72 @@ async def _durably(write: Callable[[], object]) -> None:
 
 #: bytes per read() of a file's current content
 _READ_CHUNK = 1 << 16
+
+
+def _normpath(path: str) -> str:
+    """os.path.normpath, skipped where it changes nothing (the common absolute path:
+    no `//`, `/.` nor trailing `/`): graphs of 10k files ask for it several times each."""
+    if "//" in path or "/." in path or path.endswith("/"):
+        return os.path.normpath(path)
+    return path
+
+
+#: directory -> {the name a leftover was for: [leftover names]}: listed once per turn
+#: of the event loop `_listed_in`, then forgotten. The inits of a swap (a thousand
+#: between two yields) share one listing of each directory, where `sweep_leftovers_of`
+#: would stat it again for each file; nothing of ours runs between them that could
+#: leave one (only a kill does).
+_listed: dict[str, dict[str, list[str]]] = {}
+_listed_in: list[asyncio.AbstractEventLoop | None] = [None]
+#: a name this long may have its temporary files named after it shortened
+#: (atomic's 200 bytes; a character is at most 4): those go to `sweep_leftovers_of`
+_NAME_WHOLE = 50
+
+
+def _end_turn() -> None:
+    _listed.clear()
+    _listed_in[0] = None
+
+
+def _sweep_leftovers(path: str) -> list[str]:
+    """Remove the temporary files a killed write of ours left next to `path`: regular
+    files owned by us, named like ours for it (`sweep_leftovers_of`'s guarantee).
+    Returns the paths removed."""
+    parent, _, base = path.rpartition("/")
+    if len(base) > _NAME_WHOLE:
+        return sweep_leftovers_of(path)
+    parent = parent or "/"
+    import asyncio  # (loaded by then: inits run in its loop)
+
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None  # (no turn to end: nothing kept)
+    if _listed_in[0] is not loop:  # (another loop's turn, never ended: it stopped)
+        _end_turn()
+    found = _listed.get(parent)
+    if found is None:
+        found = {}
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            names = []
+        for name in names:
+            if name[0] == "." and (of := leftover_of(name)) is not None:
+                found.setdefault(of, []).append(name)
+        if loop is not None:
+            if _listed_in[0] is None:
+                loop.call_soon(_end_turn)
+                _listed_in[0] = loop
+            _listed[parent] = found
+    removed: list[str] = []
+    for name in found.pop(base, ()):
+        leftover = f"{parent.rstrip('/')}/{name}"
+        if is_leftover(leftover, base):  # a regular file, ours
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(leftover)
+                removed.append(leftover)
+    return removed
 
 
 def _lookup(value: str | None, by_name: Callable[[str], int], field: str, what: str) -> int:
