@@ -276,21 +276,24 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         path = self.path or self.name
         self._is_dir = path.endswith("/")
         self._path = _normpath(path)
-        self._mode = parse_mode(self.mode) if self.mode is not None else None
-        if self._mode is None and handle.is_secret("content"):
-            self._mode = 0o600  # a secret (a received password) is not for every reader
-        self._data = self.content.encode() if self.content is not None else None
+        mode = parse_mode(self.mode) if self.mode is not None else None
+        if mode is None and handle.is_secret("content"):
+            mode = 0o600  # a secret (a received password) is not for every reader
+        self._mode = mode
+        content = self.content
+        self._data = None if content is None else content.encode()
         self._own_ino = 0  # inode of our last atomic write, until its rename is seen
+        is_dir = self._is_dir
         #: the common case, checked first: a regular file of known content, no owner
         self._plain = (
-            self._data is not None
-            and not self._is_dir
+            content is not None
+            and not is_dir
             and self.state == "exists"
             and not self.symlink
             and self.owner is None
             and self.group is None
         )
-        if not self._is_dir:
+        if not is_dir:
             for left in _sweep_leftovers(self._path):
                 handle.logger.info("%s: removed %s (an interrupted write's)", self.ident, left)
         self._watch: PathSubscription | None = None
@@ -964,6 +967,8 @@ def _normpath(path: str) -> str:
 #: leave one (only a kill does).
 _listed: dict[str, dict[str, list[str]]] = {}
 _listed_in: list[asyncio.AbstractEventLoop | None] = [None]
+#: asyncio.get_running_loop, once imported
+_running_loop: Callable[[], asyncio.AbstractEventLoop] | None = None
 #: a name this long may have its temporary files named after it shortened
 #: (atomic's 200 bytes; a character is at most 4): those go to `sweep_leftovers_of`
 _NAME_WHOLE = 50
@@ -974,18 +979,21 @@ def _end_turn() -> None:
     _listed_in[0] = None
 
 
-def _sweep_leftovers(path: str) -> list[str]:
+def _sweep_leftovers(path: str) -> tuple[str, ...]:
     """Remove the temporary files a killed write of ours left next to `path`: regular
     files owned by us, named like ours for it (`sweep_leftovers_of`'s guarantee).
     Returns the paths removed."""
     parent, _, base = path.rpartition("/")
     if len(base) > _NAME_WHOLE:
-        return sweep_leftovers_of(path)
+        return tuple(sweep_leftovers_of(path))
     parent = parent or "/"
-    import asyncio  # (loaded by then: inits run in its loop)
+    global _running_loop
+    if _running_loop is None:
+        import asyncio  # (loaded by then: inits run in its loop)
 
+        _running_loop = asyncio.get_running_loop
     try:
-        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        loop: asyncio.AbstractEventLoop | None = _running_loop()
     except RuntimeError:
         loop = None  # (no turn to end: nothing kept)
     if _listed_in[0] is not loop:  # (another loop's turn, never ended: it stopped)
@@ -1005,14 +1013,18 @@ def _sweep_leftovers(path: str) -> list[str]:
                 loop.call_soon(_end_turn)
                 _listed_in[0] = loop
             _listed[parent] = found
+    ours = found.get(base)
+    if ours is None:
+        return ()  # (the common case: no list made)
+    del found[base]  # (swept once)
     removed: list[str] = []
-    for name in found.pop(base, ()):
+    for name in ours:
         leftover = f"{parent.rstrip('/')}/{name}"
         if is_leftover(leftover, base):  # a regular file, ours
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(leftover)
                 removed.append(leftover)
-    return removed
+    return tuple(removed)
 
 
 def _lookup(value: str | None, by_name: Callable[[str], int], field: str, what: str) -> int:
