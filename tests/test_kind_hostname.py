@@ -236,7 +236,15 @@ def test_timeline_with_the_files(
     wait_for(lambda: agent.ns("cat", "/etc/hostname") == "eg-static\n", what="static repaired")
     agent.ns("hostname", "drifted")
     wait_for(lambda: agent.ns("hostname").strip() == "eg-trans", what="transient repaired")
-    agent.ns("sh", "-c", "printf 'CHASSIS=vm\\nPRETTY_HOSTNAME=other\\n' > /etc/machine-info")
+    # written whole (then renamed): a check between a shell's truncation and its write
+    # would read an empty file, rightly keep nothing of it, and the CHASSIS line expected
+    # below would be lost (seen under load)
+    agent.ns(
+        "sh",
+        "-c",
+        "printf 'CHASSIS=vm\\nPRETTY_HOSTNAME=other\\n' > /etc/.mi.new"
+        " && mv /etc/.mi.new /etc/machine-info",
+    )
     want = 'CHASSIS=vm\nPRETTY_HOSTNAME="Evergraph\'s \\"Test\\" Box"\n'
     wait_for(lambda: agent.ns("cat", "/etc/machine-info") == want, what="pretty repaired")
     # a check from outside finds it clean (noop: exit 3 if anything would change)
