@@ -333,35 +333,39 @@ def is_leftover(path: str, of: str) -> bool:
 _scans: dict[str, tuple[int, dict[str, list[str]]]] = {}
 
 
-def sweep_leftovers_of(path: Path | str) -> list[str]:
+def sweep_leftovers_of(
+    path: Path | str, listed: dict[str, dict[str, list[str]]] | None = None
+) -> list[str]:
     """Remove the temporary files a killed write of ours left next to `path` (a
     managed file, in a directory that may be shared with other users): regular
     files owned by us, named like our temporary files for `path`. Returns the
     paths removed.
 
     A directory is listed once while it does not change (its mtime), so a graph
-    of many files in one directory lists it once at start, not once per file."""
+    of many files in one directory lists it once at start, not once per file.
+    `listed`: listings the caller keeps and forgets itself (the file kind's, for one
+    turn of its event loop), used without a stat of the directory."""
     parent, _, base = os.fspath(path).rpartition("/")
     parent = parent or "/"
-    try:
-        mtime = os.stat(parent).st_mtime_ns
-    except OSError:
-        return []
-    scan = _scans.get(parent)
-    if scan is None or scan[0] != mtime:
-        found: dict[str, list[str]] = {}
+    if listed is not None:
+        found = listed.get(parent)
+        if found is None:
+            found = listed[parent] = _leftovers_in(parent)
+    else:
         try:
-            with os.scandir(parent) as it:
-                for e in it:
-                    of = leftover_of(e.name)
-                    if of is not None:
-                        found.setdefault(of, []).append(e.name)
+            mtime = os.stat(parent).st_mtime_ns
         except OSError:
             return []
-        _scans[parent] = scan = (mtime, found)
-    names = scan[1].pop(_short(base), [])
-    if base != _short(base):
-        names += scan[1].pop(base, [])  # a legacy name kept it whole
+        scan = _scans.get(parent)
+        if scan is None or scan[0] != mtime:
+            _scans[parent] = scan = (mtime, _leftovers_in(parent))
+        found = scan[1]
+    if not found:
+        return []  # (the common case)
+    short = _short(base)
+    names = found.pop(short, [])
+    if base != short:
+        names += found.pop(base, [])  # a legacy name kept it whole
     removed: list[str] = []
     me = os.geteuid()
     for name in names:
@@ -374,6 +378,20 @@ def sweep_leftovers_of(path: Path | str) -> list[str]:
         except OSError:
             continue
     return removed
+
+
+def _leftovers_in(directory: str) -> dict[str, list[str]]:
+    """{the (maybe shortened) name a leftover was for: [leftover names]} in `directory`."""
+    found: dict[str, list[str]] = {}
+    try:
+        with os.scandir(directory) as it:
+            for e in it:
+                of = leftover_of(e.name) if e.name[0] == "." else None
+                if of is not None:
+                    found.setdefault(of, []).append(e.name)
+    except OSError:
+        return {}
+    return found
 
 
 def current_umask() -> int:

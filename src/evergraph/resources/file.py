@@ -960,18 +960,14 @@ def _normpath(path: str) -> str:
     return path
 
 
-#: directory -> {the name a leftover was for: [leftover names]}: listed once per turn
-#: of the event loop `_listed_in`, then forgotten. The inits of a swap (a thousand
-#: between two yields) share one listing of each directory, where `sweep_leftovers_of`
-#: would stat it again for each file; nothing of ours runs between them that could
-#: leave one (only a kill does).
+#: directory listings for `sweep_leftovers_of`, kept for one turn of the event loop
+#: `_listed_in`, then forgotten. The inits of a swap (a thousand between two yields)
+#: share one listing of each directory, with no stat of it per file; nothing of ours
+#: runs between them that could leave a leftover (only a kill does).
 _listed: dict[str, dict[str, list[str]]] = {}
 _listed_in: list[asyncio.AbstractEventLoop | None] = [None]
 #: asyncio.get_running_loop, once imported
 _running_loop: Callable[[], asyncio.AbstractEventLoop] | None = None
-#: a name this long may have its temporary files named after it shortened
-#: (atomic's 200 bytes; a character is at most 4): those go to `sweep_leftovers_of`
-_NAME_WHOLE = 50
 
 
 def _end_turn() -> None:
@@ -979,52 +975,22 @@ def _end_turn() -> None:
     _listed_in[0] = None
 
 
-def _sweep_leftovers(path: str) -> tuple[str, ...]:
-    """Remove the temporary files a killed write of ours left next to `path`: regular
-    files owned by us, named like ours for it (`sweep_leftovers_of`'s guarantee).
-    Returns the paths removed."""
-    parent, _, base = path.rpartition("/")
-    if len(base) > _NAME_WHOLE:
-        return tuple(sweep_leftovers_of(path))
-    parent = parent or "/"
+def _sweep_leftovers(path: str) -> list[str]:
+    """`sweep_leftovers_of(path)` with this turn's listings (outside a loop: its own)."""
     global _running_loop
     if _running_loop is None:
         import asyncio  # (loaded by then: inits run in its loop)
 
         _running_loop = asyncio.get_running_loop
     try:
-        loop: asyncio.AbstractEventLoop | None = _running_loop()
+        loop = _running_loop()
     except RuntimeError:
-        loop = None  # (no turn to end: nothing kept)
+        return sweep_leftovers_of(path)  # (no turn to end: nothing kept)
     if _listed_in[0] is not loop:  # (another loop's turn, never ended: it stopped)
         _end_turn()
-    found = _listed.get(parent)
-    if found is None:
-        found = {}
-        try:
-            names = os.listdir(parent)
-        except OSError:
-            names = []
-        for name in names:
-            if name[0] == "." and (of := leftover_of(name)) is not None:
-                found.setdefault(of, []).append(name)
-        if loop is not None:
-            if _listed_in[0] is None:
-                loop.call_soon(_end_turn)
-                _listed_in[0] = loop
-            _listed[parent] = found
-    ours = found.get(base)
-    if ours is None:
-        return ()  # (the common case: no list made)
-    del found[base]  # (swept once)
-    removed: list[str] = []
-    for name in ours:
-        leftover = f"{parent.rstrip('/')}/{name}"
-        if is_leftover(leftover, base):  # a regular file, ours
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(leftover)
-                removed.append(leftover)
-    return tuple(removed)
+        loop.call_soon(_end_turn)
+        _listed_in[0] = loop
+    return sweep_leftovers_of(path, _listed)
 
 
 def _lookup(value: str | None, by_name: Callable[[str], int], field: str, what: str) -> int:
