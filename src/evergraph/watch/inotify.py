@@ -19,9 +19,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from evergraph._util.inotify import (  # the kernel's event bits (no ctypes), re-exported
+    IN_ATTRIB,
+    IN_CLOSE_WRITE,
+    IN_CREATE,
+    IN_DELETE,
+    IN_DELETE_SELF,
+    IN_IGNORED,
+    IN_MODIFY,
+    IN_MOVE_SELF,
+    IN_MOVED_FROM,
+    IN_MOVED_TO,
+    IN_ONLYDIR,
+    IN_Q_OVERFLOW,
+    events,
+)
 
 if TYPE_CHECKING:  # imported when a hub starts (ctypes, asyncio): `check` needs neither
     import asyncio
@@ -30,19 +45,6 @@ if TYPE_CHECKING:  # imported when a hub starts (ctypes, asyncio): `check` needs
 
 log = logging.getLogger("evergraph.watch")
 
-# the kernel's event bits (linux/inotify.h)
-IN_MODIFY = 0x2
-IN_ATTRIB = 0x4
-IN_CLOSE_WRITE = 0x8
-IN_MOVED_FROM = 0x40
-IN_MOVED_TO = 0x80
-IN_CREATE = 0x100
-IN_DELETE = 0x200
-IN_DELETE_SELF = 0x400
-IN_MOVE_SELF = 0x800
-IN_Q_OVERFLOW = 0x4000
-IN_IGNORED = 0x8000
-IN_ONLYDIR = 0x01000000
 
 #: what a callback receives when a directory on its path appeared or vanished,
 #: or the queue overflowed: "anything may have changed"
@@ -64,8 +66,6 @@ _DIR_MASK = (
 _APPEARS = IN_CREATE | IN_MOVED_TO
 _GONE = IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED
 
-#: struct inotify_event: wd, mask, cookie, len (then `len` bytes of name, NUL-padded)
-_EVENT = struct.Struct("iIII")
 
 Callback = Callable[[int], None]
 #: the entry name of a directory-listing subscription: no real entry has a NUL
@@ -198,14 +198,9 @@ class InotifyHub:
             buf = os.read(fd, 65536)
         except BlockingIOError:
             return
-        off, end = 0, len(buf)
-        unpack = _EVENT.unpack_from
-        while off < end:
-            wd, mask, _cookie, size = unpack(buf, off)
-            off += 16
-            name = os.fsdecode(buf[off : off + size].rstrip(b"\0")) if size else ""
-            off += size
-            self._dispatch(wd, mask, name)
+        dispatch, decode = self._dispatch, os.fsdecode
+        for wd, mask, name in events(buf):
+            dispatch(wd, mask, decode(name) if name else "")
 
     def _dispatch(self, wd: int, mask: int, name: str) -> None:
         if mask & RESCAN:

@@ -39,11 +39,20 @@ import asyncio
 import contextlib
 import os
 import sqlite3
-import struct
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
+from evergraph._util.inotify import (  # the event bits and parser; ctypes once armed
+    IN_ATTRIB,
+    IN_CLOSE_WRITE,
+    IN_CREATE,
+    IN_DELETE,
+    IN_MODIFY,
+    IN_MOVED_FROM,
+    IN_MOVED_TO,
+    events,
+)
 from evergraph.world.kv import (
     KV,
     Compacted,
@@ -85,10 +94,8 @@ _POLL = 30.0  # fallback poll for other processes' writes (inotify is the way)
 #: moment reaches the watchers when it is armed: at most this late.
 ARM_AFTER = 0.1
 _PUT, _DEL = 0, 1
-# inotify's event bits (linux/inotify.h): MODIFY | CLOSE_WRITE | ATTRIB, and
-# CREATE | DELETE | MOVED_FROM | MOVED_TO
-_IN_MODIFY_CLOSE_WRITE_ATTRIB = 0x2 | 0x8 | 0x4
-_IN_CREATE_DELETE_MOVED = 0x100 | 0x200 | 0x40 | 0x80
+_IN_MODIFY_CLOSE_WRITE_ATTRIB = IN_MODIFY | IN_CLOSE_WRITE | IN_ATTRIB
+_IN_CREATE_DELETE_MOVED = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO
 
 
 def _upper(prefix: str) -> str:
@@ -477,11 +484,7 @@ class SQLiteKV(KV):
             hit = False
             with contextlib.suppress(BlockingIOError, OSError):
                 while buf := os.read(fd, 65536):
-                    at = 0
-                    while at + 16 <= len(buf):
-                        wd, _mask, _cookie, size = struct.unpack_from("iIII", buf, at)
-                        name = buf[at + 16 : at + 16 + size].rstrip(b"\0")
-                        at += 16 + size
+                    for wd, _mask, name in events(buf):
                         if wd != dir_wd or name.startswith(base):
                             hit = True
             if hit:
