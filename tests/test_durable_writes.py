@@ -1,8 +1,9 @@
 """The file kind's durable writes off the event loop: writes that come in a stream
-run in writer threads (the loop checks other files meanwhile), each still atomic
-and durable (temp fsynced, renamed, directory fsynced), our own renames still
-recognised by the watch, and a write under way when its check is cancelled is
-finished before the cancellation ends the run."""
+are prepared in the loop and committed by one thread in batches (the loop checks
+and writes other files meanwhile), each still atomic and durable (its data on
+disk before its rename, by an fsync or a syncfs; the rename on disk before the
+write returns), our own renames still recognised by the watch, and a write under
+way when its check is cancelled is finished before the cancellation ends the run."""
 
 from __future__ import annotations
 
@@ -89,30 +90,48 @@ class Spy:
         return [op for op in self.ops if f".f{i}." in op[1] or op[:2] == ("fsync dir", "d")]
 
 
-def test_a_stream_of_writes_overlaps_in_threads_each_durable_and_recognised_as_ours(
+def test_a_stream_of_writes_is_committed_in_batches_each_durable_and_recognised_as_ours(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # every write counts as slow and in a stream
+    # every write counts as slow and in a stream; a batch of 4 or more is synced by syncfs
     monkeypatch.setattr(file_kind, "SLOW_S", 0.0)
     monkeypatch.setattr(file_kind, "STREAM_S", 1e9)
     monkeypatch.setattr(file_kind, "SAMPLE", 10**9)
+    monkeypatch.setattr(atomic, "SYNCFS_MIN", 4)
     d = tmp_path / "d"
     d.mkdir()  # exists: its watch is set before the writes
     spy = Spy(monkeypatch)
-    overlapped = threading.Event()
-    writing: set[str] = set()
+    holding, went_on = threading.Event(), threading.Event()
+    real_open, real_syncfs, real_commit = os.open, atomic.syncfs, file_kind.commit
+
+    def open_(path: str, flags: int, *a: object, **kw: object) -> int:
+        fd = real_open(path, flags, *a, **kw)  # type: ignore[arg-type]
+        if flags & os.O_CREAT and TEMP_RE.match(os.path.basename(path)):
+            threaded = threading.current_thread() is not threading.main_thread()
+            spy._add("create", path, threaded)
+            if holding.is_set() and not threaded:
+                went_on.set()  # a temp file made in the loop while the committer is held
+        return fd
+
+    def syncfs(fd: int) -> None:
+        spy._add("syncfs", "", threading.current_thread() is not threading.main_thread())
+        real_syncfs(fd)
+
+    def commit(batch: list[atomic.Pending]) -> list[BaseException | None]:
+        errors = real_commit(batch)
+        spy._add("committed", " ".join(p.tmp for p in batch), True)
+        return errors
 
     def on_fsync(name: str, threaded: bool) -> None:
-        # The first write in a thread holds its fsync until another file's write
-        # has begun: only possible if the loop went on while this one waited.
-        if not threaded:
-            return  # (the engine's own state files)
-        with spy.lock:
-            writing.add(name)
-            if len(writing) > 1:
-                overlapped.set()
-        overlapped.wait(WAIT_S)
+        # The committer's first fsync of a temp file is held until the loop has
+        # written another temp file: only possible if the loop went on meanwhile.
+        if threaded:
+            holding.set()
+            went_on.wait(WAIT_S)
 
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(atomic, "syncfs", syncfs)
+    monkeypatch.setattr(file_kind, "commit", commit)
     spy.on_fsync = on_fsync  # type: ignore[method-assign]
     n = 12
 
@@ -129,20 +148,33 @@ def test_a_stream_of_writes_overlaps_in_threads_each_durable_and_recognised_as_o
 
     rc, engine = asyncio.run(main())
     assert rc == 0
-    assert overlapped.is_set(), "no two writes were ever under way at once"
+    assert went_on.is_set(), "the loop never wrote a file while the committer worked"
     assert engine.subscriptions == n  # watched: our renames reach the watch...
     assert engine.events == 0  # ...and none of them was taken for a change to repair
+    ops = spy.ops
+    # the writes held behind the first one were committed together, by syncfs
+    assert ("syncfs", "", True) in ops
+    assert len([op for op in ops if op[0] == "fsync file"]) < n
     for i in range(n):
         f = d / f"f{i}"
         assert f.read_text() == f"{i}\n"
         assert f.stat().st_mode & 0o7777 == 0o640
-        # each write: its temp fsynced in a writer thread, renamed, then the directory
-        mine = [(what, name) for what, name, _ in spy.ops if f".f{i}." in name]
-        assert [what for what, _ in mine] == ["fsync file", "rename"], mine
-        assert TEMP_RE.match(mine[0][1])
-        assert all(t for what, name, t in spy.ops if f".f{i}." in name)
-        k = spy.ops.index(("rename", mine[1][1], True))
-        assert ("fsync dir", "d", True) in spy.ops[k + 1 :]
+        made = [
+            k for k, (what, name, _) in enumerate(ops) if what == "create" and f".f{i}." in name
+        ]
+        assert len(made) == 1
+        assert not ops[made[0]][2]  # its temp file, written in the loop
+        tmp = os.path.basename(ops[made[0]][1])
+        assert TEMP_RE.match(tmp)
+        ren = ops.index(("rename", f"{tmp} -> f{i}", True))  # renamed by the committer
+        done = next(k for k, op in enumerate(ops) if op[0] == "committed" and tmp in op[1])
+        # its data on disk before the rename, the rename on disk before the commit ends
+        assert any(
+            op in (("fsync file", tmp, True), ("syncfs", "", True)) for op in ops[made[0] : ren]
+        ), ops
+        assert any(
+            op in (("fsync dir", "d", True), ("syncfs", "", True)) for op in ops[ren:done]
+        ), ops
     assert not [p for p in d.iterdir() if p.name.startswith(".")]  # no temp file left
 
 
@@ -310,3 +342,48 @@ def test_a_stream_of_fast_writes_stays_in_the_loop(
     mine = [op for i in range(20) for op in spy.of(i)]
     assert len([op for op in mine if op[0] == "rename"]) == 20
     assert not [op for op in mine if op[2]]  # nothing in a writer thread
+
+
+@pytest.mark.parametrize("size", [2, 9])  # fsyncs each / syncfs (SYNCFS_MIN is 8)
+def test_commit_reports_each_write_own_error_and_leaves_no_temp_file(
+    tmp_path: Path, size: int
+) -> None:
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "f1").mkdir()  # a directory in the way of one write: its rename fails
+    (d / "f1" / "x").write_text("keep\n")
+    fds_before = len(os.listdir("/proc/self/fd"))
+    batch = [atomic.prepare(f"{d}/f{i}", f"{i}\n".encode(), mode=0o640) for i in range(size)]
+    assert all((d / p.tmp).exists() for p in batch)  # written, not yet placed
+    assert not (d / "f0").exists()
+    errors = atomic.commit(batch)
+    assert isinstance(errors[1], IsADirectoryError)
+    assert [e for i, e in enumerate(errors) if i != 1] == [None] * (size - 1)
+    assert (d / "f1" / "x").read_text() == "keep\n"
+    for i in range(size):
+        if i != 1:
+            assert (d / f"f{i}").read_text() == f"{i}\n"
+            assert (d / f"f{i}").stat().st_mode & 0o7777 == 0o640
+    assert not [p for p in d.iterdir() if TEMP_RE.match(p.name)]
+    assert len(os.listdir("/proc/self/fd")) == fds_before  # every directory closed
+
+
+def test_commit_whose_syncfs_fails_places_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file whose data could not be made durable never gets its name."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "f0").write_text("old\n")
+
+    def syncfs(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(atomic, "syncfs", syncfs)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    batch = [atomic.prepare(f"{d}/f{i}", b"new\n", mode=0o644) for i in range(atomic.SYNCFS_MIN)]
+    errors = atomic.commit(batch)
+    assert all(isinstance(e, OSError) and e.errno == 5 for e in errors)
+    assert (d / "f0").read_text() == "old\n"
+    assert sorted(p.name for p in d.iterdir()) == ["f0"]  # no temp file, nothing placed
+    assert len(os.listdir("/proc/self/fd")) == fds_before  # every directory closed

@@ -14,9 +14,12 @@ on disk before a name points at it), and the directory is fsynced after the
 rename (the new name is on disk before we return); a directory we create on
 the way is fsynced into its parent too. So after a power cut the target is
 the old file or the complete new one, and a returned write is durable.
-Writes may run in several threads at once (the file kind's writers): those
-renaming into one directory share its fsync (a group commit: each returns only
-after an fsync of the directory that began after its own rename).
+Writes may run in several threads at once: those renaming into one directory
+share its fsync (a group commit: each returns only after an fsync of the
+directory that began after its own rename). A stream of writes (the file kind's
+first apply of 10k files) can be split: `prepare` writes each temporary file
+without an fsync, and `commit` makes a batch of them durable with the same
+ordering, by one syncfs(2) before the renames and one after.
 
 With `dir_fd` the file is named relative to an open directory, so no path
 component (a symlink planted by a user in their own home, say) is followed.
@@ -166,34 +169,13 @@ def _write(
     durable: bool,
 ) -> bool:
     if dir_fd is None:
-        target = Path(path)
-        make_dirs(target.parent, dir_mode)
-        dfd = os.open(target.parent, _DIR)
-        name = target.name
+        dfd, name = _open_parent(path, dir_mode)
     else:
         dfd, name = dir_fd, str(path)
     try:
-        for attempt in range(_TRIES):
-            tmp = temp_name(name)
-            try:
-                fd = os.open(tmp, _CREATE, 0o600, dir_fd=dfd)
-                break
-            except FileExistsError:  # planted, or a leftover: never opened
-                if attempt == _TRIES - 1:
-                    raise
+        tmp = _temp_file(dfd, name, fill, mode, owner, durable, before_rename)
         placed = False
         try:
-            try:
-                if owner is not None and owner != (os.geteuid(), os.getegid()):
-                    os.fchown(fd, *owner)
-                os.fchmod(fd, mode)  # after chown, which clears set-id bits
-                fill(fd)
-                if durable:
-                    os.fsync(fd)
-                if before_rename is not None:
-                    before_rename(fd)
-            finally:
-                os.close(fd)
             if exclusive:
                 try:
                     os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
@@ -212,6 +194,196 @@ def _write(
     finally:
         if dir_fd is None:
             os.close(dfd)
+
+
+def _open_parent(path: Path | str, dir_mode: int) -> tuple[int, str]:
+    """(an open fd of `path`'s directory, created if missing, `path`'s last name).
+    Plain strings: pathlib would cost a file kind's stream of 10k writes ~0.2 s."""
+    parent, _, name = os.fspath(path).rpartition("/")
+    parent = parent or ("/" if os.fspath(path).startswith("/") else ".")
+    try:
+        return os.open(parent, _DIR), name
+    except FileNotFoundError:
+        make_dirs(parent, dir_mode)
+        return os.open(parent, _DIR), name
+
+
+def _temp_file(
+    dfd: int,
+    name: str,
+    fill: Callable[[int], None],
+    mode: int,
+    owner: tuple[int, int] | None,
+    fsync: bool,
+    before_rename: Callable[[int], None] | None,
+) -> str:
+    """Create a fresh temporary sibling of `name` in the directory `dfd` (never a
+    planted one), give it `owner` and `mode`, `fill` it, fsync it if asked, call
+    `before_rename(fd)`; its name. Removed again if any of that fails."""
+    for attempt in range(_TRIES):
+        tmp = temp_name(name)
+        try:
+            fd = os.open(tmp, _CREATE, 0o600, dir_fd=dfd)
+            break
+        except FileExistsError:  # planted, or a leftover: never opened
+            if attempt == _TRIES - 1:
+                raise
+    try:
+        try:
+            if owner is not None and owner != (os.geteuid(), os.getegid()):
+                os.fchown(fd, *owner)
+            os.fchmod(fd, mode)  # after chown, which clears set-id bits
+            fill(fd)
+            if fsync:
+                os.fsync(fd)
+            if before_rename is not None:
+                before_rename(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise
+    return tmp
+
+
+# -- many writes made durable together ---------------------------------------------------
+
+
+class Pending:
+    """A temporary file `prepare` wrote, not yet durable nor under its name; it holds
+    its directory open until `commit` (or `discard`)."""
+
+    __slots__ = ("dfd", "name", "tmp")
+
+    def __init__(self, dfd: int, tmp: str, name: str) -> None:
+        self.dfd = dfd
+        self.tmp = tmp
+        self.name = name
+
+    def discard(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.tmp, dir_fd=self.dfd)
+        os.close(self.dfd)
+
+
+def prepare(
+    path: str,
+    data: bytes,
+    *,
+    mode: int,
+    owner: tuple[int, int] | None = None,
+    before_rename: Callable[[int], None] | None = None,
+) -> Pending:
+    """The first half of a durable `atomic_write` of `path` (whose directory exists):
+    the temporary file, written and closed, with no fsync. `commit` does the rest
+    for many at once."""
+    dfd, name = _open_parent(path, 0o755)
+    try:
+        view = memoryview(data)
+
+        def fill(fd: int) -> None:
+            nonlocal view
+            while view:
+                view = view[os.write(fd, view) :]
+
+        tmp = _temp_file(dfd, name, fill, mode, owner, False, before_rename)
+    except BaseException:
+        os.close(dfd)
+        raise
+    return Pending(dfd, tmp, name)
+
+
+#: a batch of at least this many writes is made durable by two syncfs(2) of each
+#: filesystem it touches (one for the files' data before the renames, one for the
+#: renames), instead of an fsync per file and per directory: on ext4 here, 10k small
+#: files took ~0.6-1.6 s that way against ~6 s with an fsync each. A smaller batch
+#: (a lone repair) does not flush what other programs have written meanwhile.
+SYNCFS_MIN = 8
+
+
+def commit(batch: list[Pending]) -> list[BaseException | None]:
+    """Finish what `prepare` began for each of `batch`, as many `atomic_write`s would:
+    every file's data is on disk before its rename, and its new name is on disk
+    before this returns (so after a power cut each target is its old file or its
+    complete new one). The error of each (None: placed and durable); the directories
+    are closed either way, and a file that was not placed is removed."""
+    errors: list[BaseException | None] = [None] * len(batch)
+    many = len(batch) >= SYNCFS_MIN
+    by_fs: dict[int, int] = {}  # st_dev -> one open directory on it
+    if many:
+        devs = [os.fstat(p.dfd).st_dev for p in batch]
+        for dev, p in zip(devs, batch, strict=True):
+            by_fs.setdefault(dev, p.dfd)
+        failed = {}
+        for dev, dfd in by_fs.items():
+            try:
+                syncfs(dfd)
+            except OSError as e:
+                failed[dev] = e
+        for i, dev in enumerate(devs):
+            errors[i] = failed.get(dev)
+    else:
+        for i, p in enumerate(batch):
+            try:
+                fd = os.open(p.tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=p.dfd)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                errors[i] = e
+    dirs: dict[tuple[int, int], int] = {}
+    for i, p in enumerate(batch):
+        if errors[i] is None:
+            try:
+                os.rename(p.tmp, p.name, src_dir_fd=p.dfd, dst_dir_fd=p.dfd)
+            except OSError as e:
+                errors[i] = e
+            else:
+                if not many:
+                    st = os.fstat(p.dfd)
+                    dirs.setdefault((st.st_dev, st.st_ino), p.dfd)
+                continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p.tmp, dir_fd=p.dfd)
+    try:
+        if many:
+            for dfd in by_fs.values():
+                with contextlib.suppress(OSError):  # as fsync_dir: not every fs can
+                    syncfs(dfd)
+        else:
+            for dfd in dirs.values():
+                with contextlib.suppress(OSError):
+                    os.fsync(dfd)
+    finally:
+        for p in batch:
+            os.close(p.dfd)
+    return errors
+
+
+_syncfs: Callable[[int], int] | None = None
+
+
+def syncfs(fd: int) -> None:
+    """syncfs(2): write out everything the filesystem holding `fd` has in memory."""
+    global _syncfs
+    if _syncfs is None:
+        import ctypes  # (loaded with the first batch: `check` writes nothing)
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.syncfs
+        fn.argtypes = [ctypes.c_int]
+        fn.restype = ctypes.c_int
+
+        def call(fd: int) -> int:
+            if fn(fd) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err))
+            return 0
+
+        _syncfs = call
+    _syncfs(fd)
 
 
 class _DirSync:

@@ -15,13 +15,14 @@ unless `mode` says otherwise.
 
 Check and apply run in the event loop on purpose: on a local filesystem each
 syscall takes microseconds and a hop to a thread costs more than the work.
-The one exception is the durable write of new content (fsync of the file and
-of its directory: ~0.5 ms on a disk): a lone write runs inline, but when writes
-are slow (a disk, not tmpfs) and follow each other closely (a first apply, a
-stream of repairs) they go to a few threads, so the loop checks other files
-while the disk works. A write
-handed to a thread is awaited to its end even when the check is cancelled: it
-is never left half done, nor done after the check has returned.
+The one exception is making new content durable (fsync of the file and of its
+directory: ~0.5 ms on a disk): a lone write does it inline, but when writes are
+slow (a disk, not tmpfs) and follow each other closely (a first apply, a stream
+of repairs) the loop only writes each temporary file, and one committer thread
+makes them durable and renames them, in batches (atomic's `commit`: syncfs
+instead of an fsync per file), while the loop checks other files. A write
+handed to the committer is awaited to its end even when the check is
+cancelled: it is never left half done, nor done after the check has returned.
 
 The watch goes through the engine's one shared inotify instance on the
 parent directory, so deletion, replacement by rename, content and mode
@@ -49,14 +50,17 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 from evergraph._util.atomic import (
+    Pending,
     atomic_copy,
     atomic_write,
+    commit,
     current_umask,
     is_leftover,
     leftover_of,
     make_dirs,
     sweep_leftovers_of,
 )
+from evergraph._util.atomic import prepare as atomic_prepare
 from evergraph.engine.contract import (
     Handle,
     PathSubscription,
@@ -794,11 +798,7 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         owner = None if (uid, gid) == (-1, -1) else (uid, gid)
         # (the inode is noted before the rename, in whichever thread writes: our
         # watch's MOVED_TO is read in the loop after the rename, so it sees it)
-        await _durably(
-            functools.partial(
-                atomic_write, self._path, data, mode=mode, owner=owner, before_rename=self._note_ino
-            )
-        )
+        await _durably(self._path, data, mode, owner, self._note_ino)
 
     def _note_ino(self, fd: int) -> None:
         self._own_ino = os.fstat(fd).st_ino
@@ -806,24 +806,27 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
 
 # -- durable writes off the loop -------------------------------------------------------
 
-#: threads for durable writes: each mostly waits in fsync, which releases the GIL
-WRITERS = 4
-#: a write goes to a thread only when writes are slow (the median of the last few
-#: done inline: an fsync on a disk, ~0.5 ms here; tmpfs ~0.09 ms, where the hop and
-#: the GIL hand-offs cost more than they save) and they come in a stream: one starts
-#: within STREAM_S of the last one's end, or while another is in a thread. A lone
+#: a write is handed to the committer only when writes are slow (the median of the
+#: last few done inline: an fsync on a disk, ~0.5 ms here; tmpfs ~0.09 ms, where the
+#: hop costs more than it saves) and they come in a stream: one starts within
+#: STREAM_S of the last one's end, or while others are with the committer. A lone
 #: write (a drift repair) is done inline: a hop to a thread and back is ~0.1 ms.
 SLOW_S = 0.00025
 STREAM_S = 0.005
-#: in a stream sent to threads, every SAMPLE-th write is still done inline, to
-#: measure again (a thread's write time includes its waits for the GIL)
+#: in a stream sent to the committer, every SAMPLE-th write is still done inline, to
+#: measure again
 SAMPLE = 32
-#: writes in the threads now; when (time.monotonic()) the last write ended; the
-#: durations of the last inline writes; writes sent to threads since the last sample
+#: writes with the committer at most: each holds its directory open (see
+#: atomic.Pending), and a batch waits for the one before it
+MAX_PENDING = 512
+#: writes with the committer now; when (time.monotonic()) the last write ended; the
+#: durations of the last inline writes; writes sent since the last sample; writes
+#: waiting for room below MAX_PENDING
 _in_flight = 0
 _last_end = -1.0
 _inline_s: collections.deque[float] = collections.deque([0.0], maxlen=5)
 _since_sample = 0
+_room: list[asyncio.Future[None]] = []
 
 
 def _slow() -> bool:
@@ -831,63 +834,60 @@ def _slow() -> bool:
 
 
 class _Job:
-    __slots__ = ("done", "error", "fut", "loop", "write")
+    __slots__ = ("done", "error", "fut", "loop", "pending")
 
-    def __init__(self, write: Callable[[], object], loop: asyncio.AbstractEventLoop) -> None:
-        self.write = write
+    def __init__(self, pending: Pending, loop: asyncio.AbstractEventLoop) -> None:
+        self.pending = pending
         self.loop = loop
         self.fut: asyncio.Future[None] = loop.create_future()
         self.done = False
         self.error: BaseException | None = None
 
 
-class _Writers:
-    """A few daemon threads running writes queued by the loop. Ended writes are
-    handed back in batches: one wake-up of the loop for all that ended meanwhile
-    (a pool's future per write, and its wake-up, cost the loop more than the write
-    saves it when 10k files are written)."""
+class _Committer:
+    """One daemon thread committing the temporary files the loop prepared: it takes
+    every write queued meanwhile as one batch (a group commit: the longer the disk
+    takes, the bigger the next batch) and hands the ended ones back with one
+    wake-up of their loop (a future per write, and its wake-up, would cost the loop
+    more than the write saves it when 10k files are written)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self) -> None:
         import threading  # (here: `check`, which writes nothing, does not load it)
 
         self._cv = threading.Condition(threading.Lock())
-        self._jobs: collections.deque[_Job] = collections.deque()
+        self._jobs: list[_Job] = []
         self._ended: dict[asyncio.AbstractEventLoop, list[_Job]] = {}
-        self._idle = 0
-        self._threads = 0
-        self._max = n
+        self._thread: threading.Thread | None = None
         self._new_thread = threading.Thread
 
     def submit(self, job: _Job) -> None:
         with self._cv:
             self._jobs.append(job)
-            if self._idle:
-                self._cv.notify()
+            self._cv.notify()
+            if self._thread is not None:
                 return
-            if self._threads >= self._max:
-                return
-            self._threads += 1
-        self._new_thread(target=self._work, name="evergraph-write", daemon=True).start()
+            self._thread = self._new_thread(target=self._work, name="evergraph-commit", daemon=True)
+        self._thread.start()
 
     def _work(self) -> None:
         while True:
             with self._cv:
                 while not self._jobs:
-                    self._idle += 1
                     self._cv.wait()
-                    self._idle -= 1
-                job = self._jobs.popleft()
+                batch, self._jobs = self._jobs, []
             try:
-                job.write()
-            except BaseException as e:  # handed to the awaiting check, raised there
-                job.error = e
+                errors = commit([job.pending for job in batch])
+            except BaseException as e:  # handed to every awaiting check, raised there
+                errors = [e] * len(batch)
+            loops: set[asyncio.AbstractEventLoop] = set()
             with self._cv:
-                ended = self._ended.setdefault(job.loop, [])
-                ended.append(job)
-                first = len(ended) == 1
-            if first:
+                for job, error in zip(batch, errors, strict=True):
+                    job.error = error
+                    self._ended.setdefault(job.loop, []).append(job)
+                    loops.add(job.loop)
+            for loop in loops:
                 with contextlib.suppress(RuntimeError):  # (a closed loop: nobody waits)
-                    job.loop.call_soon_threadsafe(self._deliver, job.loop)
+                    loop.call_soon_threadsafe(self._deliver, loop)
 
     def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:
         with self._cv:
@@ -896,16 +896,27 @@ class _Writers:
             job.done = True
             if not job.fut.done():
                 job.fut.set_result(None)
+        while _room:
+            fut = _room.pop()
+            if not fut.done():
+                fut.set_result(None)
 
 
-_writers: _Writers | None = None
+_committer: _Committer | None = None
 
 
-async def _durably(write: Callable[[], object]) -> None:
-    """Run `write` (an atomic, durable write) inline or in a writer thread (see
-    SLOW_S), and return once it is done. Cancelled while the thread writes, it
-    waits for the write's end, then raises the cancellation."""
-    global _in_flight, _last_end, _writers, _since_sample
+async def _durably(
+    path: str,
+    data: bytes,
+    mode: int,
+    owner: tuple[int, int] | None,
+    before_rename: Callable[[int], None],
+) -> None:
+    """An atomic, durable write of `data` to `path` (see atomic_write): inline, or
+    prepared here and committed by the committer thread (see SLOW_S); returns once
+    it is durable. Cancelled while the committer works on it, it waits for the
+    commit's end, then raises the cancellation."""
+    global _in_flight, _last_end, _committer, _since_sample
     if (
         not _slow()
         or (not _in_flight and time.monotonic() - _last_end > STREAM_S)
@@ -914,18 +925,25 @@ async def _durably(write: Callable[[], object]) -> None:
         _since_sample = 0
         t0 = time.monotonic()
         try:
-            write()
+            atomic_write(path, data, mode=mode, owner=owner, before_rename=before_rename)
         finally:
             _last_end = time.monotonic()
             _inline_s.append(_last_end - t0)
         return
-    _since_sample += 1
     import asyncio  # (loaded by then: we run in its loop)
 
-    if _writers is None:
-        _writers = _Writers(WRITERS)
-    job = _Job(write, asyncio.get_running_loop())
-    _writers.submit(job)
+    loop = asyncio.get_running_loop()
+    while _in_flight >= MAX_PENDING:
+        room = loop.create_future()
+        _room.append(room)
+        await room
+    _since_sample += 1
+    if _committer is None:
+        _committer = _Committer()
+    job = _Job(
+        atomic_prepare(path, data, mode=mode, owner=owner, before_rename=before_rename), loop
+    )
+    _committer.submit(job)
     _in_flight += 1
     cancel: asyncio.CancelledError | None = None
     try:
