@@ -239,3 +239,75 @@ def test_leftovers_of_killed_writes_are_swept_at_each_start_in_one_process(
         assert [p.name for p in left if p.exists()] == []
         assert (d / ".unmanaged.0123456789ab.tmp").exists()
         assert all((d / n).read_text() == "x" for n in names)
+
+
+def test_a_vertex_started_again_in_one_run_does_not_list_its_directory_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Leftovers come from a kill, so a run sweeps each path once: a changed resource
+    (a collector's changed export, next to 10k others) does not re-list the directory."""
+    import asyncio
+    import contextlib
+    from collections.abc import Callable
+
+    import evergraph.resources.file as file_kind
+    from evergraph.engine.build import build
+    from evergraph.engine.contract import default_registry
+    from evergraph.engine.engine import Engine
+    from evergraph.engine.model import GraphModel
+    from evergraph.engine.settings import Settings
+    from evergraph.watch import InotifyHub
+
+    d = tmp_path / "d"
+    d.mkdir()
+    listed: list[str] = []
+    real = file_kind.sweep_leftovers_of  # type: ignore[attr-defined]
+
+    def spy(path: str, listed_now: object = None) -> list[str]:
+        listed.append(path)
+        return real(path, listed_now)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(file_kind, "sweep_leftovers_of", spy)
+
+    def model(content: str) -> GraphModel:
+        m = GraphModel(name="g")
+        for name in ("a", "b"):
+            m.add(build(default_registry, "file", {"name": f"{d}/{name}", "content": content}))
+        m.check()
+        return m
+
+    async def main(plant: bool) -> None:
+        s = Settings(state_dir=tmp_path / "s", hostname="t", converged_timeout=None)
+        async with InotifyHub() as hub:
+            pump = asyncio.create_task(hub.run())
+            eng = Engine(s, watcher=hub)
+            task = asyncio.create_task(eng.run(model("1\n")))
+            await wait_for(lambda: all(read(d / n) == "1\n" for n in "ab"))
+            if plant:
+                (d / ".a.0123456789ab.tmp").write_text("planted after the start")
+            await eng.swap(model("2\n"))  # both vertices replaced
+            await wait_for(lambda: all(read(d / n) == "2\n" for n in "ab"))
+            eng.request_stop()
+            await asyncio.wait_for(task, 10)
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
+
+    def read(p: Path) -> str | None:
+        try:
+            return p.read_text()
+        except FileNotFoundError:
+            return None
+
+    async def wait_for(cond: Callable[[], bool]) -> None:
+        async with asyncio.timeout(20):
+            while not cond():
+                await asyncio.sleep(0.01)  # (the engine writes in this loop: polled)
+
+    asyncio.run(main(plant=True))
+    assert sorted(listed) == [f"{d}/a", f"{d}/b"]  # once each, at the first start
+    assert (d / ".a.0123456789ab.tmp").exists()  # not ours to find within the run
+    listed.clear()
+    asyncio.run(main(plant=False))  # a new run sweeps again
+    assert sorted(listed) == [f"{d}/a", f"{d}/b"]
+    assert not (d / ".a.0123456789ab.tmp").exists()

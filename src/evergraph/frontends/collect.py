@@ -16,6 +16,8 @@ from evergraph.engine.model import CollectSpec, GraphModel, same_but_named
 from evergraph.errors import InputError
 
 if TYPE_CHECKING:  # the World's modules load with the agent, not for `check`
+    from collections.abc import Iterable
+
     from evergraph.world.exports import Exported, ExportItem
 
 log = logging.getLogger("evergraph.collect")
@@ -51,20 +53,25 @@ class Built:
 
     def __init__(self) -> None:
         self._by: dict[tuple[str, str, str], tuple[dict[str, Any], Resource]] = {}
+        #: this round's, as `get` and `add` find or make them
+        self._next: dict[tuple[str, str, str], tuple[dict[str, Any], Resource]] = {}
 
     def get(self, exp: Exported) -> Resource | None:
-        hit = self._by.get((exp.src, exp.kind, exp.name))
+        key = (exp.src, exp.kind, exp.name)
+        hit = self._by.get(key)
         if hit is None or not (hit[0] is exp.params or hit[0] == exp.params):
             return None
+        self._next[key] = hit  # (kept as it is: nobody was given that copy)
         return hit[1].__copy__()  # type: ignore[attr-defined,no-any-return]
 
-    def keep(self, exports: list[Exported], built: list[Resource | None]) -> None:
-        """What this round built (None: rejected), in place of the last round's."""
-        self._by = {
-            (exp.src, exp.kind, exp.name): (exp.params, res.__copy__())  # type: ignore[attr-defined]
-            for exp, res in zip(exports, built, strict=True)
-            if res is not None and not res.__dict__
-        }
+    def add(self, exp: Exported, res: Resource) -> None:
+        """`res`, just built from `exp` (before anybody keeps state on it)."""
+        if not res.__dict__:
+            self._next[(exp.src, exp.kind, exp.name)] = (exp.params, res.__copy__())  # type: ignore[attr-defined]
+
+    def end_round(self) -> None:
+        """What this round found or built, in place of the last round's."""
+        self._by, self._next = self._next, {}
 
 
 def to_resources(
@@ -72,7 +79,7 @@ def to_resources(
 ) -> list[Resource]:
     """Collected exports as resources of this host's graph; bad ones are skipped
     with one line naming the export. `cache`: the last round's, kept for the next."""
-    got: list[Resource | None] = []
+    got: list[Resource] = []
     for exp in exports:
         res = cache.get(exp) if cache is not None else None
         if res is None:
@@ -81,10 +88,13 @@ def to_resources(
                 res = build(registry, exp.kind, {**exp.params, "name": exp.name}, where)
             except InputError as e:
                 log.warning("rejected export: %s", e)
+                continue
+            if cache is not None:
+                cache.add(exp, res)
         got.append(res)
     if cache is not None:
-        cache.keep(exports, got)
-    return [r for r in got if r is not None]
+        cache.end_round()
+    return got
 
 
 def merge(model: GraphModel, collected: list[Resource]) -> GraphModel:
@@ -100,7 +110,8 @@ def merge(model: GraphModel, collected: list[Resource]) -> GraphModel:
             if not model.resources[res.ident].cmp(res):
                 log.warning("collected %s conflicts with a local resource: skipped", res.ident)
             continue
-        clash = _clash(res, claimed, parts)
+        whole, part = list(res.claims()), list(res.claims_part())
+        clash = _clash(res, whole, part, claimed, parts)
         if clash is not None:
             key, first = clash
             log.warning(
@@ -111,25 +122,30 @@ def merge(model: GraphModel, collected: list[Resource]) -> GraphModel:
             )
             continue
         model.add(res, origin="collected")
-        for key in res.claims():
+        for key in whole:
             claimed.setdefault(key, res)
-        for key in res.claims_part():
+        for key in part:
             parts.setdefault(key, res)
     return model
 
 
 def _clash(
-    res: Resource, claimed: dict[str, Resource], parts: dict[str, Resource]
+    res: Resource,
+    whole: Iterable[str],
+    part: Iterable[str],
+    claimed: dict[str, Resource],
+    parts: dict[str, Resource],
 ) -> tuple[str, Resource] | None:
-    """What `res` would fight: a thing another manages whole with other parameters,
-    or in part while `res` manages it whole, or whole while `res` manages a part."""
-    for key in res.claims():
+    """What `res` (managing `whole` and `part`: its claims) would fight: a thing
+    another manages whole with other parameters, or in part while `res` manages it
+    whole, or whole while `res` manages a part."""
+    for key in whole:
         first = claimed.get(key)
         if first is not None and not same_but_named(first, res):
             return key, first
         if key in parts:
             return key, parts[key]
-    for key in res.claims_part():
+    for key in part:
         if key in claimed:
             return key, claimed[key]
     return None

@@ -984,6 +984,12 @@ def _normpath(path: str) -> str:
 #: runs between them that could leave a leftover (only a kill does).
 _listed: dict[str, dict[str, list[str]]] = {}
 _listed_in: list[asyncio.AbstractEventLoop | None] = [None]
+#: the paths swept since the loop `_swept_in` began: each once. Leftovers come from
+#: a process killed mid-write, not from this run (a failed write removes its own),
+#: so a vertex started again for the same path (a swap: a collector's changed export)
+#: does not list its directory again (10k collected files share one: ~5 ms a change)
+_swept: set[str] = set()
+_swept_in: list[asyncio.AbstractEventLoop | None] = [None]
 #: asyncio.get_running_loop, once imported
 _running_loop: Callable[[], asyncio.AbstractEventLoop] | None = None
 
@@ -994,7 +1000,8 @@ def _end_turn() -> None:
 
 
 def _sweep_leftovers(path: str) -> list[str]:
-    """`sweep_leftovers_of(path)` with this turn's listings (outside a loop: its own)."""
+    """`sweep_leftovers_of(path)` with this turn's listings (outside a loop: its own),
+    once per path in a run."""
     global _running_loop
     if _running_loop is None:
         import asyncio  # (loaded by then: inits run in its loop)
@@ -1004,6 +1011,12 @@ def _sweep_leftovers(path: str) -> list[str]:
         loop = _running_loop()
     except RuntimeError:
         return sweep_leftovers_of(path)  # (no turn to end: nothing kept)
+    if _swept_in[0] is not loop:  # (a new run)
+        _swept.clear()
+        _swept_in[0] = loop
+    if path in _swept:
+        return []
+    _swept.add(path)
     if _listed_in[0] is not loop:  # (another loop's turn, never ended: it stopped)
         _end_turn()
         loop.call_soon(_end_turn)
