@@ -177,7 +177,28 @@ class Cluster:
         h.proc = None
 
     def members(self) -> set[str]:
-        return {k.removeprefix("members/") for k, _ in self.world("members/")}
+        """The member names (empty while a read fails: 100 agents starting on 2 cores
+        can make the driver's own connect time out; it asks again)."""
+        from evergraph.world.kv import WorldError
+
+        try:
+            return {k.removeprefix("members/") for k, _ in self.world("members/")}
+        except WorldError:
+            return set()
+
+    def why_not_members(self, want: set[str]) -> str:
+        """For a start-up that timed out: who is missing, alive or not, and the end of
+        the first few missing agents' logs."""
+        missing = sorted(want - self.members())
+        lines = [f"{len(missing)} not members: {' '.join(missing[:20])}"]
+        by_name = {h.name: h for h in (*self.hosts, *([self.hub] if self.hub else []))}
+        for name in missing[:3]:
+            h = by_name[name]
+            rc = h.proc.poll() if h.proc is not None else None
+            log = (_read(h.dir / "agent.log") or "").splitlines()[-8:]
+            lines.append(f"-- {name} ({'exited ' + str(rc) if rc is not None else 'running'}):")
+            lines.extend(log)
+        return "\n".join(lines)
 
     def all_have(self, hosts: Iterable[Host], rel: str, content: str | None) -> Callable[[], bool]:
         hs = list(hosts)
@@ -210,7 +231,10 @@ def run_cluster(n: int, base: Path, idle_s: float = 5.0) -> dict[str, Any]:
         for h in hosts:
             c.start(h)
         want = {h.name for h in (hub, *hosts)}
-        out["startup_s"] = _wait(lambda: c.members() >= want, 60 + 2 * n, "all members", 0.1)
+        try:
+            out["startup_s"] = _wait(lambda: c.members() >= want, 60 + 2 * n, "all members", 0.1)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}\n{c.why_not_members(want)}") from None
         _wait(c.all_have(hosts, "fanout.txt", "f1\n"), 60 + 2 * n, "first fan-out")
         out["first_fanout_s"] = time.perf_counter() - t0
         # -- fan-in: the hub holds all N ---------------------------------------------

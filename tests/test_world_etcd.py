@@ -191,6 +191,65 @@ def test_unreachable_endpoints_fail_fast_with_one_line() -> None:
     run(body)
 
 
+class _Unanswered:
+    """A loopback port whose TCP connects never complete: it listens with a full
+    accept queue and never accepts, so the kernel drops further SYNs (what an
+    overloaded host, or a firewall that drops, looks like to a client)."""
+
+    def __init__(self) -> None:
+        self.srv = socket.socket()
+        self.srv.bind(("127.0.0.1", 0))
+        self.srv.listen(0)
+        self.url = f"http://127.0.0.1:{self.srv.getsockname()[1]}"
+        self.queued: list[socket.socket] = []
+        for _ in range(3):  # fill the queue (0 means 1 on Linux)
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(self.srv.getsockname())
+            self.queued.append(c)
+
+    def close(self) -> None:
+        for c in self.queued:
+            c.close()
+        self.srv.close()
+
+
+def test_a_connect_that_times_out_is_retried_and_not_called_tls(
+    shm: Path, servers: list[EtcdServer]
+) -> None:
+    """grpc's "tcp handshaker shutdown" (the connect ran out of time: 100 agents starting
+    on 2 cores) was taken for a TLS failure: fatal at once, so agents exited at start
+    instead of trying again or another member."""
+    dead = _Unanswered()
+    server = EtcdServer.single(shm / "e")
+    servers.append(server)
+    server.start()
+
+    async def body() -> None:
+        alone = EtcdKV([dead.url], timeout=1.0)
+        with pytest.raises(WorldError) as e:
+            await alone.get("k")
+        assert str(e.value) == (
+            f"etcd at {dead.url} is not reachable: no connection in time"
+            " (a busy host, or a port that drops connections)"
+        )
+        await alone.close()
+        # with a member that answers, the client gets there, whichever it tries first
+        for first in (0, 1):
+            kv = EtcdKV([dead.url, server.client_url], timeout=10.0)
+            kv._current = first
+            await kv.put("k", b"v")
+            got = await kv.get("k")
+            assert got is not None
+            assert got.value == b"v"
+            await kv.close()
+
+    try:
+        run(body)
+    finally:
+        dead.close()
+
+
 def test_server_start_errors_say_what_is_wrong(shm: Path, servers: list[EtcdServer]) -> None:
     missing = EtcdServer(shm / "a", binary="etcd-is-not-here")
     with pytest.raises(WorldError, match=r"^etcd is not installed: apt-get install etcd-server$"):

@@ -144,7 +144,15 @@ def _event(ev: Any) -> Event:
 
 def _tls_problem(details: str) -> bool:
     low = details.lower()
+    if _SLOW_CONNECT in low:
+        return False  # grpc's TCP connect ran out of time: no TLS in it
     return any(w in low for w in ("ssl", "tls", "tsi_", "handshake", "certificate"))
+
+
+#: what grpc says when a connection's TCP set-up did not end within the call's time (an
+#: overloaded host, a port whose accept queue is full, packets dropped on the way)
+_SLOW_CONNECT = "tcp handshaker"
+_SLOW_CONNECT_TEXT = "no connection in time (a busy host, or a port that drops connections)"
 
 
 def _classify(e: Any) -> str:
@@ -155,7 +163,12 @@ def _classify(e: Any) -> str:
             return _FATAL
         if any(
             w in details
-            for w in ("failed to connect to all addresses", "DNS resolution failed", "no leader")
+            for w in (
+                "failed to connect to all addresses",
+                "DNS resolution failed",
+                "no leader",
+                _SLOW_CONNECT,  # never reached it: try again, or another member
+            )
         ):
             return _SAFE
         return _AMBIGUOUS
@@ -184,6 +197,8 @@ def _reason(e: Any) -> str:
         return f"TLS handshake failed: {details.rsplit(': ', 1)[-1]}"
     for needle, text in (
         ("connection refused", "connection refused"),
+        (_SLOW_CONNECT, _SLOW_CONNECT_TEXT),
+        ("connect() timed out", _SLOW_CONNECT_TEXT),
         ("connection reset", "connection reset"),
         ("socket closed", "connection closed"),
         ("stream removed", "connection lost"),
