@@ -101,6 +101,19 @@ def test_the_page_shows_a_drift_being_repaired(tmp_path: Path, agents: Any) -> N
             )
             assert page.text_content("#p-ident") == idents["c"]
             assert "1 changed" in (page.text_content('#p-status dd[data-field="runs"]') or "")
+
+            # a new graph without c: its vertex leaves the page, with no reload by hand
+            entry_c = f'  - name: {files["c"]}\n    content: "content of c\\n"\n'
+            assert entry_c in g.read_text()
+            g.write_text(g.read_text().replace(entry_c, ""))
+            page.wait_for_function(
+                "(ident) => ![...document.querySelectorAll('g.vertex')].some("
+                "(e) => e.dataset.ident === ident)",
+                arg=idents["c"],
+                timeout=10_000,
+            )
+            drawn = page.eval_on_selector_all("g.vertex", "gs => gs.map((g) => g.dataset.ident)")
+            assert sorted(drawn) == sorted([idents["a"], idents["b"]])
             assert errors == []
         finally:
             browser.close()

@@ -65,7 +65,10 @@ class Tracker:
             self.running[ident] = st.since
             return
         self.running.pop(ident, None)
-        if state == "clean":
+        if state == "removed":
+            self.done.discard(ident)
+            self.failed.discard(ident)
+        elif state == "clean":
             self.done.add(ident)
             self.failed.discard(ident)
         elif state == "changed":

@@ -282,7 +282,11 @@ class Engine:
         if any(old[ident].res.meta.realize for ident in removed):
             removed = _parents_first(removed, old)  # a parent realizes before its children
         for ident in removed:
-            await self._stop_vertex(old.pop(ident), leaving=ident not in replaced)
+            gone = old.pop(ident)
+            leaving = ident not in replaced
+            await self._stop_vertex(gone, leaving=leaving)
+            if leaving:
+                self._observe(gone, "removed")  # its last status: watchers drop it
         new_vs: list[Vertex] = []
         for ident in added:
             v = Vertex(self, model.resources[ident])

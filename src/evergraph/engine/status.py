@@ -13,7 +13,8 @@ from evergraph.engine.masking import MASK
 if TYPE_CHECKING:
     from evergraph.engine.contract import Resource
 
-State = Literal["pending", "running", "clean", "changed", "failed", "retrying"]
+#: "removed": the vertex left the graph (a swap); the last status of that ident
+State = Literal["pending", "running", "clean", "changed", "failed", "retrying", "removed"]
 
 
 class Change(msgspec.Struct, frozen=True, gc=False):

@@ -71,6 +71,9 @@ class Metrics:
         if state == "pending":  # a settled vertex got an event
             self._event_at[st.ident] = st.since
             return
+        if state == "removed":  # left the graph: no run, and no repair to wait for
+            self._event_at.pop(st.ident, None)
+            return
         self.finished += 1
         kind = st.kind
         key = (kind, _RESULT[state])

@@ -169,8 +169,9 @@ function draw(graph) {
 
 function update(st) {
   const v = vertices.get(st.ident);
-  if (!v) {
-    reloadSoon(); // a vertex the drawing lacks: the graph was swapped
+  if (!v || st.state === "removed") {
+    // a vertex the drawing lacks, or one that left: the graph was swapped
+    if (v || st.state !== "removed") reloadSoon();
     return;
   }
   if (st.changed_count > v.st.changed_count) {
