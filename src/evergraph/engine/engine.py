@@ -1170,8 +1170,10 @@ class Engine:
         applies = {v.apply_task for v in self.vertices.values() if v.apply_task is not None}
         if applies:
             await self._end_applies(applies)
+        nothing = Resource.cleanup  # (most kinds take nothing in init: no await for them)
         for i, v in enumerate(list(self.vertices.values()), 1):
-            await self._call_cleanup(v)
+            if type(v.res).cleanup is not nothing or _members(v.res):
+                await self._call_cleanup(v)
             if i % YIELD_EVERY == 0:
                 await asyncio.sleep(0)
 
