@@ -90,13 +90,17 @@ class Spy:
         return [op for op in self.ops if f".f{i}." in op[1] or op[:2] == ("fsync dir", "d")]
 
 
-def test_a_stream_of_writes_is_committed_in_batches_each_durable_and_recognised_as_ours(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # every write counts as slow and in a stream; a batch of 4 or more is synced by syncfs
+def every_write_in_a_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every write counts as slow and in a stream: each goes to the committer."""
     monkeypatch.setattr(file_kind, "SLOW_S", 0.0)
     monkeypatch.setattr(file_kind, "STREAM_S", 1e9)
     monkeypatch.setattr(file_kind, "SAMPLE", 10**9)
+
+
+def test_a_stream_of_writes_is_committed_in_batches_each_durable_and_recognised_as_ours(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    every_write_in_a_stream(monkeypatch)  # a batch of 4 or more is synced by syncfs
     monkeypatch.setattr(atomic, "SYNCFS_MIN", 4)
     d = tmp_path / "d"
     d.mkdir()  # exists: its watch is set before the writes
@@ -181,9 +185,7 @@ def test_a_stream_of_writes_is_committed_in_batches_each_durable_and_recognised_
 def test_a_write_under_way_when_cancelled_is_finished_before_the_run_ends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(file_kind, "SLOW_S", 0.0)
-    monkeypatch.setattr(file_kind, "STREAM_S", 1e9)
-    monkeypatch.setattr(file_kind, "SAMPLE", 10**9)
+    every_write_in_a_stream(monkeypatch)
     d = tmp_path / "d"
     d.mkdir()
     (d / "f0").write_text("old\n")

@@ -125,9 +125,7 @@ def atomic_write(
     """
 
     def fill(fd: int) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        _write_all(fd, data)
 
     return _write(path, fill, mode, owner, exclusive, dir_mode, dir_fd, before_rename, durable)
 
@@ -148,9 +146,7 @@ def atomic_copy(
 
         def fill(fd: int) -> None:
             while chunk := os.read(sfd, 1 << 20):
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view) :]
+                _write_all(fd, chunk)
 
         _write(path, fill, mode, owner, False, dir_mode, None, before_rename, True)
     finally:
@@ -196,11 +192,18 @@ def _write(
             os.close(dfd)
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def _open_parent(path: Path | str, dir_mode: int) -> tuple[int, str]:
     """(an open fd of `path`'s directory, created if missing, `path`'s last name).
     Plain strings: pathlib would cost a file kind's stream of 10k writes ~0.2 s."""
-    parent, _, name = os.fspath(path).rpartition("/")
-    parent = parent or ("/" if os.fspath(path).startswith("/") else ".")
+    text = os.fspath(path)
+    parent, _, name = text.rpartition("/")
+    parent = parent or ("/" if text.startswith("/") else ".")
     try:
         return os.open(parent, _DIR), name
     except FileNotFoundError:
@@ -252,7 +255,7 @@ def _temp_file(
 
 class Pending:
     """A temporary file `prepare` wrote, not yet durable nor under its name; it holds
-    its directory open until `commit` (or `discard`)."""
+    its directory open until `commit`."""
 
     __slots__ = ("dfd", "name", "tmp")
 
@@ -260,11 +263,6 @@ class Pending:
         self.dfd = dfd
         self.tmp = tmp
         self.name = name
-
-    def discard(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.tmp, dir_fd=self.dfd)
-        os.close(self.dfd)
 
 
 def prepare(
@@ -280,12 +278,9 @@ def prepare(
     for many at once."""
     dfd, name = _open_parent(path, 0o755)
     try:
-        view = memoryview(data)
 
         def fill(fd: int) -> None:
-            nonlocal view
-            while view:
-                view = view[os.write(fd, view) :]
+            _write_all(fd, data)
 
         tmp = _temp_file(dfd, name, fill, mode, owner, False, before_rename)
     except BaseException:
@@ -362,7 +357,7 @@ def commit(batch: list[Pending]) -> list[BaseException | None]:
     return errors
 
 
-_syncfs: Callable[[int], int] | None = None
+_syncfs: Callable[[int], None] | None = None
 
 
 def syncfs(fd: int) -> None:
@@ -376,11 +371,10 @@ def syncfs(fd: int) -> None:
         fn.argtypes = [ctypes.c_int]
         fn.restype = ctypes.c_int
 
-        def call(fd: int) -> int:
+        def call(fd: int) -> None:
             if fn(fd) != 0:
                 err = ctypes.get_errno()
                 raise OSError(err, os.strerror(err))
-            return 0
 
         _syncfs = call
     _syncfs(fd)

@@ -169,9 +169,12 @@ function draw(graph) {
 
 function update(st) {
   const v = vertices.get(st.ident);
-  if (!v || st.state === "removed") {
-    // a vertex the drawing lacks, or one that left: the graph was swapped
-    if (v || st.state !== "removed") reloadSoon();
+  if (st.state === "removed") {
+    if (v) reloadSoon(); // it left the graph: draw the graph without it
+    return;
+  }
+  if (!v) {
+    reloadSoon(); // a vertex the drawing lacks: the graph was swapped
     return;
   }
   if (st.changed_count > v.st.changed_count) {
