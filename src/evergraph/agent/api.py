@@ -65,6 +65,7 @@ def run(
     converged_exit: bool = False,
     converged_status_file: str | os.PathLike[str] | None = None,
     max_runtime: float | None = None,
+    repair_backoff_max: float = 300.0,
     world: WorldOptions | str | None = "sqlite",
     noop: bool = False,
     diff: bool = False,
@@ -96,6 +97,8 @@ def run(
     `services`: more long-running services for the agent to own (the CLI's HTTP
     server): each is called with the agent once its engine exists. `farm`: be a farm
     worker and/or run the farm's matcher when elected (see `FarmOptions`).
+    `repair_backoff_max`: a resource failed for good is tried again at its next
+    event, or by a timer doubling from 1 s up to this (0: events only).
     Runs its own event loop: call it from synchronous code.
     """
     from evergraph.agent.run import prepare_state_dir, run_agent
@@ -137,6 +140,7 @@ def run(
             converged_exit=converged_exit,
             converged_status_file=Path(converged_status_file) if converged_status_file else None,
             max_runtime=max_runtime,
+            repair_backoff_max=repair_backoff_max,
             graphviz=Path(graphviz) if graphviz else None,
         )
     except InputError as e:

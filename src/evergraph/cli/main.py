@@ -215,6 +215,14 @@ def world_options(f: Callable[..., None]) -> Callable[..., None]:
     help="Stop after this many seconds, cancelling applies still running (0.001 to a year).",
 )
 @click.option(
+    "--repair-backoff-max",
+    type=float,
+    default=300.0,
+    show_default=True,
+    help="A resource whose retries are spent stays failed only until its next event or "
+    "a timer: 1 s, doubling up to this many seconds (0: events only).",
+)
+@click.option(
     "--graphviz",
     type=click.Path(dir_okay=False, path_type=Path),
     help="Write the running graph as Graphviz dot to this file (on each swap).",
@@ -307,6 +315,7 @@ def run(
     converged_exit: bool,
     converged_status_file: Path | None,
     max_runtime: float | None,
+    repair_backoff_max: float,
     graphviz: Path | None,
     log_format: str,
     replace: bool,

@@ -36,6 +36,7 @@ DEFAULTS: dict[str, Any] = {
     "converged_exit": False,
     "converged_status_file": None,
     "max_runtime": None,
+    "repair_backoff_max": 300.0,
     "graphviz": None,
     "log_format": "text",
     "http_addr": None,
@@ -231,6 +232,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     converged_exit: bool = params["converged_exit"]
     converged_status_file: Path | None = params["converged_status_file"]
     max_runtime: float | None = params["max_runtime"]
+    repair_backoff_max: float = params["repair_backoff_max"]
     graphviz: Path | None = params["graphviz"]
     log_format: str = params["log_format"]
     replace: bool = params["replace"]
@@ -288,6 +290,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
             converged_exit=converged_exit,
             converged_status_file=converged_status_file,
             max_runtime=max_runtime,
+            repair_backoff_max=repair_backoff_max,
             graphviz=graphviz,
             world=opts,
             replace=replace,

@@ -63,6 +63,10 @@ YIELD_EVERY = 1000
 #: exit status of a noop run that exits once converged (`--noop --converged-exit`, or
 #: `--no-watch`) when something would change; 0: nothing would, 1: a resource failed
 EXIT_WOULD_CHANGE = 3
+#: a vertex that failed for good is tried again by timer after this many seconds
+#: (or its meta.delay if longer), doubling each time it fails again, up to
+#: `Settings.repair_backoff_max`
+REPAIR_FIRST = 1.0
 
 
 if TYPE_CHECKING:
@@ -108,6 +112,8 @@ class Engine:
         self._global_sema = asyncio.Semaphore(settings.sema) if settings.sema > 0 else None
         self._semas: dict[str, asyncio.Semaphore] = {}
         self._timers: set[asyncio.Task[None]] = set()
+        #: the repair timer of each vertex failed for good (see _revive)
+        self._repairs: dict[Vertex, asyncio.Task[None]] = {}
         #: vertices whose run waits for a token or a semaphore: it changed nothing yet
         self._waiting: set[Vertex] = set()
         #: woken whenever a run ends or the engine may have turned idle (see _check_idle)
@@ -481,7 +487,7 @@ class Engine:
             for member in _members(res):
                 await member.init(v)
         except Exception as e:
-            self._fail_permanently(v, f"init failed: {e}")
+            self._fail_permanently(v, f"init failed: {e}", revive=False)
             return
         if res.meta.hidden:
             return
@@ -504,7 +510,7 @@ class Engine:
 
                     v.unsubscribe = unsubscribe_all
             except Exception as e:
-                self._fail_permanently(v, f"watch failed: {e}")
+                self._fail_permanently(v, f"watch failed: {e}", revive=False)
                 return
             if v.unsubscribe is not None:
                 self.subscriptions += 1
@@ -520,6 +526,9 @@ class Engine:
     async def _stop_vertex(self, v: Vertex, leaving: bool = True) -> None:
         """Stop a vertex; `leaving`: its resource leaves the graph (not merely replaced)."""
         self._unsubscribe(v)
+        repair = self._repairs.pop(v, None)
+        if repair is not None:
+            repair.cancel()
         if v.watch_task is not None:
             v.watch_task.cancel()
             with contextlib.suppress(BaseException):
@@ -698,7 +707,7 @@ class Engine:
                 raise
             except Exception as e:
                 if retries == 0:
-                    self._fail_permanently(v, f"watch failed: {e}")
+                    self._fail_permanently(v, f"watch failed: {e}", revive=False)
                     if not v.watch_ready:
                         v.watch_ready = True
                         self._unready -= 1
@@ -719,7 +728,11 @@ class Engine:
 
     def vertex_event(self, v: Vertex) -> None:
         if v.failed or v.res.meta.hidden or self.vertices.get(v.ident) is not v:
-            return  # a late event of a vertex already swapped out is dropped
+            # a late event of a vertex already swapped out is dropped; one of a
+            # vertex failed for good tries it again (drift is repaired, always)
+            if v.failed and v.repair_delay >= 0 and self.vertices.get(v.ident) is v:
+                self._revive(v, "an event")
+            return
         self.events += 1
         if not v.pending:
             v.pending = True
@@ -981,6 +994,8 @@ class Engine:
         v.refresh_now = False
         if v.res.meta.retryreset:
             v.retries_left = v.res.meta.retry
+        if v.repair_delay:
+            v.repair_delay = 0.0  # repaired: a later failure backs off from the start
         if was_clean:
             if v.reported is not None:
                 v.reported = None  # differences reported, yet all was well: none
@@ -1069,7 +1084,11 @@ class Engine:
         self._poke(v)
         self._check_idle()
 
-    def _fail_permanently(self, v: Vertex, error: str) -> None:
+    def _fail_permanently(self, v: Vertex, error: str, revive: bool = True) -> None:
+        """`v` failed for good (its retries spent). Unless `revive` is False (its init
+        or watch failed: nothing to try again), its next event or a backoff timer
+        runs it again (`_revive`): a transient cause (a missing parent, a full disk)
+        never leaves it failed for good."""
         error = v.mask(error)
         v.ok = False
         v.failed = True
@@ -1077,6 +1096,42 @@ class Engine:
         v.last_error = error
         log.error("%s: %s", v.ident, error)
         self._observe(v, "failed")
+        if not revive:
+            v.repair_delay = -1.0
+            return
+        cap = self.settings.repair_backoff_max
+        # a one-shot run ends at convergence: a timer could only delay it
+        if cap <= 0 or self._stopping or self.one_shot or not self.settings.watch:
+            return
+        first = max(REPAIR_FIRST, v.res.meta.delay / 1000)
+        v.repair_delay = delay = min(cap, v.repair_delay * 2 if v.repair_delay > 0 else first)
+        log.info("%s: tried again at its next event, or in %s", v.ident, _took(delay))
+        assert self._tg is not None
+        old = self._repairs.pop(v, None)
+        if old is not None:
+            old.cancel()
+        self._repairs[v] = self._tg.create_task(self._repair_later(v, delay))
+
+    async def _repair_later(self, v: Vertex, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if self._repairs.get(v) is asyncio.current_task():
+            del self._repairs[v]
+        if v.failed and not self._stopping and self.vertices.get(v.ident) is v:
+            self._revive(v, f"backoff {_took(delay)}")
+
+    def _revive(self, v: Vertex, why: str) -> None:
+        """Run a vertex failed for good again, with its retry budget anew: it
+        returns to clean when a run succeeds, or fails for good again (and backs off
+        longer). Meanwhile observers saw it failed, with its last error."""
+        timer = self._repairs.pop(v, None)
+        if timer is not None and timer is not asyncio.current_task():
+            timer.cancel()
+        log.info("%s: failed before; trying again (%s)", v.ident, why)
+        v.failed = False
+        v.retries_left = v.res.meta.retry
+        v.pending = True
+        self.converger.busy()
+        self._poke(v)
 
     # -- convergence and stopping ------------------------------------------------------
     def _check_idle(self) -> None:
@@ -1156,7 +1211,7 @@ class Engine:
     async def _shutdown(self, aux: list[asyncio.Task[Any]]) -> None:
         self._stopping = True
         self.converger.close()
-        for t in [*aux, *self._timers]:
+        for t in [*aux, *self._timers, *self._repairs.values()]:
             t.cancel()
         for i, v in enumerate(list(self.vertices.values()), 1):
             self._unsubscribe(v)

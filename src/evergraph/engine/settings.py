@@ -43,11 +43,17 @@ class Settings(msgspec.Struct, frozen=True):
     graphviz: Path | None = None
     autoedges: bool = True
     autogroup: bool = True
+    #: a resource that failed for good (its retries spent) is tried again at its next
+    #: event, or after a backoff that doubles from 1 s up to this many seconds;
+    #: 0: never by timer (events still revive it)
+    repair_backoff_max: float = 300.0
 
     def __post_init__(self) -> None:
         check_times(self.converged_timeout, self.max_runtime)
         if why := seconds_problem(self.stop_grace, zero=True):
             raise InputError(why, "stop_grace")
+        if why := seconds_problem(self.repair_backoff_max, zero=True):
+            raise InputError(why, "--repair-backoff-max")
 
     @property
     def one_shot(self) -> bool:

@@ -59,6 +59,7 @@ class Vertex:
         "received",
         "refresh_flag",
         "refresh_now",
+        "repair_delay",
         "reported",
         "res",
         "retries_left",
@@ -104,10 +105,14 @@ class Vertex:
         self.queued = False
         #: last check_apply succeeded (hidden vertices count as clean)
         self.ok = hidden
-        #: failed for good: retries exhausted
+        #: failed for good: retries exhausted (an event or the repair backoff
+        #: tries it again: see Engine._revive)
         self.failed = False
         self.retry_wait = False
         self.retries_left = res.meta.retry
+        #: failed for good: seconds until it is tried again by timer (doubling);
+        #: 0: not failed since its last success; -1: never revived (init failed)
+        self.repair_delay = 0.0
         self.watch_ready = True
         #: a notify edge asked for a refresh (persisted until consumed)
         self.refresh_flag = False
