@@ -154,7 +154,8 @@ def world_options(f: Callable[..., None]) -> Callable[..., None]:
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path), required=False)
 @click.option(
     "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    # a str: an empty value must be told from "." (see runner.check_path)
+    type=click.Path(file_okay=False),
     help="Where vertex state lives. [default: /var/lib/evergraph as root, "
     "else ~/.local/state/evergraph]",
 )
@@ -174,7 +175,7 @@ def world_options(f: Callable[..., None]) -> Callable[..., None]:
 )
 @click.option(
     "--sema",
-    type=click.IntRange(min=0),
+    type=click.IntRange(min=0, max=1_000_000),
     default=0,
     show_default=True,
     help="At most N check_apply calls at once (0 = no bound).",

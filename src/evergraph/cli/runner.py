@@ -184,6 +184,33 @@ def etcd_password(world: dict[str, object]) -> str | None:
     return env or None
 
 
+#: the kernel's limits on a path (PATH_MAX, with its NUL) and on one name in it (NAME_MAX)
+PATH_MAX = 4095
+NAME_MAX = 255
+
+
+def check_path(path: Path | str, flag: str, *, parent_exists: bool = False) -> None:
+    """InputError naming `flag` for a path the kernel would refuse, or the current
+    directory by accident (an empty value); `parent_exists`: a file the agent writes
+    as it runs, whose directory must be there from the start."""
+    raw = os.fsencode(path)
+    if not raw:
+        raise InputError("empty (it would be the current directory): give a path", flag)
+    if len(raw) > PATH_MAX:
+        raise InputError(
+            f"a path of {len(raw)} bytes (starting {os.fsdecode(raw[:40])!r}...): "
+            f"at most {PATH_MAX}",
+            flag,
+        )
+    longest = max((len(part) for part in raw.split(b"/")), default=0)
+    if longest > NAME_MAX:
+        raise InputError(f"a name of {longest} bytes in this path: at most {NAME_MAX}", flag)
+    if parent_exists:
+        parent = Path(path).parent
+        if not parent.is_dir():
+            raise InputError(f"{parent} is not a directory (create it first)", flag)
+
+
 def world_opts(world: dict[str, object]) -> WorldOptions:
     from evergraph.world.open import WorldOptions, seed_problem
 
@@ -198,13 +225,22 @@ def world_opts(world: dict[str, object]) -> WorldOptions:
             raise InputError(f"no such file: {p}", "--" + flag.replace("_", "-"))
     if (world.get("etcd_cert") is None) != (world.get("etcd_key") is None):
         raise InputError("give both --etcd-cert and --etcd-key, or neither", "--etcd-cert")
+    backend = str(world.get("world_backend") or "sqlite")
+    if backend == "memory" and (seeds or world.get("etcd_mode") == "embedded"):
+        raise InputError(
+            "an etcd World (--seeds, --etcd embedded) is not a memory World: "
+            "drop --world memory, or the etcd flags",
+            "--world",
+        )
+    if world.get("world_db") is not None:
+        check_path(Path(str(world["world_db"])), "--world-db")
 
     def path(k: str) -> Path | None:
         v = world.get(k)
         return Path(str(v)) if v is not None else None
 
     return WorldOptions(
-        backend=str(world.get("world_backend") or "sqlite"),
+        backend=backend,
         db=path("world_db"),
         seeds=seeds,
         embedded=world.get("etcd_mode") == "embedded",
@@ -220,7 +256,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     """Run the agent with `run`'s parameters (`DEFAULTS` keys), then leave the process
     with its exit status; bad input: one line, exit 2."""
     file: Path | None = params["file"]
-    state_dir: Path | None = params["state_dir"]
+    state_dir: Path | str | None = params["state_dir"]
     hostname: str = params["hostname"]
     noop: bool = params["noop"]
     diff: bool = params["diff"]
@@ -259,6 +295,15 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     setup_logging(log_format, verbose)
     try:
         check_times(converged_timeout, max_runtime)
+        if state_dir is not None:
+            check_path(state_dir, "--state-dir")  # (a str from click: "" is not ".")
+            state_dir = Path(state_dir)
+        if converged_status_file is not None:
+            check_path(converged_status_file, "--converged-status-file", parent_exists=True)
+        if graphviz is not None:
+            check_path(graphviz, "--graphviz", parent_exists=True)
+        if file is not None:
+            check_path(file, "FILE")
         frontend = frontend_for(file)
         if deployers:
             from evergraph.frontends.deploy import trust_deployers

@@ -1,0 +1,56 @@
+"""`run`'s flags that would do something absurd are refused before anything is
+created: one line naming the flag and what is valid, exit 2 (issue 23 item 6)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import EVERGRAPH, REPO
+
+HELLO = REPO / "examples" / "hello.yaml"
+
+
+def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*EVERGRAPH, "run", str(HELLO), "--converged-exit", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "flag", "says"),
+    [
+        (["--state-dir", ""], "--state-dir", "empty"),
+        (["--state-dir", "/tmp/" + "a" * 6000], "--state-dir", "at most 4095"),
+        (["--state-dir", "/tmp/" + "b" * 300], "--state-dir", "at most 255"),
+        (["--converged-status-file", "/nonexistent-dir/s"], "--converged-status-file", "create"),
+        (["--graphviz", "/nonexistent-dir/g.dot"], "--graphviz", "create"),
+        (["--etcd", "embedded", "--world", "memory"], "--world", "not a memory World"),
+        (["--world-db", "/tmp/" + "c" * 6000], "--world-db", "at most 4095"),
+        (["--sema", "99999999999"], "--sema", "1000000"),
+    ],
+)
+def test_absurd_run_flags_are_refused(
+    tmp_path: Path, args: list[str], flag: str, says: str
+) -> None:
+    work = tmp_path / "cwd"
+    work.mkdir()
+    state = ["--state-dir", str(tmp_path / "state")] if "--state-dir" not in args else []
+    r = _run(work, *state, *args)
+    assert r.returncode == 2, r.stderr
+    assert flag in r.stderr, r.stderr
+    assert says in r.stderr, r.stderr
+    # one line (click's own refusals add its usage lines), never a path of 6000 bytes
+    if flag != "--sema":
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert len(r.stderr) < 400, r.stderr
+    assert list(work.iterdir()) == []  # nothing made in the current directory
+    assert not (tmp_path / "state").exists()
