@@ -166,7 +166,14 @@ def world_options(f: Callable[..., None]) -> Callable[..., None]:
     "--noop",
     is_flag=True,
     help="Check only; report what would change, with diffs, and whom it would notify; "
-    "change nothing.",
+    "change nothing. User commands: exec's guards (ifcmd, nifcmd) and watchcmd still run, "
+    "as in mgmt and Salt (they decide what would change); cmd and donecmd never do.",
+)
+@click.option(
+    "--noop-no-commands",
+    is_flag=True,
+    help="--noop, and run no user command at all, not even the guards: an exec whose "
+    "guards would decide is reported 'unknown' in the recap (exit 3 like a change).",
 )
 @click.option(
     "--diff",
@@ -307,6 +314,7 @@ def run(
     state_dir: Path | None,
     hostname: str,
     noop: bool,
+    noop_no_commands: bool,
     diff: bool,
     sema: int,
     no_watch: bool,

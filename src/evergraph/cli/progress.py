@@ -68,7 +68,7 @@ class Tracker:
         if state == "removed":
             self.done.discard(ident)
             self.failed.discard(ident)
-        elif state == "clean":
+        elif state == "clean" or state == "unknown":
             self.done.add(ident)
             self.failed.discard(ident)
         elif state == "changed":

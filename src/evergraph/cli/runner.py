@@ -27,6 +27,7 @@ DEFAULTS: dict[str, Any] = {
     "state_dir": None,
     "hostname": "",
     "noop": False,
+    "noop_no_commands": False,
     "diff": False,
     "sema": 0,
     "no_watch": False,
@@ -258,7 +259,8 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     file: Path | None = params["file"]
     state_dir: Path | str | None = params["state_dir"]
     hostname: str = params["hostname"]
-    noop: bool = params["noop"]
+    noop_no_commands: bool = params["noop_no_commands"]
+    noop: bool = params["noop"] or noop_no_commands
     diff: bool = params["diff"]
     sema: int = params["sema"]
     no_watch: bool = params["no_watch"]
@@ -326,6 +328,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
             state_dir=state_dir,
             hostname=hostname,
             noop=noop,
+            noop_commands=not noop_no_commands,
             diff=diff,
             sema=sema,
             watch=not no_watch,
@@ -358,6 +361,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
 _FLAGS = {
     "--converged-exit": "converged_exit",
     "--noop": "noop",
+    "--noop-no-commands": "noop_no_commands",
     "--diff": "diff",
     "--no-watch": "no_watch",
     "--no-autoedges": "no_autoedges",

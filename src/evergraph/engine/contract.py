@@ -202,6 +202,17 @@ class Handle(Protocol):
         """True when a notify edge asked this resource to refresh on this run."""
         ...
 
+    @property
+    def may_run_commands(self) -> bool:
+        """False in a noop run with `--noop-no-commands`: a check that would run a
+        user's command (exec's `ifcmd`, `nifcmd`, `watchcmd`) must not, and calls
+        `unknown()` instead."""
+        ...
+
+    def unknown(self, why: str) -> None:
+        """This run cannot tell whether the resource would change (`why`: what it
+        did not run): the recap names it "unknown", a noop run exits 3."""
+
     def request_exit(self, code: int) -> None:
         """End the run gracefully (as on SIGTERM) with exit status `code` (the `exit`
         kind); the first code asked for is the one the agent exits with."""

@@ -243,7 +243,12 @@ class Engine:
         if not all(v.ok and not v.failed for v in vertices):
             return 1
         s = self.settings
-        if s.noop and (s.converged_exit or not s.watch) and any(v.changed_count for v in vertices):
+        # something would change, or may (a check that could not tell: unknown)
+        if (
+            s.noop
+            and (s.converged_exit or not s.watch)
+            and any(v.changed_count or v.state == "unknown" for v in vertices)
+        ):
             return EXIT_WOULD_CHANGE
         return 0
 
@@ -1000,7 +1005,13 @@ class Engine:
             if v.reported is not None:
                 v.reported = None  # differences reported, yet all was well: none
             v.clean_count += 1
-            self._observe(v, "clean")
+            why = v.unknown_why
+            if why is None:
+                self._observe(v, "clean")
+            else:  # a noop run that could not tell (--noop-no-commands)
+                v.unknown_why = None
+                v.last_error = why
+                self._observe(v, "unknown")
         else:
             v.changed_count += 1
             v.last_changed = time.time()
@@ -1051,6 +1062,7 @@ class Engine:
 
     def _record_failure(self, v: Vertex, error: str) -> None:
         error = v.mask(error)
+        v.unknown_why = None
         v.ok = False
         v.fail_count += 1
         v.last_error = error
@@ -1182,7 +1194,7 @@ class Engine:
             state = v.state
             if failed is not None and not v.ok:
                 failed.append(v.ident)
-            if v.changed_count or state == "failed" or state == "retrying":
+            if v.changed_count or state == "failed" or state == "retrying" or state == "unknown":
                 named.append(v.status())
             else:
                 others += 1

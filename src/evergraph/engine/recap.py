@@ -61,6 +61,7 @@ class Recaps:
         #: replaced by a swap starts its counts again, so both are compared
         self._named: dict[str, tuple[int, float | None]] = {}
         self._failed: frozenset[str] = frozenset()
+        self._unknown: frozenset[str] = frozenset()
         self.count = 0
 
     def take(
@@ -78,6 +79,7 @@ class Recaps:
         of a million clean vertices does not build a million snapshots."""
         changed: list[VertexStatus] = []
         failed: list[VertexStatus] = []
+        unknown: list[VertexStatus] = []
         total, clean = others
         named = self._named
         for st in statuses:
@@ -85,12 +87,16 @@ class Recaps:
             if st.state == "failed" or st.state == "retrying":
                 failed.append(st)
                 continue
+            if st.state == "unknown":
+                unknown.append(st)
+                continue
             if st.changed_count and named.get(st.ident) != (st.changed_count, st.last_changed):
                 named[st.ident] = (st.changed_count, st.last_changed)
                 changed.append(st)
             elif st.state == "clean" or st.state == "changed":
                 clean += 1
         self._failed = frozenset(st.ident for st in failed)
+        self._unknown = frozenset(st.ident for st in unknown)
         self.count += 1
         data: dict[str, Any] = {
             "event": "recap",
@@ -101,12 +107,16 @@ class Recaps:
             "changed": [_changed_data(st) for st in changed],
             "failed": [_failed_data(st) for st in failed],
         }
+        if unknown:
+            data["unknown"] = [{"resource": st.ident, "why": st.error} for st in unknown]
         verb = "would change" if noop else "changed"
         head = f"recap{' at exit' if at == 'exit' else ''}: " + (
             f"{len(changed)} {verb}, {len(failed)} failed, {clean} clean"
             if changed or failed
             else f"nothing {verb} or failed, {clean} clean"
         )
+        if unknown:
+            head += f", {len(unknown)} unknown"
         lines = [head]
         for st in changed[:TEXT_LIMIT]:
             what = f": {what_changed(st.changes)}" if st.changes else ""
@@ -117,6 +127,10 @@ class Recaps:
             lines.append(f"  failed {st.ident}: {st.error or st.state} ({took(st.duration)})")
         if len(failed) > TEXT_LIMIT:
             lines.append(f"  … and {len(failed) - TEXT_LIMIT} more failed")
+        for st in unknown[:TEXT_LIMIT]:
+            lines.append(f"  unknown {st.ident}: {st.error}")
+        if len(unknown) > TEXT_LIMIT:
+            lines.append(f"  … and {len(unknown) - TEXT_LIMIT} more unknown")
         return "\n".join(lines), data
 
     def news(self, statuses: Iterable[VertexStatus]) -> bool:
@@ -125,15 +139,18 @@ class Recaps:
         if not self.count:
             return True
         failed = set()
+        unknown = set()
         for st in statuses:
             if st.state == "failed" or st.state == "retrying":
                 failed.add(st.ident)
+            elif st.state == "unknown":
+                unknown.add(st.ident)
             elif st.changed_count and self._named.get(st.ident) != (
                 st.changed_count,
                 st.last_changed,
             ):
                 return True
-        return failed != self._failed
+        return failed != self._failed or unknown != self._unknown
 
 
 def _changed_data(st: VertexStatus) -> dict[str, Any]:

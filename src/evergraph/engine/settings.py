@@ -26,6 +26,9 @@ class Settings(msgspec.Struct, frozen=True):
     state_dir: Path
     hostname: str = ""
     noop: bool = False
+    #: False (`--noop-no-commands`): a noop run runs no user command at all, not even
+    #: the guards (`ifcmd`, `nifcmd`, `watchcmd`); what they decide is "unknown"
+    noop_commands: bool = True
     #: log what each run changed with diffs on real runs too (noop runs always do)
     diff: bool = False
     #: global bound on concurrent check_apply calls; 0 = none

@@ -14,7 +14,9 @@ if TYPE_CHECKING:
     from evergraph.engine.contract import Resource
 
 #: "removed": the vertex left the graph (a swap); the last status of that ident
-State = Literal["pending", "running", "clean", "changed", "failed", "retrying", "removed"]
+State = Literal[
+    "pending", "running", "clean", "changed", "failed", "retrying", "removed", "unknown"
+]
 
 
 class Change(msgspec.Struct, frozen=True, gc=False):

@@ -72,6 +72,7 @@ class Vertex:
         "since",
         "state",
         "tokens",
+        "unknown_why",
         "unsubscribe",
         "watch_ready",
         "watch_task",
@@ -119,6 +120,8 @@ class Vertex:
         #: the refresh the current run is serving (what `refresh()` answers)
         self.refresh_now = False
         self.last_error: str | None = None
+        #: this run could not tell whether it would change (`unknown()`): why
+        self.unknown_why: str | None = None
         self.apply_task: asyncio.Task[None] | None = None
         self.watch_task: asyncio.Task[None] | None = None
         self.unsubscribe: Callable[[], None] | None = None
@@ -226,6 +229,13 @@ class Vertex:
 
     def request_exit(self, code: int) -> None:
         self.engine.request_exit(code, self.ident)
+
+    @property
+    def may_run_commands(self) -> bool:
+        return self.engine.settings.noop_commands or not self.engine.settings.noop
+
+    def unknown(self, why: str) -> None:
+        self.unknown_why = why
 
     def is_secret(self, field: str) -> bool:
         return field in self.secret_fields

@@ -40,9 +40,15 @@ if TYPE_CHECKING:
     from evergraph.engine.engine import Engine
 
 #: every state a vertex can be in (each is reported, 0 included)
-STATES = ("pending", "running", "clean", "changed", "retrying", "failed")
+STATES = ("pending", "running", "clean", "changed", "retrying", "failed", "unknown")
 #: a finished check_apply's result, by the state it left the vertex in
-_RESULT = {"clean": "clean", "changed": "changed", "retrying": "failed", "failed": "failed"}
+_RESULT = {
+    "clean": "clean",
+    "changed": "changed",
+    "retrying": "failed",
+    "failed": "failed",
+    "unknown": "unknown",
+}
 
 
 class Metrics:
@@ -175,7 +181,8 @@ class _Collector(Collector):
     def _applies(self) -> Metric:
         fam = CounterMetricFamily(
             "evergraph_check_apply",
-            "Finished check_apply calls, by resource kind and result (clean, changed, failed).",
+            "Finished check_apply calls, by resource kind and result (clean, changed, failed, "
+            "unknown: a noop run that could not tell).",
             labels=["kind", "result"],
         )
         for (kind, result), n in sorted(self.metrics.applies.items()):

@@ -154,6 +154,12 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         return bool(self.watchcmd or self.watchfiles or self.mtimes)
 
     async def watch(self) -> None:
+        if self.watchcmd and not self.handle.may_run_commands:
+            # --noop-no-commands: not even the watch command (its events would only
+            # re-check a resource whose guards are not run either)
+            self.handle.logger.info("%s: watchcmd not run (--noop-no-commands)", self.ident)
+            self.handle.ready()
+            await asyncio.Event().wait()
         unsubscribes = [
             self.handle.watcher.subscribe(path, lambda _mask: self.handle.event())
             for path in (*self.watchfiles, *self.mtimes)
@@ -174,7 +180,14 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
 
     async def check_apply(self, apply: bool) -> bool:
         forced = self._outdated()  # mtimes: a file changed since the last run
-        if not forced and await self._held_back():
+        if not forced and not apply and not self.handle.may_run_commands:
+            if self._held_back_without_commands():
+                return True
+            guards = [f for f in ("ifcmd", "nifcmd") if getattr(self, f)]
+            if guards:  # what they would say is not known without running them
+                self.handle.unknown(f"{' and '.join(guards)} not run (--noop-no-commands)")
+                return True
+        elif not forced and await self._held_back():
             return True
         # what runs, with its arguments (what the vertex knows to be secret is masked)
         ran = shlex.join([self.cmd, *self.args]) if self.args else self.cmd
@@ -199,11 +212,16 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             self._ran_at(began)
         return False
 
-    async def _held_back(self) -> bool:
-        """A guard says cmd must not run now."""
+    def _held_back_without_commands(self) -> bool:
+        """A guard that runs no command (`refresh_only`, `creates`) says cmd must not
+        run now."""
         if self.refresh_only and not self.handle.refresh():
             return True
-        if self.creates and os.path.lexists(self.creates):
+        return bool(self.creates and os.path.lexists(self.creates))
+
+    async def _held_back(self) -> bool:
+        """A guard says cmd must not run now."""
+        if self._held_back_without_commands():
             return True
         if self.ifcmd:
             guard = await self._run(self.ifcmd, "ifcmd")

@@ -14,6 +14,7 @@ const COLOURS = {
   changed: "#2e9d5b",
   retrying: "#d1700e",
   failed: "#cf222e",
+  unknown: "#8250df",
   repaired: "#d4a72c",
 };
 const FLASH_MS = 2500;
@@ -33,7 +34,7 @@ function legend() {
   ul.replaceChildren();
   const counts = {};
   for (const v of vertices.values()) counts[v.st.state] = (counts[v.st.state] || 0) + 1;
-  for (const state of ["pending", "running", "clean", "changed", "retrying", "failed"]) {
+  for (const state of ["pending", "running", "clean", "changed", "retrying", "failed", "unknown"]) {
     const li = document.createElement("li");
     li.style.setProperty("--c", COLOURS[state]);
     li.dataset.state = state;
