@@ -29,6 +29,8 @@ import time
 import unicodedata
 from typing import TYPE_CHECKING, Any
 
+from evergraph._util.crash import crash_point
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -109,7 +111,10 @@ class TextFormatter(logging.Formatter):
 
 
 class BufferedHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """A StreamHandler that leaves flushing to `flush_now()` (`flusher`, and at exit).
+    """A StreamHandler that leaves flushing to `flush_now()` (`flusher`, and at exit),
+    except for a record of an effect (`extra={"effect": True}`: a change applied, a
+    command run), written through at once: it is in the log before the agent goes
+    on to its next effect, so a kill -9 never leaves an effect unlogged.
 
     The first line after a flush calls `waker` (set by `flusher`): an idle agent has
     nothing to flush and so no timer to wake it."""
@@ -119,6 +124,10 @@ class BufferedHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
     def emit(self, record: logging.LogRecord) -> None:
         super().emit(record)
+        if record.__dict__.get("effect"):
+            self.flush_now()
+            crash_point("effect-logged")
+            return
         if not self._pending:
             self._pending = True
             waker = self.waker

@@ -1047,18 +1047,20 @@ class Engine:
         notify = [c.ident for c in v.notify_children]
         send = [f"{value} → {c.ident}.{field}" for value, c, field in v.send_edges]
         data = changes.record_data(v.ident, what != "applied", done, notify, send)
+        # an applied change is an effect: the log writes it through (cli/logs.py)
+        extra = {"data": data, "effect": what == "applied"}
         if not done and not (diffs and (notify or send)):
-            log.info("%s: %s", v.ident, what, extra={"data": data})
+            log.info("%s: %s", v.ident, what, extra=extra)
             return
         head = f"{v.ident}: {what}: {changes.summary(done)}" if done else f"{v.ident}: {what}"
         if not diffs:
-            log.info("%s", head, extra={"data": data})
+            log.info("%s", head, extra=extra)
             return
         out = [head, *changes.lines(done, diffs=True)]
         notifies, sends = ("would notify", "would send") if data["noop"] else ("notifies", "sends")
         out.extend(f"  {notifies} {ident}" for ident in notify)
         out.extend(f"  {sends} {line}" for line in send)
-        log.info("%s", "\n".join(out), extra={"data": data})
+        log.info("%s", "\n".join(out), extra=extra)
 
     def _record_failure(self, v: Vertex, error: str) -> None:
         error = v.mask(error)

@@ -203,7 +203,10 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-3:]
             detail = (": " + " | ".join(tail)) if tail else ""
             raise ResourceError(f"cmd exited with status {done.returncode}{detail}")
-        self.handle.logger.info("%s: ran %s", self.ident, self._shown(self.cmd))
+        # an effect: written through to the log before the next one (cli/logs.py)
+        self.handle.logger.info(
+            "%s: ran %s", self.ident, self._shown(self.cmd), extra={"effect": True}
+        )
         if self.donecmd:
             after = await self._run(self.donecmd, "donecmd")
             if after.returncode != 0:
