@@ -29,6 +29,8 @@ class Server:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.gets: dict[str, int] = {}
+        self.posts: dict[str, int] = {}
+        self.post_bodies: list[bytes] = []
         server = self
 
         class Handler(http.server.SimpleHTTPRequestHandler):
@@ -38,6 +40,21 @@ class Server:
             def do_GET(self) -> None:
                 server.gets[self.path] = server.gets.get(self.path, 0) + 1
                 super().do_GET()
+
+            def do_POST(self) -> None:
+                # what a POST answers: the path's `.post` file, if there is one
+                server.posts[self.path] = server.posts.get(self.path, 0) + 1
+                length = int(self.headers.get("Content-Length") or 0)
+                server.post_bodies.append(self.rfile.read(length))
+                page = root / (self.path.lstrip("/") + ".post")
+                if not page.is_file():
+                    self.send_error(405)
+                    return
+                body = page.read_bytes()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -157,9 +174,40 @@ def test_without_sha256_the_last_download_is_kept(tmp_path: Path, server: Server
     assert f.stat().st_ino == ino
 
 
+def test_method_post_fetches_what_a_post_answers(tmp_path: Path, server: Server) -> None:
+    (server.root / "gen.post").write_bytes(b"made by POST\n")
+    (server.root / "gen").write_bytes(b"made by GET\n")
+    f = tmp_path / "gen"
+    g = write_graph(
+        tmp_path / "g.yaml", f"  - {{name: {f}, url: '{server.url}/gen', method: POST}}\n"
+    )
+    converge(g, tmp_path / "s")
+    assert f.read_bytes() == b"made by POST\n"
+    assert server.posts == {"/gen": 1}
+    assert server.gets == {}
+    assert server.post_bodies == [b""]  # no body: the answer is the content
+    assert ": applied" not in converge(g, tmp_path / "s")  # kept: nothing fetched again
+    assert server.posts == {"/gen": 1}
+    # the method is part of what was downloaded: GET now is another download
+    g.write_text(g.read_text().replace("method: POST", "method: get"))
+    assert f"http:client[{f}]: applied" in converge(g, tmp_path / "s")
+    assert f.read_bytes() == b"made by GET\n"
+    assert server.gets == {"/gen": 1}
+    # errors name the method
+    g.write_text(g.read_text().replace("method: get", "method: post").replace("/gen", "/nope"))
+    err = converge(g, tmp_path / "s", code=1)
+    assert f"POST {server.url}/nope: 405" in err, err
+
+
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
+        # (lower case: every capital T is the tmp dir here)
+        ("  - {name: T/f, url: 'http://h/x', method: head}\n", "http:client[T/f].method: 'head'"),
+        ("  - {name: T/f, url: 'http://h/x', method: delete}\n", ".method: 'delete' is not"),
+        ("  - {name: T/f, url: 'http://h/x', method: put}\n", ".method: 'put' is not"),
+        ("  - {name: T/f, url: 'http://h/x', method: ''}\n", ".method: '' is not"),
+        ("  - {name: T/f, url: 'http://h/x', method: 'get /'}\n", ".method: 'get /' is not"),
         ("  - {name: dl, url: 'http://h/x'}\n", "http:client[dl].file: is empty"),
         ("  - {name: T/f, url: 'ftp://h/x'}\n", ".url: 'ftp://h/x' is not an http(s)://"),
         ("  - {name: T/f}\n", ".url: is empty"),
@@ -181,5 +229,6 @@ def test_bad_input_exit_2_nothing_written(tmp_path: Path, body: str, needle: str
         r = run_cli(*cmd)
         assert r.returncode == 2, r.stderr
         assert needle in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "Traceback" not in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g.yaml"]

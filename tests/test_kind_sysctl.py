@@ -255,3 +255,67 @@ def test_bad_input_exit_2_nothing_changed(tmp_path: Path, body: str, needle: str
     )
     assert needle in r.stderr, r.stderr
     assert r.stdout.splitlines() == ["rc=2", fresh_defaults()[1]]  # no value, no file
+
+
+@pytest.mark.parametrize("name", ["kernel.hostname", "kernel.domainname"])
+def test_uts_names_are_repaired_by_the_kernels_event(tmp_path: Path, name: str) -> None:
+    """kernel.hostname and kernel.domainname signal changes (POLLPRI): drift is repaired
+    at once though the read interval is an hour (the other entries have no event: the
+    timeline above sees them by reading). In a new UTS namespace: the host's names are
+    never touched."""
+    host_value = Path(proc(name)).read_text()
+    g = write(
+        tmp_path / "g.yaml",
+        f"  - {{name: {name}, value: egtest-want, persist: false, interval: 3600}}\n",
+    )
+    state = tmp_path / "s"
+    state.mkdir()
+    status = state / "converged.status"
+    with open(state / "agent.log", "w") as log:
+        agent = subprocess.Popen(
+            [
+                "unshare",
+                "--uts",
+                *EVERGRAPH,
+                "run",
+                str(g),
+                "--state-dir",
+                str(state),
+                "--converged-timeout",
+                "0.05",
+                "--converged-status-file",
+                str(status),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+
+        def uts(*cmd: str) -> str:
+            r = subprocess.run(
+                ["nsenter", "-t", str(agent.pid), "-u", *cmd],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert r.returncode == 0, r.stderr
+            return r.stdout
+
+        def now() -> str:
+            return uts("cat", proc(name)).rstrip("\n")
+
+        wait_for(lambda: now() == "egtest-want", what=f"{name} set")
+        for drift in ("egtest-drift", "egtest-again"):
+            uts("sh", "-c", f"echo {drift} > {proc(name)}")
+            wait_for(lambda: now() == "egtest-want", timeout=5, what=f"{name} repaired")
+        assert Path(proc(name)).read_text() == host_value
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        try:
+            agent.wait(10)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait()
+    text = (state / "agent.log").read_text()
+    assert agent.returncode == 0, text
+    assert text.count(f"sysctl[{name}]: applied") == 3, text  # start, 2 drifts

@@ -427,7 +427,13 @@ class Agent:
         )
         raw = await _unless_stopped(self.frontend.first(ctx), self.stop, settings.max_runtime)
         if raw is None:
-            return 0  # stopped while waiting for a first graph (a deploy)
+            if self.stop.is_set():
+                return 0  # stopped while waiting for a first graph (a deploy)
+            # --max-runtime passed first: nothing ran, which is no success
+            log.error(
+                "no graph was loaded in %g s (--max-runtime): nothing ran", settings.max_runtime
+            )
+            return 1
         raw = self._with_job(raw)
         self._publish(raw)
         model = await prepare_off_loop(raw, settings)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from evergraph.errors import InputError
 
@@ -44,6 +44,46 @@ def check_summary(file: Path | str, model: GraphModel) -> str:
     )
 
 
+#: seconds `check` waits for a graph to load (a Python graph() may never return)
+CHECK_TIMEOUT = 30.0
+
+
+def load_for_check(file: Path | str, timeout: float = CHECK_TIMEOUT) -> GraphModel:
+    """FILE's graph, loaded in a daemon thread (InputError as loading raises). One that
+    has not loaded within `timeout` seconds (a Python graph() that never returns)
+    ends the process here: one line naming the file and the timeout, exit 2. The
+    thread cannot be stopped, so the exit does not wait for it (`os._exit`)."""
+    import threading
+    from pathlib import Path
+
+    from evergraph.frontends.open import open_graph_file
+
+    frontend = open_graph_file(Path(file))
+    outcome: list[tuple[bool, Any]] = []
+    done = threading.Event()
+
+    def body() -> None:
+        try:
+            outcome.append((True, frontend.load()))
+        except BaseException as e:  # handed to the caller as it is
+            outcome.append((False, e))
+        finally:
+            done.set()
+
+    threading.Thread(target=body, name="check", daemon=True).start()
+    if not done.wait(timeout):
+        what = "graph() did not return" if str(file).endswith(".py") else "the graph did not load"
+        err = InputError(f"{what} within {timeout:g} s (check --timeout S waits longer)", str(file))
+        sys.stdout.flush()
+        print(error_line(err), file=sys.stderr, flush=True)
+        os._exit(2)
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    model: GraphModel = value
+    return model
+
+
 def _plain_file(arg: str) -> bool:
     """An argument click would take as `check`'s FILE unchanged: not an option, not
     a directory (click's own error), printable (click strips escapes on a pipe)."""
@@ -59,10 +99,8 @@ def _plain_file(arg: str) -> bool:
 def _check(arg: str) -> NoReturn:
     from pathlib import Path
 
-    from evergraph.frontends.open import open_graph_file
-
     try:
-        model = open_graph_file(Path(arg)).load()
+        model = load_for_check(arg)
     except InputError as e:
         print(error_line(e), file=sys.stderr, flush=True)
         sys.exit(2)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, NoReturn
 import click
 
 from evergraph._version import __version__
-from evergraph.cli.entry import check_summary, error_line, one_line
+from evergraph.cli.entry import CHECK_TIMEOUT, check_summary, error_line, load_for_check, one_line
 from evergraph.cli.runner import ETCD_PASSWORD_ENV, run_command, world_opts
 from evergraph.errors import InputError
 
@@ -220,7 +220,8 @@ def world_options(f: Callable[..., None]) -> Callable[..., None]:
     "--max-runtime",
     type=float,
     default=None,
-    help="Stop after this many seconds, cancelling applies still running (0.001 to a year).",
+    help="Stop after this many seconds, cancelling applies still running (0.001 to a year); "
+    "exit 1 if no graph was loaded by then.",
 )
 @click.option(
     "--repair-backoff-max",
@@ -367,19 +368,35 @@ def run(
     run_command(params)
 
 
+def _check_timeout(_ctx: click.Context, _param: click.Parameter, value: float) -> float:
+    from evergraph.engine.contract import seconds_problem
+
+    why = seconds_problem(value)
+    if why:
+        _die(InputError(why, "--timeout"))
+    return value
+
+
 @cli.command(context_settings=CONTEXT)
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
-def check(file: Path) -> None:
+@click.option(
+    "--timeout",
+    type=float,
+    default=CHECK_TIMEOUT,
+    show_default=True,
+    callback=_check_timeout,
+    help="Seconds to wait for the graph to load: a Python graph() that has not returned "
+    "by then is an error (exit 2).",
+)
+def check(file: Path, timeout: float) -> None:
     """Load and validate FILE, print a summary; change nothing.
 
     \b
     Example:
       evergraph check site.yaml && evergraph run site.yaml
     """
-    from evergraph.frontends.open import open_graph_file
-
     try:
-        model = open_graph_file(file).load()
+        model = load_for_check(file, timeout)
     except InputError as e:
         _die(e)
     click.echo(check_summary(file, model))  # cli/entry.py answers `check FILE` alone

@@ -1,11 +1,18 @@
 """http:client: a file downloaded from a URL, verified, kept as downloaded.
 
 mgmt's `http:client` names: `url`, `file` (default the name, when that is an
-absolute path), `sha256`. With `sha256` the file is correct when its content
-has that hash: nothing is fetched while it does, and a download with another
-hash is a failure that leaves the file as it was. Without it, the file is
-kept equal to what was last downloaded (its hash is kept in the vertex's
-state dir); a change on the server is fetched on a refresh (a notify edge).
+absolute path), `sha256`; and `method`. With `sha256` the file is correct when its
+content has that hash: nothing is fetched while it does, and a download with
+another hash is a failure that leaves the file as it was. Without it, the file
+is kept equal to what was last downloaded with this method from this URL (its
+hash is kept in the vertex's state dir); a change on the server is fetched on
+a refresh (a notify edge).
+
+`method` is the request whose answer is the file: `GET` (the default), or
+`POST` (sent with no body) for a server that hands out content only to a POST.
+Any case is accepted. Other methods are refused: HEAD's answer has no body,
+and PUT, PATCH, DELETE and the rest ask the server to change something, which
+a fetch repeated at every drift must not do.
 
 The download goes to a temporary file in the state dir, is verified, then
 put in place atomically with `mode` (else the old file's mode; new: 0644
@@ -51,10 +58,14 @@ TIMEOUT = 30.0
 _NEW_MODE = 0o666 & ~current_umask()
 
 
+#: the request methods whose answer can be a file (see the module's doc)
+METHODS = ("GET", "POST")
+
+
 @register("http:client")
 class HttpClient(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True):
-    """A file downloaded from `url` (GET), verified by `sha256`, fetched again when the
-    file drifts."""
+    """A file downloaded from `url` (GET, or POST), verified by `sha256`, fetched again
+    when the file drifts."""
 
     url: Annotated[str, doc("what to download: an http:// or https:// URL")] = ""
     file: Annotated[str, doc("absolute path of the file; default the name (an absolute path)")] = ""
@@ -64,6 +75,13 @@ class HttpClient(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True
     mode: Annotated[
         str | None, doc("permissions, octal `'0644'` or symbolic; unset = kept (new: 0644)")
     ] = None
+    method: Annotated[
+        str,
+        doc(
+            "the request whose answer is the file: `GET`, or `POST` (sent with no body); "
+            "others are refused (HEAD has no body, PUT or DELETE change the server)"
+        ),
+    ] = "GET"
 
     def _out(self) -> str:
         return os.path.normpath(self.file or self.name)
@@ -81,6 +99,13 @@ class HttpClient(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True
         if parts.scheme not in ("http", "https") or not parts.hostname:
             what = "is empty" if not self.url else f"{self.url!r} is not an http(s):// URL"
             raise self.bad("url", f"{what}: give the URL to download")
+        if self.method.upper() not in METHODS:
+            why = (
+                "a HEAD answer has no body to keep"
+                if self.method.upper() == "HEAD"
+                else "the request whose answer is the file"
+            )
+            raise self.bad("method", f"{self.method!r} is not GET or POST: {why}")
         if self.sha256 and not _SHA256.fullmatch(self.sha256):
             raise self.bad("sha256", f"{self.sha256!r} is not 64 hexadecimal digits")
         if self.mode is not None:
@@ -94,6 +119,7 @@ class HttpClient(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True
         self._target = self._out()
         self._mode = parse_mode(self.mode) if self.mode is not None else None
         self._want = self.sha256.lower()
+        self._method = self.method.upper()
         self._own_ino = 0
         self._sub: PathSubscription | None = None
         for left in sweep_leftovers_of(self._target):
@@ -119,13 +145,19 @@ class HttpClient(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True
                 data = json.loads(f.read())
         except (OSError, ValueError):
             return None
-        if isinstance(data, dict) and data.get("url") == self.url:
+        # (a record from before `method` existed is a GET's)
+        if (
+            isinstance(data, dict)
+            and data.get("url") == self.url
+            and data.get("method", "GET") == self._method
+        ):
             digest = data.get("sha256")
             return digest if isinstance(digest, str) else None
         return None
 
     def _record(self, digest: str) -> None:
-        atomic_write(self._state_file(), json.dumps({"url": self.url, "sha256": digest}).encode())
+        record = {"url": self.url, "method": self._method, "sha256": digest}
+        atomic_write(self._state_file(), json.dumps(record).encode())
 
     # -- check and apply --------------------------------------------------------
     async def check_apply(self, apply: bool) -> bool:
@@ -176,7 +208,7 @@ class HttpClient(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True
         return False
 
     async def _download(self) -> tuple[str, str]:
-        """GET the URL into a temporary file in the state dir: (its path, its sha256)."""
+        """Fetch the URL into a temporary file in the state dir: (its path, its sha256)."""
         fd, tmp = tempfile.mkstemp(prefix=".download.", suffix=".tmp", dir=self.handle.state_dir)
         h = hashlib.sha256()
         try:
@@ -184,16 +216,20 @@ class HttpClient(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True
                 timeout = httpx.Timeout(TIMEOUT)
                 async with (
                     httpx.AsyncClient(follow_redirects=True, timeout=timeout) as client,
-                    client.stream("GET", self.url) as r,
+                    client.stream(self._method, self.url) as r,
                 ):
                     if r.status_code >= 400:
-                        raise ResourceError(f"GET {self.url}: {r.status_code} {r.reason_phrase}")
+                        raise ResourceError(
+                            f"{self._method} {self.url}: {r.status_code} {r.reason_phrase}"
+                        )
                     async for chunk in r.aiter_bytes():
                         h.update(chunk)
                         out.write(chunk)
         except httpx.HTTPError as e:
             os.unlink(tmp)
-            raise ResourceError(f"GET {self.url}: {str(e) or type(e).__name__}") from None
+            raise ResourceError(
+                f"{self._method} {self.url}: {str(e) or type(e).__name__}"
+            ) from None
         except BaseException:
             os.unlink(tmp)
             raise

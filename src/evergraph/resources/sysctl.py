@@ -11,9 +11,14 @@ accepts but shows differently (clamped, say) is a failure naming both: it
 would otherwise be rewritten for ever.
 
 Watch: /proc/sys raises no inotify events (its files are generated on
-read), so the runtime value is read every `interval` seconds and an event
-raised only when it changed; the persisted file is watched through the
-shared inotify hub.
+read). A few entries say "changed" through poll(2) instead (POLLPRI|POLLERR,
+the kernel's `proc_sys_poll`): those with a `ctl_table_poll`, which in the
+mainline kernel are exactly `kernel.hostname` and `kernel.domainname`
+(kernel/utsname_sysctl.c; sethostname(2), setdomainname(2) and writes to the
+file signal it). Those are watched by that event (`_pollpri`), without a
+timer. Every other entry gives no event of any kind, so its runtime value is
+read every `interval` seconds and an event raised only when it changed. The
+persisted file is watched through the shared inotify hub.
 
 `meta.reverse` restores the runtime value found before the first change and
 removes a persisted file that did not exist (`unpersist`); a persisted file
@@ -25,13 +30,12 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Annotated
 
 from evergraph._util.atomic import atomic_write
 from evergraph.engine.contract import (
     Handle,
-    PathSubscription,
     Resource,
     doc,
     parent_dir_keys,
@@ -39,10 +43,13 @@ from evergraph.engine.contract import (
     seconds_problem,
 )
 from evergraph.errors import ResourceError
+from evergraph.resources._pollpri import watch_pri
 
 PROC_SYS = "/proc/sys"
 CONF_DIR = "/etc/sysctl.d"
 CONF_PREFIX = "99-"
+#: the entries whose changes the kernel signals by poll(2) (see the module's doc)
+POLLED_BY_KERNEL = frozenset({"kernel.hostname", "kernel.domainname"})
 
 
 def _norm(value: str) -> str:
@@ -69,7 +76,12 @@ class Sysctl(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         bool, doc("remove the persisted file `path` (how meta.reverse undoes persist)")
     ] = False
     interval: Annotated[
-        float, doc("seconds between reads of the runtime value (/proc/sys has no inotify)")
+        float,
+        doc(
+            "seconds between reads of the runtime value (/proc/sys has no inotify); "
+            "unused for kernel.hostname and kernel.domainname, whose changes the kernel "
+            "signals (the only entries that do)"
+        ),
     ] = 5.0
 
     def validate(self) -> None:
@@ -154,25 +166,44 @@ class Sysctl(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         self._seen: str | None = None
 
     async def watch(self) -> None:
-        sub: PathSubscription | None = None
+        stops: list[Callable[[], None]] = []
         if self.persist or self.unpersist:
-            sub = self.handle.watcher.subscribe(self._path, self._persisted_changed)
+            stops.append(self.handle.watcher.subscribe(self._path, self._persisted_changed))
         try:
+            signalled = False
+            if self.runtime and self.name in POLLED_BY_KERNEL:
+                # armed before the first read: a change after it is told
+                try:
+                    stops.append(watch_pri(self._file, self._signalled))
+                    signalled = True
+                except OSError as e:  # absent here, say: the reads below, the check tells
+                    self.handle.logger.debug("%s: no change events: %s", self.ident, e)
             if self.runtime:
                 self._seen = _read(self._file)
             self.handle.ready()
-            if not self.runtime:
-                await asyncio.Event().wait()  # only the file: its watch does it all
+            if signalled or not self.runtime:
+                await asyncio.Event().wait()  # the events do it all
             while True:
-                # /proc/sys raises no inotify events: read it, now and then
+                # no event for this entry: read it, now and then
                 await asyncio.sleep(self.interval)
                 now = _read(self._file)
                 if now != self._seen:
                     self._seen = now
                     self.handle.event()
         finally:
-            if sub is not None:
-                sub()
+            for stop in stops:
+                stop()
+
+    def _signalled(self) -> None:
+        """The kernel says the value changed (in some UTS namespace: the signal is
+        shared by all): an event when ours did."""
+        try:
+            now = _read(self._file)
+        except ResourceError:
+            now = None
+        if now != self._seen or now is None:
+            self._seen = now
+            self.handle.event()
 
     def _persisted_changed(self, mask: int) -> None:
         self.handle.event()
