@@ -31,8 +31,8 @@ def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
         (["--state-dir", ""], "--state-dir", "empty"),
         (["--state-dir", "/tmp/" + "a" * 6000], "--state-dir", "at most 4095"),
         (["--state-dir", "/tmp/" + "b" * 300], "--state-dir", "at most 255"),
-        (["--converged-status-file", "/nonexistent-dir/s"], "--converged-status-file", "create"),
-        (["--graphviz", "/nonexistent-dir/g.dot"], "--graphviz", "create"),
+        (["--converged-status-file", "{tmp}/missing/s"], "--converged-status-file", "create"),
+        (["--graphviz", "{tmp}/missing/g.dot"], "--graphviz", "create"),
         (["--etcd", "embedded", "--world", "memory"], "--world", "not a memory World"),
         (["--world-db", "/tmp/" + "c" * 6000], "--world-db", "at most 4095"),
         (["--sema", "99999999999"], "--sema", "1000000"),
@@ -44,7 +44,8 @@ def test_absurd_run_flags_are_refused(
     work = tmp_path / "cwd"
     work.mkdir()
     state = ["--state-dir", str(tmp_path / "state")] if "--state-dir" not in args else []
-    r = _run(work, *state, *args)
+    # (a missing directory inside the test's own: an old agent would create it)
+    r = _run(work, *state, *(a.replace("{tmp}", str(tmp_path)) for a in args))
     assert r.returncode == 2, r.stderr
     assert flag in r.stderr, r.stderr
     assert says in r.stderr, r.stderr
@@ -54,3 +55,4 @@ def test_absurd_run_flags_are_refused(
     assert len(r.stderr) < 400, r.stderr
     assert list(work.iterdir()) == []  # nothing made in the current directory
     assert not (tmp_path / "state").exists()
+    assert not (tmp_path / "missing").exists()
