@@ -250,6 +250,14 @@ def world_options(f: Callable[..., None]) -> Callable[..., None]:
     help="Serve the HTTP API on ADDR (HOST:PORT, e.g. 127.0.0.1:9233): health, graph status.",
 )
 @click.option(
+    "--http-max-body",
+    type=click.IntRange(min=1024, max=1 << 30),
+    default=1 << 20,
+    show_default=True,
+    metavar="BYTES",
+    help="With --http: a request body over this many bytes is refused (413) unread.",
+)
+@click.option(
     "--farm-anonymous",
     metavar="GROUP",
     help="With --http: serve tokenless (legacy Boruta) clients as a non-admin user of GROUP.",
@@ -330,6 +338,7 @@ def run(
     log_format: str,
     replace: bool,
     http_addr: str | None,
+    http_max_body: int,
     farm_anonymous: str | None,
     worker: bool,
     caps: tuple[str, ...],

@@ -41,6 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "graphviz": None,
     "log_format": "text",
     "http_addr": None,
+    "http_max_body": 1 << 20,
     "farm_anonymous": None,
     "worker": False,
     "caps": (),
@@ -126,7 +127,7 @@ def farm_options(
     )
 
 
-def http_service(addr: str, anonymous: str | None) -> Service:
+def http_service(addr: str, anonymous: str | None, max_body: int = 1 << 20) -> Service:
     """The HTTP server as an agent service; the socket is bound now (InputError)."""
     from evergraph.http.server import HttpServer, bind
 
@@ -143,7 +144,7 @@ def http_service(addr: str, anonymous: str | None) -> Service:
             farm = Farm(agent.kv, host=agent.settings.host(), collector=agent.collector)
         view = AgentView(agent, farm=farm is not None)
         app = create_app(agent.status, FarmApi(farm, anonymous), view)
-        await view.serve(HttpServer(app, sock, on_stop=view.close))
+        await view.serve(HttpServer(app, sock, on_stop=view.close, max_body=max_body))
 
     serve.observes = True  # type: ignore[attr-defined]  # metrics and the live view
     return serve
@@ -275,6 +276,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     log_format: str = params["log_format"]
     replace: bool = params["replace"]
     http_addr: str | None = params["http_addr"]
+    http_max_body: int = params["http_max_body"]
     farm_anonymous: str | None = params["farm_anonymous"]
     worker: bool = params["worker"]
     caps: tuple[str, ...] = params["caps"]
@@ -313,7 +315,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
             trust_deployers(frontend, deployers)
         frontend.preload()
         opts = world_opts(world)
-        services = [http_service(http_addr, farm_anonymous)] if http_addr else []
+        services = [http_service(http_addr, farm_anonymous, http_max_body)] if http_addr else []
         # the live display on a terminal; "still running" lines in a pipe
         services.append(progress_service(terminal_handler()))
         services.append(flusher)  # a pipe's buffered lines, written soon after they come

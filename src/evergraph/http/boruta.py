@@ -618,6 +618,10 @@ class _Node:
         self.raw = raw
 
 
+#: arrays and objects nested deeper than this are refused (`exceeded max depth`)
+MAX_DEPTH = 64
+
+
 class _Scanner:
     """Reads the first JSON value of a body as Go's `json.Decoder` does: bytes
     after it are never looked at; a value cut short is `unexpected EOF`; a bad
@@ -626,6 +630,8 @@ class _Scanner:
     def __init__(self, data: bytes) -> None:
         self.data = data
         self.pos = 0
+        #: arrays and objects open around the value being read
+        self.depth = 0
 
     def fail(self, context: str) -> _Abort:
         if self.pos >= len(self.data):
@@ -650,10 +656,16 @@ class _Scanner:
     def value(self) -> _Node:
         self.skip_space()
         c = self.peek()
-        if c == ord("{"):
-            return self.object()
-        if c == ord("["):
-            return self.array()
+        if c == ord("{") or c == ord("["):
+            # Go stops at 10,000 levels; this reader recurses, so it stops sooner
+            # (Boruta's bodies are three levels deep): a 400, never a RecursionError
+            if self.depth >= MAX_DEPTH:
+                raise _Abort("exceeded max depth")
+            self.depth += 1
+            try:
+                return self.object() if c == ord("{") else self.array()
+            finally:
+                self.depth -= 1
         if c == ord('"'):
             text, raw = self.string()
             return _Node("string", text, raw)

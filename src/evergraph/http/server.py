@@ -18,6 +18,7 @@ from typing import Any
 import uvicorn
 
 from evergraph.errors import InputError
+from evergraph.http import limits
 
 log = logging.getLogger("evergraph.http")
 
@@ -82,14 +83,30 @@ class HttpServer:
     event streams, which would otherwise hold the shutdown for its grace)."""
 
     def __init__(
-        self, app: Any, sock: socket.socket, on_stop: Callable[[], None] | None = None
+        self,
+        app: Any,
+        sock: socket.socket,
+        on_stop: Callable[[], None] | None = None,
+        max_body: int = limits.MAX_BODY,
     ) -> None:
         self.sock = sock
         self.on_stop = on_stop
         host, port = sock.getsockname()[:2]
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        cap = limits.connection_cap()
+        protocol = type("Protocol", (limits.BoundedProtocol,), {"max_connections": cap})
+        # what one client may cost: http/limits.py
         config = uvicorn.Config(
-            app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=1
+            limits.BodyLimit(app, max_body),
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            timeout_graceful_shutdown=1,
+            http=protocol,
+            timeout_keep_alive=int(limits.IDLE_TIMEOUT),
+            h11_max_incomplete_event_size=limits.MAX_HEADER_BYTES,
+            limit_concurrency=cap + 16,
+            backlog=128,
         )
         self.server = _Server(config)
 
