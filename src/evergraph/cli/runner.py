@@ -5,6 +5,8 @@ parsed here) both call `run_command`, so that both say and do the same."""
 from __future__ import annotations
 
 import importlib
+import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -14,6 +16,8 @@ from evergraph.cli.entry import collector_on, error_line
 from evergraph.errors import InputError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from evergraph.agent.run import Agent, FarmOptions, Service
     from evergraph.world.open import WorldOptions
 
@@ -213,6 +217,35 @@ def check_path(path: Path | str, flag: str, *, parent_exists: bool = False) -> N
             raise InputError(f"{parent} is not a directory (create it first)", flag)
 
 
+#: seconds past --max-runtime after which the process exits whatever it is doing
+MAX_RUNTIME_GRACE = 1.0
+
+
+def _watchdog(max_runtime: float, flush: Callable[[], None]) -> None:
+    """--max-runtime holds on any graph: the engine stops at it (applies cancelled),
+    but loading and preparing a graph of 300k resources happens before, in code
+    that cannot be interrupted; this thread ends the process `MAX_RUNTIME_GRACE`
+    seconds past the limit, counted from the command's start, if it is still
+    there. Everything the agent writes survives a kill -9, so exiting at any
+    instruction is safe (commands die with the agent)."""
+    import threading
+
+    def expire() -> None:
+        logging.getLogger("evergraph.agent").error(
+            "max runtime of %gs passed %gs ago and the agent has not stopped: "
+            "exiting now (exit status 1)",
+            max_runtime,
+            MAX_RUNTIME_GRACE,
+        )
+        flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(min(max_runtime + MAX_RUNTIME_GRACE, 1e9), expire)
+    timer.daemon = True
+    timer.start()
+
+
 def world_opts(world: dict[str, object]) -> WorldOptions:
     from evergraph.world.open import WorldOptions, seed_problem
 
@@ -297,6 +330,8 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     importlib.import_module("evergraph.agent.run")  # (api.run's) with the GC paused too
     collector_on()  # the console script paused it for the imports
     setup_logging(log_format, verbose)
+    if max_runtime is not None and max_runtime > 0 and not math.isnan(max_runtime):
+        _watchdog(max_runtime, flush_logs)
     try:
         check_times(converged_timeout, max_runtime)
         if state_dir is not None:

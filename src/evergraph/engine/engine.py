@@ -109,6 +109,8 @@ class Engine:
         self._stopping = False
         #: the exit status a resource asked for (`request_exit`), if any
         self._exit_code: int | None = None
+        #: --max-runtime stopped the run before it converged
+        self._cut_short = False
         self._global_sema = asyncio.Semaphore(settings.sema) if settings.sema > 0 else None
         self._semas: dict[str, asyncio.Semaphore] = {}
         self._timers: set[asyncio.Task[None]] = set()
@@ -239,6 +241,8 @@ class Engine:
         for (`request_exit`) before all of these."""
         if self._exit_code is not None:
             return self._exit_code
+        if self._cut_short:
+            return 1
         vertices = self.vertices.values()
         if not all(v.ok and not v.failed for v in vertices):
             return 1
@@ -1218,7 +1222,17 @@ class Engine:
         """A hard bound: in-flight applies are cancelled (their commands get SIGTERM,
         then SIGKILL after a grace)."""
         await asyncio.sleep(max(0.0, self.started + seconds - self.clock.monotonic()))
-        log.info("max runtime of %ss reached: stopping, cancelling in-flight applies", seconds)
+        if self.busy() or not self.vertices:
+            # work left undone (a check pending or running, a watch not ready, no
+            # graph yet): the run was cut short, which is no success (exit 1)
+            self._cut_short = True
+            log.error(
+                "max runtime of %ss reached with work undone: stopping, cancelling "
+                "in-flight applies (exit status 1)",
+                seconds,
+            )
+        else:
+            log.info("max runtime of %ss reached: stopping", seconds)
         self._hard_stop.set()
         self._stop.set()
 
