@@ -4,6 +4,7 @@ one vertex's masked parameters; all from a real agent process over real HTTP."""
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from prometheus_client.openmetrics.parser import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import Agent, run_cli, wait_for
-from .localuser import as_user, local_user, needs_root
+from .localuser import as_user, local_user, needs_root, shared_dir
 from .test_http import _url
 
 
@@ -383,3 +384,50 @@ def test_a_local_user_cannot_read_parameters_on_loopback(tmp_path: Path, agents:
         assert code == "200"
         assert json.loads(body)["params"]["content"] == "top secret 42\n"
     assert a.stop() == 0
+
+
+@needs_root()
+def test_root_reads_parameters_over_the_unix_socket_and_a_local_user_does_not(
+    tmp_path: Path, agents: Any
+) -> None:
+    """`--http-socket`: every local user may connect (the graph), but a vertex's
+    parameters go without a token only to a peer whose uid (SO_PEERCRED) is 0."""
+    secret = tmp_path / "root-only"
+    g = tmp_path / "g.yaml"
+    g.write_text(
+        f'graph: local\nresources:\n  file:\n  - name: {secret}\n    content: "top secret 42\\n"\n'
+        '    mode: "0600"\n'
+    )
+    with shared_dir() as d, local_user() as user:
+        sock = d / "api.sock"
+        a: Agent = agents(g, tmp_path / "s", "--http-socket", str(sock))
+        a.wait_converged()
+        wait_for(lambda: f"HTTP API on unix:{sock}" in a.log.read_text(), what="the socket")
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o666
+        vertex = f"http://agent/api/v1/graph/vertices/file[{secret}]"
+
+        def curl(who: str | None, url: str = vertex) -> tuple[str, str]:
+            cmd = ["curl", "-gs", "--unix-socket", str(sock), "-w", "\n%{http_code}", url]
+            out = subprocess.run(
+                as_user(who, *cmd) if who else cmd, capture_output=True, text=True, timeout=30
+            ).stdout
+            body, _, code = out.rpartition("\n")
+            return code, body
+
+        code, body = curl(user)
+        assert (code, "top secret" in body) == ("401", False)
+        code, body = curl(user, "http://agent/api/v1/graph")
+        assert code == "200"
+        assert f"file[{secret}]" in body
+        code, body = curl(None)
+        assert code == "200"
+        assert json.loads(body)["params"]["content"] == "top secret 42\n"
+        assert a.stop() == 0
+        assert not sock.exists()  # removed when the agent stops
+
+    # a file in the way: one line naming the flag, exit 2
+    (tmp_path / "plain").write_text("x")
+    r = run_cli("run", g, "--state-dir", tmp_path / "s2", "--http-socket", tmp_path / "plain")
+    assert r.returncode == 2
+    assert "--http-socket" in r.stderr
+    assert "is not a socket" in r.stderr

@@ -233,6 +233,14 @@ def world_options(f: Callable[..., None]) -> Callable[..., None]:
     help="Serve the HTTP API on ADDR (HOST:PORT, e.g. 127.0.0.1:9233): health, graph status.",
 )
 @click.option(
+    "--http-socket",
+    "http_socket",
+    metavar="PATH",
+    help="Serve the HTTP API on a Unix socket at PATH too (mode 0666): root's "
+    "connections (SO_PEERCRED) read a vertex's parameters without a token; others, "
+    "as on --http, need an admin token.",
+)
+@click.option(
     "--farm-anonymous",
     metavar="GROUP",
     help="With --http: serve tokenless (legacy Boruta) clients as a non-admin user of GROUP.",
@@ -311,6 +319,7 @@ def run(
     log_format: str,
     replace: bool,
     http_addr: str | None,
+    http_socket: str | None,
     farm_anonymous: str | None,
     worker: bool,
     caps: tuple[str, ...],

@@ -39,6 +39,7 @@ DEFAULTS: dict[str, Any] = {
     "graphviz": None,
     "log_format": "text",
     "http_addr": None,
+    "http_socket": None,
     "farm_anonymous": None,
     "worker": False,
     "caps": (),
@@ -124,11 +125,13 @@ def farm_options(
     )
 
 
-def http_service(addr: str, anonymous: str | None) -> Service:
-    """The HTTP server as an agent service; the socket is bound now (InputError)."""
-    from evergraph.http.server import HttpServer, bind
+def http_service(addr: str | None, anonymous: str | None, unix: str | None = None) -> Service:
+    """The HTTP server as an agent service (on `addr`, and on the Unix socket `unix`);
+    the sockets are bound now (InputError)."""
+    from evergraph.http.server import HttpServer, bind, bind_unix
 
-    sock = bind(addr)
+    sock = bind(addr) if addr else None
+    unix_sock = bind_unix(unix) if unix else None
 
     async def serve(agent: Agent) -> None:
         from evergraph.farm.service import Farm
@@ -141,7 +144,7 @@ def http_service(addr: str, anonymous: str | None) -> Service:
             farm = Farm(agent.kv, host=agent.settings.host(), collector=agent.collector)
         view = AgentView(agent, farm=farm is not None)
         app = create_app(agent.status, FarmApi(farm, anonymous), view)
-        await view.serve(HttpServer(app, sock, on_stop=view.close))
+        await view.serve(HttpServer(app, sock, on_stop=view.close, unix=unix_sock))
 
     serve.observes = True  # type: ignore[attr-defined]  # metrics and the live view
     return serve
@@ -235,6 +238,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     log_format: str = params["log_format"]
     replace: bool = params["replace"]
     http_addr: str | None = params["http_addr"]
+    http_socket: str | None = params["http_socket"]
     farm_anonymous: str | None = params["farm_anonymous"]
     worker: bool = params["worker"]
     caps: tuple[str, ...] = params["caps"]
@@ -264,7 +268,11 @@ def run_command(params: dict[str, Any]) -> NoReturn:
             trust_deployers(frontend, deployers)
         frontend.preload()
         opts = world_opts(world)
-        services = [http_service(http_addr, farm_anonymous)] if http_addr else []
+        services = (
+            [http_service(http_addr, farm_anonymous, http_socket)]
+            if http_addr or http_socket
+            else []
+        )
         # the live display on a terminal; "still running" lines in a pipe
         services.append(progress_service(terminal_handler()))
         services.append(flusher)  # a pipe's buffered lines, written soon after they come

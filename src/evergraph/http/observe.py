@@ -182,7 +182,12 @@ class AgentView:
         only to an admin's bearer token (a farm token made with `evergraph farm token
         create NAME --admin`), from any address, loopback included (another local
         user is no more trusted than a remote one); None when allowed, else the
-        401/403."""
+        401/403. A connection from root over `--http-socket` (its uid read with
+        SO_PEERCRED) needs no token."""
+        from evergraph.http.server import PEER_UID
+
+        if (request.scope.get("state") or {}).get(PEER_UID) == 0:
+            return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         kv = self.agent.kv
         if scheme.lower() != "bearer" or not token.strip() or kv is None:
