@@ -426,6 +426,13 @@ def test_a_restarted_follower_never_goes_back(tmp_path: Path, agents) -> None:  
     kept = dp.decode_record((state / "deploy-high-water.json").read_bytes(), "the mark")
     assert kept == mark
 
+    # its signer no longer trusted: deploy 2 does not run again either (nor deploy 1)
+    other = new_key(tmp_path / "other.key")
+    o: Agent = agents(None, state, "--deployer", other)
+    wait_for(log_has(o, "not a trusted deployer now"), what="the mark not run again")
+    assert o.stop() == 0
+    assert "running deploy" not in o.log.read_text()
+
     # deploy 2 gone from disk and from the World (its blob too): nothing runs, and why
     for d in (state / "deploys").glob("2-*"):
         shutil.rmtree(d)

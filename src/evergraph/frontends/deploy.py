@@ -135,9 +135,14 @@ class DeployFrontend(Frontend):
             ctx.state_dir / MARK,
         )
         try:
-            trust.check(mark, str(ctx.state_dir / MARK))
+            # trusted now (never pinned from this file: after `hosts forget` the next
+            # deploy seen is what pins a deployer)
+            if mark.signer not in trust.trusted():
+                raise deploys.DeployError(
+                    f"it is signed by {fingerprint(mark.signer)}, not a trusted deployer now"
+                )
             inner, model = await self._open(ctx, mark)
-        except (deploys.DeployError, InputError, WorldError) as e:
+        except (deploys.DeployError, InputError, WorldError, PinsError, ValueError) as e:
             log.warning(
                 "deploy %d (the high-water mark) cannot run again: %s; waiting for a newer deploy",
                 mark.n,
