@@ -647,7 +647,7 @@ async def publish(
     `check_parent(previous deploy or None)` runs before each attempt to claim a
     number and may refuse with DeployError (the CLI's git ancestry check).
     Blobs are written first, then the record (which claims the number), then
-    the head."""
+    the signer's record (`deploys/by/...`), then the head."""
     if git is not None and not _COMMIT.fullmatch(git):
         raise DeployError(f"git {git!r} is not a commit id")
     _check_files(entry, list(files), "deploy")
