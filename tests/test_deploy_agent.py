@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
+import shutil
 import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -383,3 +385,90 @@ def test_deploys_on_etcd_are_signed_and_run_file_publishes_nothing(  # type: ign
     assert r.returncode == 0, r.stderr
     assert [line.split("\t")[0] for line in r.stdout.splitlines()] == ["1", "2", "3"]
     assert (out / "local").read_text() == "only on h1\n"
+
+
+def test_a_restarted_follower_never_goes_back(tmp_path: Path, agents) -> None:  # type: ignore[no-untyped-def]
+    """An attacker who can write the World deletes the newest deploy's records and
+    points the head back: a restarted follower keeps running the newest deploy it ran
+    (its high-water mark); with that deploy gone from disk and the World too, it runs
+    nothing, says why, and runs the next genuine deploy."""
+    state, out, src = tmp_path / "st", tmp_path / "out", tmp_path / "src"
+    src.mkdir()
+    a: Agent = agents(None, state)
+    wait_for(log_has(a, "no deploy in the World yet"), what="waiting message")
+    for n, text in ((1, "one\n"), (2, "two\n")):
+        (src / "main.yaml").write_text(yaml_graph(out, "a", text))
+        assert deploy(state, src / "main.yaml").startswith(f"deploy {n} ")
+        wait_for(lambda t=text: (out / "a").exists() and (out / "a").read_text() == t, what="run")
+    assert a.stop() == 0
+    mark = in_world(state, lambda kv: dp.get(kv, 2))
+
+    async def roll_back(kv: KV) -> None:
+        one = await kv.get(dp.record_key(1))
+        assert one is not None
+        await kv.delete(dp.record_key(2))
+        # the signer's own record (deploys/by/<sha256 of its key>) pointed back too
+        by = "deploys/by/" + hashlib.sha256(base64.b64decode(mark.signer)).hexdigest()
+        await kv.put(by, one.value)
+        await kv.put(dp.HEAD, one.value)
+
+    in_world(state, roll_back)
+    b: Agent = agents(None, state)
+    b.wait_converged()
+    repairs_drift(out / "a", "two\n")  # deploy 2 runs, from its materialised copy
+    older = f"is older than deploy 2 ({mark.hash[:12]})"
+    wait_for(log_has(b, older), what="the rollback refused")
+    assert b.stop() == 0
+    log = b.log.read_text()
+    assert log.count(older) == 1
+    assert "running deploy 2" in log
+    assert "running deploy 1" not in log
+    kept = dp.decode_record((state / "deploy-high-water.json").read_bytes(), "the mark")
+    assert kept == mark
+
+    # its signer no longer trusted: deploy 2 does not run again either (nor deploy 1)
+    other = new_key(tmp_path / "other.key")
+    o: Agent = agents(None, state, "--deployer", other)
+    wait_for(log_has(o, "not a trusted deployer now"), what="the mark not run again")
+    assert o.stop() == 0
+    assert "running deploy" not in o.log.read_text()
+
+    # deploy 2 gone from disk and from the World (its blob too): nothing runs, and why
+    for d in (state / "deploys").glob("2-*"):
+        shutil.rmtree(d)
+
+    async def lose_blob(kv: KV) -> None:
+        await kv.delete(dp.blob_key(mark.files["main.yaml"].sha))
+
+    in_world(state, lose_blob)
+    c: Agent = agents(None, state)
+    wait_for(log_has(c, "deploy 2 (the high-water mark) cannot run again"), what="why")
+    wait_for(log_has(c, older), what="the rollback refused")
+    (src / "main.yaml").write_text(yaml_graph(out, "a", "three\n"))
+    assert deploy(state, src / "main.yaml").startswith("deploy 2 ")  # numbered after 1
+    wait_for(lambda: (out / "a").read_text() == "three\n", what="the genuine deploy")
+    assert c.stop() == 0
+    assert "running deploy 1" not in c.log.read_text()
+
+
+def test_spam_deploys_cannot_hide_the_trusted_one(tmp_path: Path, agents) -> None:  # type: ignore[no-untyped-def]
+    """120 deploys signed by keys of an attacker's, after the trusted one: a follower
+    started afterwards still finds and runs the trusted deploy."""
+    state, out, src = tmp_path / "st", tmp_path / "out", tmp_path / "src"
+    src.mkdir()
+    (src / "main.yaml").write_text(yaml_graph(out, "a", "trusted\n"))
+    deploy(state, src / "main.yaml")
+    me = dp.verify_key_of(dp.read_signing_key(state / "keys" / "sign.key"))
+
+    async def spam(kv: KV) -> None:
+        content = {"main.yaml": dp.Content(yaml_graph(out, "a", "spam\n").encode(), 0o644)}
+        for i in range(120):
+            key = nacl.signing.SigningKey(bytes([i + 1]) * 32)
+            await dp.publish(kv, "main.yaml", content, key=key, git=None, by="mallory@x")
+
+    in_world(state, spam)
+    a: Agent = agents(None, state, "--deployer", me)
+    a.wait_converged()
+    assert (out / "a").read_text() == "trusted\n"
+    assert "running deploy 1 " in a.log.read_text()
+    assert a.stop() == 0

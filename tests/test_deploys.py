@@ -1006,9 +1006,13 @@ async def _until(pred: Callable[[], bool]) -> None:
 class Follower:
     """`dp.follow` in a task, collecting what it yields."""
 
-    def __init__(self, kv: KV, trust: dp.Trust) -> None:
+    def __init__(self, kv: KV, trust: dp.Trust, after: dp.Deploy | None = None) -> None:
         self.seen: list[dp.Deploy] = []
-        self.task = asyncio.create_task(self._run(dp.follow(kv, trust)))
+        self.task = asyncio.create_task(self._run(dp.follow(kv, trust, after=after)))
+
+    @classmethod
+    def after(cls, kv: KV, trust: dp.Trust, mark: dp.Deploy) -> Follower:
+        return cls(kv, trust, mark)
 
     async def _run(self, it: AsyncIterator[dp.Deploy]) -> None:
         async for d in it:
@@ -1127,3 +1131,109 @@ def test_trust_with_named_deployers(tmp_path: Path, warnings: Callable[[str], in
         assert not (tmp_path / "pins.json").exists()
 
     run_mem(body)
+
+
+def test_spam_by_untrusted_signers_cannot_hide_a_trusted_deploy(
+    tmp_path: Path, warnings: Callable[[str], int]
+) -> None:
+    """Anyone who can write the World can publish deploys signed by keys of their own:
+    150 of them after the trusted one (more than the LOOKBACK) still leave it found,
+    at start and live, through the signer's own record (`deploys/by/...`)."""
+    spam = 150
+    assert spam > dp.LOOKBACK
+    pins = Pins(tmp_path)
+    pins.add_deployer(ME)
+
+    async def body(kv: KV) -> None:
+        d1 = await pub(kv)
+        for i in range(spam):
+            await pub(kv, key=nacl.signing.SigningKey(i.to_bytes(2, "big") * 16))
+        for trust in (dp.Trust(keys=[ME]), dp.Trust(pins=pins)):
+            f = Follower(kv, trust)
+            try:
+                await f.until(1)
+                assert f.seen == [d1]
+            finally:
+                await f.stop()
+        # live: a trusted deploy, at once buried under more spam that moves the head on
+        f = Follower(kv, dp.Trust(keys=[ME]))
+        try:
+            await f.until(1)
+            d2 = await pub(kv)
+            for i in range(3):
+                await pub(kv, key=nacl.signing.SigningKey(bytes([9, i]) * 16))
+            await f.until(d2.n)
+            assert f.seen == [d1, d2]
+        finally:
+            await f.stop()
+        # the signer's record damaged: logged once, and it hides nothing the walk finds
+        by = dp.signer_key(ME)
+        mine = await kv.get(by)
+        assert mine is not None
+        assert dp.decode_record(mine.value, by) == d2
+        await kv.put(by, b"garbage")
+        f = Follower(kv, dp.Trust(keys=[ME]))
+        try:
+            await f.until(d2.n)
+            assert warnings(f"{by}: not a deploy record") == 1
+        finally:
+            await f.stop()
+
+    run_mem(body)
+
+
+def test_a_follower_never_goes_back(warnings: Callable[[str], int]) -> None:
+    """`after` (the high-water mark): a record deleted and the head pointed back, or
+    an old World put back, is refused (logged once); a deploy signed later in a
+    World numbered afresh runs."""
+
+    async def body(kv: KV) -> None:
+        d1 = await pub(kv)
+        d2 = await pub(kv, {"main.yaml": GRAPH.encode(), "two": b"2\n"})
+        # the attacker deletes deploy 2 (record and the signer's record), points the head back
+        old = msgspec.json.encode(d1)
+        await kv.delete(dp.record_key(2))
+        await kv.put(dp.signer_key(ME), old)
+        await kv.put(dp.HEAD, old)
+        f = Follower.after(kv, dp.Trust(keys=[ME]), d2)
+        try:
+            why = f"deploy 1 ({d1.hash[:12]}) is older than deploy 2 ({d2.hash[:12]})"
+            await asyncio.wait_for(_until(lambda: warnings(why) == 1), 5)
+            for _ in range(3):  # shown again: logged once
+                await kv.put(dp.HEAD, old)
+            assert f.seen == []
+            # a genuine newer deploy (number 2 again, signed later) runs
+            d2b = await pub(kv)
+            assert (d2b.n, d2b.parent) == (2, d1.hash)
+            await f.until(2)
+            assert f.seen == [d2b]
+            assert warnings(why) == 1
+        finally:
+            await f.stop()
+        assert not dp.newer(d1, d2)
+        assert dp.newer(d2b, d2)
+        assert not dp.newer(d2, d2)
+
+    run_mem(body)
+
+    async def fresh(kv: KV) -> None:
+        mark = record(5, "a" * 64, time=100.0)
+        # a new World: deploy 1 signed before the mark is an old one put back; after it, new
+        for when, runs in ((50.0, False), (150.0, True)):
+            d = record(1, time=when)
+            value = msgspec.json.encode(d)
+            await kv.put(dp.record_key(1), value)
+            await kv.put(dp.HEAD, value)
+            f = Follower.after(kv, dp.Trust(keys=[ME]), mark)
+            try:
+                if runs:
+                    await f.until(1)
+                else:
+                    await asyncio.wait_for(
+                        _until(lambda: warnings("is older than deploy 5") == 1), 5
+                    )
+                assert f.seen == ([d] if runs else [])
+            finally:
+                await f.stop()
+
+    run_mem(fresh)

@@ -4,6 +4,8 @@ one vertex's masked parameters; all from a real agent process over real HTTP."""
 from __future__ import annotations
 
 import json
+import stat
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from prometheus_client.openmetrics.parser import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import Agent, run_cli, wait_for
+from .localuser import as_user, local_user, needs_root, shared_dir
 from .test_http import _url
 
 
@@ -187,7 +190,10 @@ edges:
     password = secret_file.read_text()
     assert len(password) == 64
     ident = f"file[{secret_file}]"
-    with httpx.Client(base_url=_url(a), timeout=10) as c:
+    r = run_cli("farm", "token", "create", "root", "--admin", "--state-dir", tmp_path / "s")
+    assert r.returncode == 0, r.stderr
+    auth = {"Authorization": "Bearer " + r.stdout.strip()}
+    with httpx.Client(base_url=_url(a), timeout=10, headers=auth) as c:
         r = c.get("/api/v1/graph")
         assert r.status_code == 200
         body = r.json()
@@ -330,3 +336,98 @@ kill $agent; wait $agent
         capture_output=True, text=True, timeout=90,
     )  # fmt: skip
     assert r.stdout.split() == ["200", "401", "401", "False"], (r.stdout, r.stderr)
+
+
+@needs_root()
+def test_a_local_user_cannot_read_parameters_on_loopback(tmp_path: Path, agents: Any) -> None:
+    """Loopback is no trust boundary: another local user gets the graph, but a root-only
+    managed file's content (a vertex's parameters) only with an admin token."""
+    secret = tmp_path / "root-only"
+    g = tmp_path / "g.yaml"
+    g.write_text(
+        f'graph: local\nresources:\n  file:\n  - name: {secret}\n    content: "top secret 42\\n"\n'
+        '    mode: "0600"\n'
+    )
+    state = tmp_path / "s"
+    a: Agent = agents(g, state, "--http", "127.0.0.1:0")
+    a.wait_converged()
+    url = f"{_url(a)}/api/v1/graph/vertices/file[{secret}]"
+    r = run_cli("farm", "token", "create", "root", "--admin", "--state-dir", state)
+    assert r.returncode == 0, r.stderr
+    admin = r.stdout.strip()
+    r = run_cli("farm", "token", "create", "bob", "--state-dir", state)
+    assert r.returncode == 0, r.stderr
+    plain = r.stdout.strip()
+
+    def curl(user: str | None, *headers: str) -> tuple[str, str]:
+        cmd = ["curl", "-gs", "-w", "\n%{http_code}", *(f"-H{h}" for h in headers), url]
+        out = subprocess.run(
+            as_user(user, *cmd) if user else cmd, capture_output=True, text=True, timeout=30
+        ).stdout
+        body, _, code = out.rpartition("\n")
+        return code, body
+
+    with local_user() as user:
+        assert curl(user, "Accept: application/json")[0] == "401"
+        code, body = curl(user, f"Authorization: Bearer {plain}")
+        assert (code, "top secret" in body) == ("403", False)
+        code, body = curl(user, "Authorization: Bearer egt_forged")
+        assert (code, "top secret" in body) == ("401", False)
+        graph = subprocess.run(
+            as_user(user, "curl", "-s", f"{_url(a)}/api/v1/graph"), capture_output=True, text=True
+        ).stdout
+        assert "top secret" not in graph
+        assert f"file[{secret}]" in graph
+        # root without a token is refused too: only the token counts
+        assert curl(None)[0] == "401"
+        code, body = curl(user, f"Authorization: Bearer {admin}")
+        assert code == "200"
+        assert json.loads(body)["params"]["content"] == "top secret 42\n"
+    assert a.stop() == 0
+
+
+@needs_root()
+def test_root_reads_parameters_over_the_unix_socket_and_a_local_user_does_not(
+    tmp_path: Path, agents: Any
+) -> None:
+    """`--http-socket`: every local user may connect (the graph), but a vertex's
+    parameters go without a token only to a peer whose uid (SO_PEERCRED) is 0."""
+    secret = tmp_path / "root-only"
+    g = tmp_path / "g.yaml"
+    g.write_text(
+        f'graph: local\nresources:\n  file:\n  - name: {secret}\n    content: "top secret 42\\n"\n'
+        '    mode: "0600"\n'
+    )
+    with shared_dir() as d, local_user() as user:
+        sock = d / "api.sock"
+        a: Agent = agents(g, tmp_path / "s", "--http-socket", str(sock))
+        a.wait_converged()
+        wait_for(lambda: f"HTTP API on unix:{sock}" in a.log.read_text(), what="the socket")
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o666
+        vertex = f"http://agent/api/v1/graph/vertices/file[{secret}]"
+
+        def curl(who: str | None, url: str = vertex) -> tuple[str, str]:
+            cmd = ["curl", "-gs", "--unix-socket", str(sock), "-w", "\n%{http_code}", url]
+            out = subprocess.run(
+                as_user(who, *cmd) if who else cmd, capture_output=True, text=True, timeout=30
+            ).stdout
+            body, _, code = out.rpartition("\n")
+            return code, body
+
+        code, body = curl(user)
+        assert (code, "top secret" in body) == ("401", False)
+        code, body = curl(user, "http://agent/api/v1/graph")
+        assert code == "200"
+        assert f"file[{secret}]" in body
+        code, body = curl(None)
+        assert code == "200"
+        assert json.loads(body)["params"]["content"] == "top secret 42\n"
+        assert a.stop() == 0
+        assert not sock.exists()  # removed when the agent stops
+
+    # a file in the way: one line naming the flag, exit 2
+    (tmp_path / "plain").write_text("x")
+    r = run_cli("run", g, "--state-dir", tmp_path / "s2", "--http-socket", tmp_path / "plain")
+    assert r.returncode == 2
+    assert "--http-socket" in r.stderr
+    assert "is not a socket" in r.stderr

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from playwright import sync_api as playwright
 
-from .conftest import Agent
+from .conftest import Agent, run_cli
 from .test_http import _url
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -48,6 +48,9 @@ def test_the_page_shows_a_drift_being_repaired(tmp_path: Path, agents: Any) -> N
     a: Agent = agents(g, tmp_path / "s", "--http", "127.0.0.1:0")
     a.wait_converged()
     url = _url(a)
+    r = run_cli("farm", "token", "create", "root", "--admin", "--state-dir", tmp_path / "s")
+    assert r.returncode == 0, r.stderr
+    token = r.stdout.strip()
     idents = {n: f"file[{p}]" for n, p in files.items()}
     with playwright.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
@@ -55,7 +58,9 @@ def test_the_page_shows_a_drift_being_repaired(tmp_path: Path, agents: Any) -> N
             page = browser.new_page()
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(url + "/")
+            # the admin token travels in the fragment (never sent to the server): the
+            # page sends it with a vertex's parameters only
+            page.goto(url + "/#token=" + token)
             page.wait_for_selector("body[data-ready=true]", timeout=10_000)
             page.wait_for_function(
                 "() => document.getElementById('conn').dataset.conn === 'live'", timeout=10_000
@@ -100,6 +105,7 @@ def test_the_page_shows_a_drift_being_repaired(tmp_path: Path, agents: Any) -> N
                 timeout=10_000,
             )
             assert page.text_content("#p-ident") == idents["c"]
+            assert page.evaluate("location.hash") == ""  # the token left the address bar
             assert "1 changed" in (page.text_content('#p-status dd[data-field="runs"]') or "")
 
             # a new graph without c: its vertex leaves the page, with no reload by hand

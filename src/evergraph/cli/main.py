@@ -250,6 +250,14 @@ def world_options(f: Callable[..., None]) -> Callable[..., None]:
     help="Serve the HTTP API on ADDR (HOST:PORT, e.g. 127.0.0.1:9233): health, graph status.",
 )
 @click.option(
+    "--http-socket",
+    "http_socket",
+    metavar="PATH",
+    help="Serve the HTTP API on a Unix socket at PATH too (mode 0666): root's "
+    "connections (SO_PEERCRED) read a vertex's parameters without a token; others, "
+    "as on --http, need an admin token.",
+)
+@click.option(
     "--http-max-body",
     type=click.IntRange(min=1024, max=1 << 30),
     default=1 << 20,
@@ -338,6 +346,7 @@ def run(
     log_format: str,
     replace: bool,
     http_addr: str | None,
+    http_socket: str | None,
     http_max_body: int,
     farm_anonymous: str | None,
     worker: bool,

@@ -45,6 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "graphviz": None,
     "log_format": "text",
     "http_addr": None,
+    "http_socket": None,
     "http_max_body": 1 << 20,
     "farm_anonymous": None,
     "worker": False,
@@ -131,11 +132,15 @@ def farm_options(
     )
 
 
-def http_service(addr: str, anonymous: str | None, max_body: int = 1 << 20) -> Service:
-    """The HTTP server as an agent service; the socket is bound now (InputError)."""
-    from evergraph.http.server import HttpServer, bind
+def http_service(
+    addr: str | None, anonymous: str | None, unix: str | None = None, max_body: int = 1 << 20
+) -> Service:
+    """The HTTP server as an agent service (on `addr`, and on the Unix socket `unix`);
+    the sockets are bound now (InputError)."""
+    from evergraph.http.server import HttpServer, bind, bind_unix
 
-    sock = bind(addr)
+    sock = bind(addr) if addr else None
+    unix_sock = bind_unix(unix) if unix else None
 
     async def serve(agent: Agent) -> None:
         from evergraph.farm.service import Farm
@@ -148,7 +153,8 @@ def http_service(addr: str, anonymous: str | None, max_body: int = 1 << 20) -> S
             farm = Farm(agent.kv, host=agent.settings.host(), collector=agent.collector)
         view = AgentView(agent, farm=farm is not None)
         app = create_app(agent.status, FarmApi(farm, anonymous), view)
-        await view.serve(HttpServer(app, sock, on_stop=view.close, max_body=max_body))
+        server = HttpServer(app, sock, on_stop=view.close, unix=unix_sock, max_body=max_body)
+        await view.serve(server)
 
     serve.observes = True  # type: ignore[attr-defined]  # metrics and the live view
     return serve
@@ -309,6 +315,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     log_format: str = params["log_format"]
     replace: bool = params["replace"]
     http_addr: str | None = params["http_addr"]
+    http_socket: str | None = params["http_socket"]
     http_max_body: int = params["http_max_body"]
     farm_anonymous: str | None = params["farm_anonymous"]
     worker: bool = params["worker"]
@@ -350,7 +357,11 @@ def run_command(params: dict[str, Any]) -> NoReturn:
             trust_deployers(frontend, deployers)
         frontend.preload()
         opts = world_opts(world)
-        services = [http_service(http_addr, farm_anonymous, http_max_body)] if http_addr else []
+        services = (
+            [http_service(http_addr, farm_anonymous, http_socket, http_max_body)]
+            if http_addr or http_socket
+            else []
+        )
         # the live display on a terminal; "still running" lines in a pipe
         services.append(progress_service(terminal_handler()))
         services.append(flusher)  # a pipe's buffered lines, written soon after they come

@@ -13,6 +13,13 @@ frontend its entry file calls for (YAML or Python). A newer deploy swaps in
 live; until it does, the current one keeps running with its own live updates
 (a Python graph's World reads, collected exports). A deploy that fails to
 fetch or load is logged and skipped: the running graph stays.
+
+A follower never goes back: the newest deploy it ran is kept in
+`STATE/deploy-high-water.json` (its signed record), and a deploy older
+than it (a record deleted and the head pointed back, an old World put back)
+is refused, logged once, across restarts. At start the mark's deploy runs
+again from its materialised copy (or fetched again), so a World that lost
+its newest deploy cannot take this host back to an older one.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from evergraph._util.atomic import atomic_write
 from evergraph.engine.contract import Registry
 from evergraph.engine.model import GraphModel
 from evergraph.errors import InputError
@@ -39,6 +49,8 @@ log = logging.getLogger("evergraph.frontend.deploy")
 
 #: materialised deploys kept on disk (the running one and a few before it)
 KEEP = 3
+#: the newest deploy run here (its record), under the state dir
+MARK = "deploy-high-water.json"
 
 
 class DeployFrontend(Frontend):
@@ -80,15 +92,76 @@ class DeployFrontend(Frontend):
             except (deploys.DeployError, InputError) as e:
                 log.error("deploy %d: %s (skipped; waiting for the next deploy)", d.n, e)
                 continue
-            self.current = d
-            log.info("running deploy %d (%s, entry %s)", d.n, d.hash[:12], d.entry)
+            self._ran(ctx, d)
             return inner, model
         raise WorldError("the deploys watch ended")
+
+    def _ran(self, ctx: Context, d: deploys.Deploy) -> None:
+        """`d` runs now: it is the high-water mark (on disk before anything else runs)."""
+        self.current = d
+        try:
+            atomic_write(ctx.state_dir / MARK, msgspec.json.encode(d))
+        except OSError as e:
+            log.error("%s: cannot keep the high-water mark: %s", ctx.state_dir / MARK, e)
+        log.info("running deploy %d (%s, entry %s)", d.n, d.hash[:12], d.entry)
+
+    def _mark(self, ctx: Context) -> deploys.Deploy | None:
+        """The newest deploy run here before (verified again), or None; InputError
+        naming the file if it is damaged."""
+        path = ctx.state_dir / MARK
+        try:
+            value = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise InputError(f"{path}: {e.strerror}") from None
+        try:
+            return deploys.decode_record(value, str(path))
+        except deploys.DeployError as e:
+            raise InputError(
+                f"{e} (the newest deploy run here; remove the file to accept any deploy)"
+            ) from None
+
+    async def _resume(
+        self, ctx: Context, trust: deploys.Trust, mark: deploys.Deploy
+    ) -> tuple[Frontend, GraphModel] | None:
+        """Run the high-water mark's deploy again, if its signer is still trusted and
+        it loads (from its materialised copy, or fetched again); None, said why,
+        otherwise."""
+        log.info(
+            "high-water mark: deploy %d (%s) ran here last (%s): no older deploy runs",
+            mark.n,
+            mark.hash[:12],
+            ctx.state_dir / MARK,
+        )
+        try:
+            # trusted now (never pinned from this file: after `hosts forget` the next
+            # deploy seen is what pins a deployer)
+            if mark.signer not in trust.trusted():
+                raise deploys.DeployError(
+                    f"it is signed by {fingerprint(mark.signer)}, not a trusted deployer now"
+                )
+            inner, model = await self._open(ctx, mark)
+        except (deploys.DeployError, InputError, WorldError, PinsError, ValueError) as e:
+            log.warning(
+                "deploy %d (the high-water mark) cannot run again: %s; waiting for a newer deploy",
+                mark.n,
+                e,
+            )
+            return None
+        self._ran(ctx, mark)
+        return inner, model
 
     async def first(self, ctx: Context) -> GraphModel:
         if ctx.kv is None:
             raise InputError("without FILE, `run` follows deploys, and that needs a World")
-        self._stream = deploys.follow(ctx.kv, self._trust(ctx))
+        trust = self._trust(ctx)
+        mark = self._mark(ctx)
+        resumed = await self._resume(ctx, trust, mark) if mark is not None else None
+        self._stream = deploys.follow(ctx.kv, trust, after=mark)
+        if resumed is not None:
+            self._inner, model = resumed
+            return model
         with contextlib.suppress(deploys.DeployError):  # follow() skips a bad one, warning
             if await deploys.latest(ctx.kv) is None:
                 log.info("no deploy in the World yet: waiting for `evergraph deploy FILE`")

@@ -1,6 +1,6 @@
 """The running graph, observed: `/metrics`, `/api/v1/graph` (vertices and edges),
 `/api/v1/graph/events` (server-sent vertex changes), `/api/v1/graph/vertices/ID`
-(one vertex: status and parameters, secrets masked) and the live page at `/`.
+(one vertex: status and parameters, secrets masked; an admin token only) and the live page at `/`.
 
 `GraphFeed` subscribes to the agent's observer hub: on the engine's hot path it
 only appends the status to a bounded ring and counts. Each SSE client reads
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import itertools
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -180,18 +179,21 @@ class AgentView:
 
     async def _may_read_params(self, request: Request) -> Response | None:
         """Parameters are the host's configuration (file contents, commands): served
-        to a loopback client, or else to an admin's bearer token (a farm token made
-        with `evergraph farm token`); None when allowed, else the 401/403."""
-        peer = request.client.host if request.client is not None else ""
-        with contextlib.suppress(ValueError):
-            if ipaddress.ip_address(peer).is_loopback:
-                return None
+        only to an admin's bearer token (a farm token made with `evergraph farm token
+        create NAME --admin`), from any address, loopback included (another local
+        user is no more trusted than a remote one); None when allowed, else the
+        401/403. A connection from root over `--http-socket` (its uid read with
+        SO_PEERCRED) needs no token."""
+        from evergraph.http.server import PEER_UID
+
+        if (request.scope.get("state") or {}).get(PEER_UID) == 0:
+            return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         kv = self.agent.kv
         if scheme.lower() != "bearer" or not token.strip() or kv is None:
             return JSONResponse(
                 {"message": "unauthorized: a vertex's parameters need an admin's "
-                 "Authorization: Bearer TOKEN from a non-loopback address"},
+                 "Authorization: Bearer TOKEN (evergraph farm token create NAME --admin)"},
                 401,
             )  # fmt: skip
         from evergraph.farm import tokens

@@ -2,6 +2,10 @@
 
 The socket is bound here, before uvicorn sees it, so a bad or taken address is
 an input error naming `--http` (uvicorn itself would log and `sys.exit(1)`).
+`--http-socket PATH` serves the same app on a Unix socket too: each connection's
+peer is read with SO_PEERCRED when it is accepted, and its uid reaches the app as
+`request.scope["state"][PEER_UID]` (never set for a TCP connection), so that a
+connection from root needs no token for what only admins may read.
 uvicorn's own signal handling is switched off: the agent owns SIGINT/SIGTERM,
 and cancelling the service stops the server.
 """
@@ -11,7 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
+import stat
+import struct
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -51,6 +58,73 @@ def bind(addr: str) -> socket.socket:
     return sock
 
 
+#: the key, in a request's ASGI state, of a Unix socket peer's uid (SO_PEERCRED)
+PEER_UID = "evergraph.peer_uid"
+
+
+def bind_unix(path: str) -> socket.socket:
+    """A listening Unix socket at `path` (mode 0666: every local user may connect;
+    what a peer may read is decided by its uid). A socket left there by an agent
+    that died is replaced; anything else at `path` is an InputError naming
+    --http-socket."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise InputError(f"{path}: {e.strerror}", "--http-socket") from None
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise InputError(f"{path}: exists and is not a socket", "--http-socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # nobody listens: a dead agent's
+        else:
+            raise InputError(f"{path}: another server listens there", "--http-socket")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, 0o666)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise InputError(f"cannot listen on {path}: {e.strerror}", "--http-socket") from None
+    sock.setblocking(False)
+    return sock
+
+
+def _peer_uid(transport: Any) -> int | None:
+    """The uid of a Unix socket connection's peer (None: not a Unix socket)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
+def _protocol(cap: int) -> type[Any]:
+    """uvicorn's h11 protocol, bounded (`limits.BoundedProtocol`: at most `cap`
+    connections, a deadline for headers), which also puts a Unix socket peer's uid
+    into each request's state."""
+
+    class PeerProtocol(limits.BoundedProtocol):
+        max_connections = cap
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            uid = _peer_uid(transport)
+            if uid is not None:  # per connection: this protocol object is this connection's
+                state: dict[str, Any] = getattr(self, "app_state", {})
+                self.app_state = {**state, PEER_UID: uid}
+
+    return PeerProtocol
+
+
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -85,16 +159,19 @@ class HttpServer:
     def __init__(
         self,
         app: Any,
-        sock: socket.socket,
+        sock: socket.socket | None,
         on_stop: Callable[[], None] | None = None,
+        unix: socket.socket | None = None,
         max_body: int = limits.MAX_BODY,
     ) -> None:
-        self.sock = sock
+        self.socks = [s for s in (sock, unix) if s is not None]
         self.on_stop = on_stop
-        host, port = sock.getsockname()[:2]
-        self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        self.url = ""
+        if sock is not None:
+            host, port = sock.getsockname()[:2]
+            self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        self.unix = unix.getsockname() if unix is not None else ""
         cap = limits.connection_cap()
-        protocol = type("Protocol", (limits.BoundedProtocol,), {"max_connections": cap})
         # what one client may cost: http/limits.py
         config = uvicorn.Config(
             limits.BodyLimit(app, max_body),
@@ -102,7 +179,7 @@ class HttpServer:
             lifespan="off",
             access_log=False,
             timeout_graceful_shutdown=1,
-            http=protocol,
+            http=_protocol(cap),
             timeout_keep_alive=int(limits.IDLE_TIMEOUT),
             h11_max_incomplete_event_size=limits.MAX_HEADER_BYTES,
             limit_concurrency=cap + 16,
@@ -111,8 +188,11 @@ class HttpServer:
         self.server = _Server(config)
 
     async def run(self) -> None:
-        log.info("HTTP API on %s", self.url)
-        serving = asyncio.create_task(self.server.serve(sockets=[self.sock]), name="uvicorn")
+        if self.url:
+            log.info("HTTP API on %s", self.url)
+        if self.unix:
+            log.info("HTTP API on unix:%s (root's connections read parameters)", self.unix)
+        serving = asyncio.create_task(self.server.serve(sockets=self.socks), name="uvicorn")
         try:
             await asyncio.shield(serving)
         except asyncio.CancelledError:
@@ -123,4 +203,8 @@ class HttpServer:
                 await serving
             raise
         finally:
-            self.sock.close()
+            for sock in self.socks:
+                sock.close()
+            if self.unix:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.unix)

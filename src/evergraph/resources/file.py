@@ -6,6 +6,13 @@ concatenated; a directory stands for its files in name order). `purge`
 removes what nobody manages from a directory: entries neither copied from
 `source` nor managed by another resource of the graph.
 
+Mode and owner are changed through a descriptor, never a path looked up
+again: each entry is opened O_PATH|O_NOFOLLOW from the managed directory one
+component at a time (every directory on the way O_NOFOLLOW too), and an entry
+that became a symlink (or another file) since it was checked is left alone.
+So a user who owns part of a managed tree and swaps a symlink in cannot make
+a recursive `mode` or `owner` land on a file outside it.
+
 Writes are atomic: new content goes to a temporary file in the same
 directory, gets its mode (and the old file's owner), then is renamed over the
 path, so a reader — or a crash — never sees half a file. Missing parent
@@ -516,7 +523,7 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             if st is None:
                 os.makedirs(self._path, mode=0o755, exist_ok=True)
             if not clean:
-                _set_attrs(self._path, self._mode, uid, gid)
+                _set_attrs(self._path, self._mode, uid, gid, expect=st)
             if self.source is not None or self.recurse or self.purge:
                 clean = self._tree(uid, gid, apply) and clean
         except OSError as e:
@@ -572,7 +579,7 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                         clean = False
                         self._attr_changes(f"{self._rel(target)} ", tst, mode, uid, gid)
                         if apply:
-                            _set_attrs(target, mode, uid, gid)
+                            _set_attrs(target, mode, uid, gid, self._path, tst)
                     if isdir:
                         stack.append(f"{rel}/{name}" if rel else name)
         return clean
@@ -606,14 +613,14 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                     return True
                 self._attr_changes(f"{self._rel(target)} ", tst, mode, uid, gid)
                 if apply:
-                    _set_attrs(target, mode, uid, gid)
+                    _set_attrs(target, mode, uid, gid, self._path, tst)
                 return False
             self.handle.changed(self._rel(target), _what(tst, target), "directory")
             if apply:
                 if tst is not None:
                     _remove(target)
                 os.mkdir(target, mode)
-                _set_attrs(target, mode, uid, gid)
+                _set_attrs(target, mode, uid, gid, self._path)
             return False
         if not stat.S_ISREG(sst.st_mode):
             return True  # devices, sockets, fifos: not copied
@@ -628,7 +635,7 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         self._entry_changes(src, sst, target, tst, same, mode, uid, gid)
         if apply:
             if same:
-                _set_attrs(target, mode, uid, gid)
+                _set_attrs(target, mode, uid, gid, self._path, tst)
             else:
                 if tst is not None and stat.S_ISDIR(tst.st_mode):
                     _remove(target)
@@ -672,7 +679,7 @@ class File(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             if not content_ok:
                 await self._write(st, data if data is not None else b"", uid, gid)
             else:
-                _set_attrs(self._path, self._mode, uid, gid)
+                _set_attrs(self._path, self._mode, uid, gid, expect=st)
         except OSError as e:
             raise ResourceError(f"{self._path}: {e.strerror or e}") from None
         return False
@@ -1109,11 +1116,70 @@ def _attrs_ok(st: os.stat_result, mode: int | None, uid: int, gid: int) -> bool:
     )
 
 
-def _set_attrs(path: str, mode: int | None, uid: int, gid: int) -> None:
-    if uid >= 0 or gid >= 0:
-        os.lchown(path, uid, gid)
-    if mode is not None:
-        os.chmod(path, mode)  # after chown, which clears set-id bits
+def _set_attrs(
+    path: str,
+    mode: int | None,
+    uid: int,
+    gid: int,
+    root: str | None = None,
+    expect: os.stat_result | None = None,
+) -> None:
+    """Set owner and mode of `path`, never through a symlink: the entry is opened
+    O_PATH|O_NOFOLLOW (from `root`, when under it, one component at a time, each
+    O_NOFOLLOW too: a directory swapped for a symlink on the way is not followed)
+    and changed through that descriptor. An entry that is now a symlink, gone, or
+    (`expect`: the lstat it was checked by) another file is left alone: it was
+    changed under us, and the next check sees what is there."""
+    try:
+        fd = _open_nofollow(path, root)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+            return
+        raise OSError(e.errno, e.strerror, path) from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISLNK(st.st_mode):
+            return
+        if expect is not None and (st.st_dev, st.st_ino) != (expect.st_dev, expect.st_ino):
+            return
+        # an O_PATH descriptor takes no fchmod/fchown; its /proc link is the very
+        # inode it holds (not a path looked up again), so changing through it is safe
+        via = f"/proc/self/fd/{fd}"
+        try:
+            if uid >= 0 or gid >= 0:
+                os.chown(via, uid, gid)
+            if mode is not None:
+                os.chmod(via, mode)  # after chown, which clears set-id bits
+        except OSError as e:
+            if e.errno == errno.ENOENT and not os.path.isdir("/proc/self/fd"):
+                raise OSError(e.errno, "changing a mode safely needs /proc mounted", path) from None
+            raise OSError(e.errno, e.strerror, path) from None
+    finally:
+        os.close(fd)
+
+
+_DIR_NOFOLLOW = os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def _open_nofollow(path: str, root: str | None) -> int:
+    """An O_PATH descriptor of `path` itself (a symlink's own, if it is one). Under
+    `root`, reached from it one directory at a time, none of them through a
+    symlink (ELOOP or ENOTDIR if one is met); else from its parent directory."""
+    if root is not None and path.startswith(root.rstrip("/") + "/"):
+        fd = os.open(root, _DIR_NOFOLLOW)
+        parts = path[len(root.rstrip("/")) + 1 :].split("/")
+    else:
+        parent, name = os.path.split(path)
+        fd = os.open(parent or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        parts = [name]
+    try:
+        for part in parts[:-1]:
+            nfd = os.open(part, _DIR_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        return os.open(parts[-1], os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def _tree_mode(mode: int | None, isdir: bool) -> int | None:

@@ -14,7 +14,12 @@ World layout:
 - `deploys/head`: the same bytes as the newest record, for followers to watch.
   Moved forward only, with `cas` on its mod revision. It is written after the
   record, so it can lag for a moment (or for good, if a deployer died in
-  between); readers take it as a hint and look for newer records after it.
+  between); readers take it as a hint and look for newer records after it;
+- `deploys/by/<sha256 hex of the signer's key>`: the same bytes as that
+  signer's newest record (written after the record, before the head, forward
+  only). Anyone who can write the World can publish records signed by keys of
+  their own, as many as they like: a follower finds its trusted deployers'
+  newest deploys here, so no number of untrusted records can hide them.
 
 A record holds `n`, `parent` (the previous record's hash, "" for deploy 1),
 `hash` (sha256 over a canonical encoding of every other field but the
@@ -35,12 +40,14 @@ the World's own failures are `WorldError`):
 - `await publish(kv, entry, files, key=, git=, by=, check_parent=) -> Deploy`;
 - `await latest(kv)`, `await get(kv, n)`, `await history(kv)`;
 - `await fetch(kv, deploy, dest) -> dest / entry`: materialise a deploy, modes too;
-- `follow(kv, trust)`: async iterator of the newest trusted deploy and each newer one;
+- `follow(kv, trust, after=)`: async iterator of the newest trusted deploy and each
+  newer one (never one older than `after`, the high-water mark);
+- `newer(d, than)`: whether `d` may replace deploy `than` (no going back);
 - `Trust(keys=, pins=)`: whose deploys a follower runs;
 - `decode_record(value, where) -> Deploy`: decode and verify one record;
   `verify(deploy, where)`, `record_hash(...)`, `file_ref(data, mode)`;
 - `read_signing_key(path)`, `verify_key_of(key)`, `mode_of(st_mode)`;
-- `whoami() -> "user@host"`, `record_key(n)`, `blob_key(sha)`.
+- `whoami() -> "user@host"`, `record_key(n)`, `blob_key(sha)`, `signer_key(signer)`.
 """
 
 from __future__ import annotations
@@ -75,6 +82,8 @@ log = logging.getLogger("evergraph.deploys")
 PREFIX = "deploys/"
 HEAD = "deploys/head"
 FILES = "deploys/files/"
+#: each signer's newest record, under the sha256 (hex) of its verify key
+BY = "deploys/by/"
 SUFFIXES = (".yaml", ".yml", ".py")
 MAX_FILES = 1000
 MAX_BYTES = 16 << 20
@@ -149,6 +158,25 @@ def record_key(n: int) -> str:
 
 def blob_key(sha: str) -> str:
     return f"{FILES}{sha}"
+
+
+def signer_key(signer: str) -> str:
+    """`deploys/by/<sha256 hex of the key's bytes>`: `signer`'s newest record."""
+    try:
+        raw = base64.b64decode(signer, validate=True)
+    except ValueError:
+        raw = signer.encode()
+    return f"{BY}{_sha256(raw)}"
+
+
+def newer(d: Deploy, than: Deploy | None) -> bool:
+    """Whether a follower that ran (or verified) `than` may run `d`: not the same
+    deploy, and a higher number or, for a World whose deploys were numbered
+    afresh (recreated), signed later. A record numbered at or below `than` and
+    signed before it is older: never run again (rollback)."""
+    if than is None:
+        return True
+    return d.hash != than.hash and (d.n > than.n or d.time > than.time)
 
 
 def whoami() -> str:
@@ -471,10 +499,14 @@ async def _newest_n(kv: KV) -> int:
 
 
 async def _newest_trusted(kv: KV, trust: Trust) -> Deploy | None:
-    """The newest deploy `trust` accepts among the newest LOOKBACK records (None if
-    there is none); each refused record is logged through `trust.refuse`."""
+    """The newest deploy `trust` accepts: the newest of its trusted signers' own
+    records (`deploys/by/...`) and of the newest LOOKBACK records (None if there
+    is none); each refused record is logged through `trust.refuse`."""
+    found = await _by_signers(kv, trust)
     n = await _newest_n(kv)
     for i in range(n, max(0, n - LOOKBACK), -1):
+        if found is not None and found.n >= i:
+            break
         key = record_key(i)
         item = await kv.get(key)
         if item is None:
@@ -486,7 +518,40 @@ async def _newest_trusted(kv: KV, trust: Trust) -> Deploy | None:
             return trust.check(d, key)
         except DeployError as e:
             trust.refuse(str(e), item.value)
-    return None
+    return found
+
+
+async def _by_signers(kv: KV, trust: Trust) -> Deploy | None:
+    """The newest of the trusted signers' own newest records (`deploys/by/...`),
+    or None; a bad one is logged through `trust.refuse`."""
+    try:
+        keys = trust.trusted()
+    except (PinsError, ValueError):
+        return None  # Trust.check says why, on the records themselves
+    best: Deploy | None = None
+    for k in keys:
+        where = signer_key(k)
+        item = await kv.get(where)
+        if item is None:
+            continue
+        try:
+            d = _signer_record(item.value, k, trust)
+        except DeployError as e:
+            trust.refuse(str(e), item.value)
+            continue
+        if best is None or d.n > best.n:
+            best = d
+    return best
+
+
+def _signer_record(value: bytes, signer: str, trust: Trust) -> Deploy:
+    """The deploy in `deploys/by/<signer>`'s value: verified, signed by `signer`,
+    trusted; DeployError naming the key otherwise."""
+    where = signer_key(signer)
+    d = decode_record(value, where)
+    if d.signer != signer:
+        raise DeployError(f"{where}: deploy {d.n} is not signed by {fingerprint(signer)}")
+    return trust.check(d, where)
 
 
 async def latest(kv: KV) -> Deploy | None:
@@ -551,6 +616,22 @@ async def _advance_head(kv: KV, d: Deploy, value: bytes) -> None:
             return
 
 
+async def _advance_signer(kv: KV, d: Deploy, value: bytes) -> None:
+    """Point `deploys/by/<signer>` at `d`, unless it names a newer deploy of its signer."""
+    key = signer_key(d.signer)
+    while True:
+        cur = await kv.get(key)
+        if cur is not None:
+            try:
+                old = decode_record(cur.value, key)
+                if old.signer == d.signer and old.n >= d.n:
+                    return
+            except DeployError:
+                pass  # a bad record: ours replaces it
+        if await kv.cas(key, value, expect=cur.mod_revision if cur else 0):
+            return
+
+
 async def publish(
     kv: KV,
     entry: str,
@@ -566,7 +647,7 @@ async def publish(
     `check_parent(previous deploy or None)` runs before each attempt to claim a
     number and may refuse with DeployError (the CLI's git ancestry check).
     Blobs are written first, then the record (which claims the number), then
-    the head."""
+    the signer's record (`deploys/by/...`), then the head."""
     if git is not None and not _COMMIT.fullmatch(git):
         raise DeployError(f"git {git!r} is not a commit id")
     _check_files(entry, list(files), "deploy")
@@ -625,6 +706,7 @@ async def publish(
         )
         value = msgspec.json.encode(d)
         if await kv.cas(record_key(d.n), value, expect=0):
+            await _advance_signer(kv, d, value)
             await _advance_head(kv, d, value)
             return d
         log.info("deploys: deploy %d was taken by another deployer; trying again", d.n)
@@ -706,16 +788,16 @@ async def fetch(kv: KV, deploy: Deploy, dest: Path) -> Path:
 _FOLLOW_RETRIES = 5
 
 
-async def _checked(kv: KV, value: bytes | None, trust: Trust) -> Deploy | None:
-    """The deploy a head snapshot names (None: no head, or fall back to the newest
-    trusted record), retrying World errors a few times; bad and untrusted records
-    are logged (once each, by `trust`), not raised."""
+async def _checked(
+    read: Callable[[], Awaitable[Deploy | None]], trust: Trust, value: bytes | None
+) -> Deploy | None:
+    """`read()`'s deploy (None: none), retrying World errors a few times; bad and
+    untrusted records are logged (once each, by `trust`: `value` names the record
+    for that), not raised."""
     delay = 0.05
     for attempt in range(_FOLLOW_RETRIES + 1):
         try:
-            if value is None:
-                return await _newest_trusted(kv, trust)
-            return trust.check(await _head_deploy(kv, value), HEAD)
+            return await read()
         except DeployError as e:
             trust.refuse(str(e), value)
             return None
@@ -728,35 +810,112 @@ async def _checked(kv: KV, value: bytes | None, trust: Trust) -> Deploy | None:
     return None  # unreachable
 
 
-async def follow(kv: KV, trust: Trust) -> AsyncIterator[Deploy]:
+def _reader(
+    kv: KV, trust: Trust, key: str, value: bytes, signers: Mapping[str, str]
+) -> Callable[[], Awaitable[Deploy]]:
+    """Reads the trusted deploy in `value`, the head's or a signer's record (`key`)."""
+
+    async def read() -> Deploy:
+        if key == HEAD:
+            return trust.check(await _head_deploy(kv, value), HEAD)
+        return _signer_record(value, signers[key], trust)
+
+    return read
+
+
+def _trusted_now(trust: Trust) -> list[str]:
+    try:
+        return trust.trusted()
+    except (PinsError, ValueError):
+        return []
+
+
+async def follow(kv: KV, trust: Trust, after: Deploy | None = None) -> AsyncIterator[Deploy]:
     """The newest deploy `trust` accepts now (if any), then each newer one as it is
     published. A record that is unsigned, wrongly signed, malformed or signed by an
     untrusted key is logged once and skipped.
 
-    First looks for the newest record (the head may lag it), then watches
-    `deploys/head` (resuming after a broken watch, re-reading after a
+    `after`: the newest deploy this follower ran before (its high-water mark, kept
+    across restarts): nothing that is not `newer` than it, or than what was
+    yielded since, is yielded, and a trusted deploy older than it (a record
+    deleted and the head pointed back, an old World put back) is refused, logged
+    once.
+
+    First looks for the newest trusted record (the head may lag it; each trusted
+    signer's own newest record is read too, so untrusted records, however many,
+    cannot hide it), then watches `deploys/head` and the trusted signers'
+    `deploys/by/...` (resuming after a broken watch, re-reading after a
     compaction). A bad head (garbage, wrong schema or hash, or not the record it
-    names) is logged as a warning and skipped; a head naming an older deploy
-    than one already yielded is ignored. After the World was replaced (`kv.epoch`
-    changed) its deploys are numbered afresh: its newest is yielded unless it is
-    the deploy yielded last (same hash). Ends when `kv` is closed."""
-    last, last_hash = 0, ""
+    names) is logged as a warning and skipped. After the World was replaced
+    (`kv.epoch` changed) its newest trusted deploy is looked for again (`newer`
+    accepts a World numbered afresh by the deploys' signing times). Ends when
+    `kv` is closed."""
+    mark = after
     epoch = kv.epoch
     first = True
-    async with contextlib.aclosing(watch_one(kv, HEAD)) as snaps:
-        async for snap in snaps:
-            value = None if isinstance(snap, Tombstone) else snap.value
+    queue: asyncio.Queue[tuple[str, KeyValue | Tombstone | BaseException | None]]
+    queue = asyncio.Queue()
+    watched: dict[str, asyncio.Task[None]] = {}
+
+    async def pump(key: str) -> None:
+        try:
+            async with contextlib.aclosing(watch_one(kv, key)) as snaps:
+                async for snap in snaps:
+                    await queue.put((key, snap))
+        except Exception as e:
+            await queue.put((key, e))
+            return
+        await queue.put((key, None))
+
+    #: `deploys/by/...` key -> the trusted signer it is for
+    signers: dict[str, str] = {}
+
+    def watch_signers() -> None:
+        for k in _trusted_now(trust):
+            signers.setdefault(signer_key(k), k)
+        for key in [HEAD, *signers]:
+            if key not in watched:
+                watched[key] = asyncio.create_task(pump(key), name=f"deploys-watch {key}")
+
+    watch_signers()
+    try:
+        while True:
+            key, snap = await queue.get()
+            if snap is None:  # the World was closed
+                return
+            if isinstance(snap, BaseException):
+                raise snap
             if kv.epoch != epoch:  # a new World: look for its newest deploy
-                epoch, last, first = kv.epoch, 0, True
-            d = None
+                epoch, first = kv.epoch, True
+            found: list[Deploy | None] = []
+            # a signer's own newest record older than the mark is no alarm: with
+            # several deployers, the others' newest are older than the newest
+            quiet = not first and key != HEAD
             if first:
                 # the newest record, even if the head lags it or is bad
-                d = await _checked(kv, None, trust)
+                found.append(await _checked(lambda: _newest_trusted(kv, trust), trust, None))
                 first = False
-            if d is None and value is not None:
-                d = await _checked(kv, value, trust)
-            if d is not None and d.n > last:
-                last = d.n
-                if d.hash != last_hash:
-                    last_hash = d.hash
-                    yield d
+            elif not isinstance(snap, Tombstone):
+                value = snap.value
+
+                found.append(await _checked(_reader(kv, trust, key, value, signers), trust, value))
+            watch_signers()  # a signer pinned meanwhile (trust on first use)
+            best = max((d for d in found if d is not None), key=lambda d: d.n, default=None)
+            if best is None:
+                continue
+            if newer(best, mark):
+                mark = best
+                yield best
+            elif mark is not None and best.hash != mark.hash and not quiet:
+                trust.refuse(
+                    f"deploy {best.n} ({best.hash[:12]}) is older than deploy {mark.n} "
+                    f"({mark.hash[:12]}), the newest run here: refused (a follower never "
+                    "goes back to an older deploy)",
+                    best.hash.encode(),
+                )
+    finally:
+        for t in watched.values():
+            t.cancel()
+        for t in watched.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await t

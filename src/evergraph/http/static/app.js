@@ -28,6 +28,17 @@ let selected = null;
 let seq = 0;
 let source = null;
 let reloadTimer = null;
+// a vertex's parameters need an admin token: open the page as /#token=TOKEN; it is
+// kept for this tab only and taken out of the address bar (the fragment never
+// reaches the server)
+const TOKEN = (() => {
+  const m = location.hash.match(/[#&]token=([^&]+)/);
+  if (m) {
+    sessionStorage.setItem("evergraph-token", decodeURIComponent(m[1]));
+    history.replaceState(null, "", location.pathname + location.search);
+  }
+  return sessionStorage.getItem("evergraph-token");
+})();
 
 function legend() {
   const ul = byId("legend");
@@ -262,10 +273,14 @@ async function select(ident) {
   if (v) showStatus(v.st);
   const params = byId("p-params");
   params.textContent = "…";
-  const r = await fetch("/api/v1/graph/vertices/" + encodeURIComponent(ident));
+  const headers = TOKEN ? { Authorization: "Bearer " + TOKEN } : {};
+  const r = await fetch("/api/v1/graph/vertices/" + encodeURIComponent(ident), { headers });
   if (selected !== ident) return;
   if (!r.ok) {
-    params.textContent = `(${r.status})`;
+    params.textContent =
+      r.status === 401 || r.status === 403
+        ? `(${r.status}: parameters need an admin token; open this page as /#token=TOKEN)`
+        : `(${r.status})`;
     return;
   }
   const body = await r.json();
