@@ -7,6 +7,10 @@ library's global one): vertex states, the converged flag and watch events from
 the engine, the World's call latencies from the agent's timed KV, the farm's
 queue from `FarmQueue` (a follow of the farm's requests, when the farm runs).
 
+The event loop's stalls are watched too (`watch_loop`): a timer every 25 ms
+notes how late it ran while the loop's own thread was busy (its CPU time moved:
+lateness from a machine that did not schedule the agent is no stall of ours).
+
 A drift repair is a vertex that had settled (clean, or changed on its last
 run), got a watch event and changed something again; its latency runs from
 the event (the engine turns the vertex `pending` then) to the change.
@@ -14,6 +18,7 @@ the event (the engine turns the vertex `pending` then) to the change.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -51,6 +56,28 @@ _RESULT = {
 }
 
 
+#: the loop-stall histogram's buckets (seconds)
+STALL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+#: how often `watch_loop` looks
+STALL_TICK = 0.025
+
+
+async def watch_loop(metrics: Metrics) -> None:
+    """Record each event-loop stall of 10 ms or more: a tick that ran late while the
+    loop's thread spent that lateness on the CPU (our code held the loop)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        began, cpu = loop.time(), time.thread_time()
+        await asyncio.sleep(STALL_TICK)
+        late = loop.time() - began - STALL_TICK
+        busy = time.thread_time() - cpu
+        stall = min(late, busy)
+        if stall >= 0.01:
+            metrics.stalls.observe(stall)
+            if stall > metrics.stall_max:
+                metrics.stall_max = stall
+
+
 class Metrics:
     """Counts kept as statuses arrive (hot path: dict adds and a bisect)."""
 
@@ -68,6 +95,9 @@ class Metrics:
         self.seen = 0
         self.finished = 0
         self.repaired = 0
+        #: the event loop's stalls (see `watch_loop`), and the longest
+        self.stalls = Histogram(STALL_BUCKETS)
+        self.stall_max = 0.0
 
     def __call__(self, st: VertexStatus) -> None:
         self.seen += 1
@@ -170,6 +200,7 @@ class _Collector(Collector):
             (self._events_version, self._events),
             (self._converged_version, self._converged),
             (self._world_version, self._world),
+            (lambda: m.stalls.count, self._stalls),
         ]
         if farm is not None:
             self.families.append((lambda: farm.waiting, self._farm))
@@ -177,6 +208,15 @@ class _Collector(Collector):
     def collect(self) -> Iterator[Metric]:
         for _, build in self.families:
             yield build()
+
+    def _stalls(self) -> Metric:
+        return _hist(
+            "evergraph_event_loop_stall_seconds",
+            "Stalls of the agent's event loop (10 ms or more while its thread was busy): "
+            "time in which it answered no client, lease or watch.",
+            "",
+            {"": self.metrics.stalls},
+        )
 
     def _applies(self) -> Metric:
         fam = CounterMetricFamily(

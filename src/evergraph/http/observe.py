@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from evergraph.agent.observe import Histogram, TimedKV
 from evergraph.engine.status import VertexStatus
-from evergraph.http.metrics import Exposition, FarmQueue, Metrics
+from evergraph.http.metrics import Exposition, FarmQueue, Metrics, watch_loop
 
 if TYPE_CHECKING:
     from evergraph.agent.run import Agent
@@ -139,14 +139,14 @@ class AgentView:
         hub.subscribe(self.feed)
         try:
             async with asyncio.TaskGroup() as tg:
-                queue = None
+                helpers = [tg.create_task(watch_loop(self.metrics), name="loop-stalls")]
                 if self.farm is not None:
-                    queue = tg.create_task(self.farm.run(), name="farm-queue")
+                    helpers.append(tg.create_task(self.farm.run(), name="farm-queue"))
                 try:
                     await server.run()
                 finally:
-                    if queue is not None:
-                        queue.cancel()
+                    for t in helpers:
+                        t.cancel()
         finally:
             hub.unsubscribe(self.feed)
             hub.unsubscribe(self.metrics)
