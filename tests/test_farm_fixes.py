@@ -1,0 +1,253 @@
+"""Issue 22's farm fixes with real agents on one sqlite World, over real HTTP with
+real tokens: fragments are a right (`token create --fragment`), limited by the
+worker's `--fragment-kinds` and reversed when the job ends; a worker that serves
+the API answers acquire_worker for its own job; acquire through a server the
+worker does not serve is refused at once; `--farm-job-period` and
+`--farm-max-prolong` hold on the HTTP side too."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from evergraph.farm.service import Farm
+from evergraph.farm.tokens import User
+from evergraph.world.sqlite import SQLiteKV
+
+from .conftest import Agent, wait_for
+from .test_farm_http import _token
+from .test_http import _url
+
+ADMIN = User(name="root", admin=True)
+GRAPH = "graph: g\nresources:\n  noop:\n  - name: n\n"
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": "Bearer " + token}
+
+
+def _idle(c: httpx.Client, admin: dict[str, str]) -> str:
+    """The one worker's UUID, made IDLE."""
+    wait_for(lambda: c.get("/api/v1/workers/", headers=admin).json(), what="a worker")
+    [w] = c.get("/api/v1/workers/", headers=admin).json()
+    uuid: str = w["WorkerUUID"]
+    body = json.dumps({"WorkerState": "IDLE"})
+    r = c.post(f"/api/v1/workers/{uuid}/setstate", content=body, headers=admin)
+    assert r.status_code == 202, r.text
+    wait_for(
+        lambda: c.get(f"/api/v1/workers/{uuid}", headers=admin).json()["State"] == "IDLE",
+        what="worker IDLE",
+    )
+    return uuid
+
+
+def _new(c: httpx.Client, who: dict[str, str], fragment: str | None = None) -> httpx.Response:
+    body: dict[str, Any] = {"Priority": 3}
+    if fragment is not None:
+        body["Fragment"] = fragment
+    return c.post("/api/v1/reqs/", content=json.dumps(body), headers=who)
+
+
+def _state(c: httpx.Client, who: dict[str, str], rid: int) -> str:
+    state: str = c.get(f"/api/v1/reqs/{rid}", headers=who).json()["State"]
+    return state
+
+
+@pytest.mark.slow
+def test_fragments_are_a_right_limited_by_kind_and_reversed_at_job_end(
+    tmp_path: Path, agents: Any
+) -> None:
+    db = tmp_path / "world.sqlite"
+    keys = tmp_path / "home" / "authorized_keys"
+    g = tmp_path / "g.yaml"
+    g.write_text(GRAPH)
+    world = ("--world-db", str(db))
+    srv: Agent = agents(g, tmp_path / "srv", "--hostname", "srv", *world, "--http", "127.0.0.1:0")
+    wk: Agent = agents(
+        g,
+        tmp_path / "wk1",
+        "--hostname",
+        "wk1",
+        *world,
+        "--worker",
+        "--authorized-keys",
+        str(keys),
+        "--farm-server",
+        "srv",
+        "--fragment-kinds",
+        "file",
+    )
+    srv.wait_converged()
+    wk.wait_converged()
+    admin = _bearer(_token(tmp_path / "cli", world, "root", "--admin"))
+    bob = _bearer(_token(tmp_path / "cli", world, "bob"))
+    carol = _bearer(_token(tmp_path / "cli", world, "carol", "--fragment"))
+    made = tmp_path / "job" / "made-by-the-fragment"
+    # the fragment's own meta does not ask for a reversal: the worker adds it
+    file_fragment = f'resources:\n  file:\n  - name: {made}\n    content: "in a job\\n"\n'
+    marker = tmp_path / "exec-ran"
+    exec_fragment = f"resources:\n  exec:\n  - name: touch\n    cmd: touch {marker}\n"
+    with httpx.Client(base_url=_url(srv), timeout=30) as c:
+        _idle(c, admin)
+        # a token without the right: refused, and nothing is stored
+        r = _new(c, bob, file_fragment)
+        assert r.status_code == 403, r.text
+        assert "--fragment" in r.json()["message"]
+        assert c.post("/api/v1/reqs/list", content="", headers=admin).json() == []
+        # with the right: the fragment's file exists for the job's life only
+        r = _new(c, carol, file_fragment)
+        assert r.status_code == 201, r.text
+        rid = r.json()["ReqID"]
+        assert rid == 1  # (the refused one took no id)
+        wait_for(lambda: _state(c, carol, rid) == "IN PROGRESS", what="job 1 started")
+        wait_for(lambda: made.exists() and made.read_text() == "in a job\n", what="the file")
+        assert c.post(f"/api/v1/reqs/{rid}/close", headers=carol).status_code == 204
+        wait_for(lambda: not made.exists(), what="the fragment's file removed at job end")
+        # an exec fragment on a worker that takes only file fragments: never run
+        wait_for(
+            lambda: c.get("/api/v1/workers/", headers=admin).json()[0]["State"] == "IDLE",
+            what="worker IDLE again",
+        )
+        converged = wk.converged_count()
+        r = _new(c, carol, exec_fragment)
+        assert r.status_code == 201, r.text
+        rid = r.json()["ReqID"]
+        wait_for(lambda: _state(c, carol, rid) == "IN PROGRESS", what="job 2 started")
+        wait_for(
+            lambda: keys.exists() and f"evergraph-job-{rid}" in keys.read_text(),
+            what="job 2's key authorized (its graph swapped in)",
+        )
+        wk.wait_converged(converged + 1)
+        assert not marker.exists()
+        refused = "request 2's fragment uses exec, not among this worker's --fragment-kinds (file)"
+        wait_for(lambda: refused in wk.log.read_text(), what="the refusal logged")
+        assert c.post(f"/api/v1/reqs/{rid}/close", headers=carol).status_code == 204
+        wait_for(lambda: f"evergraph-job-{rid}" not in keys.read_text(), what="key revoked")
+    assert not marker.exists()
+    assert wk.stop() == 0
+    assert wk.log.read_text().count(refused) == 1  # once, whatever the swaps
+    assert srv.stop() == 0
+
+
+@pytest.mark.slow
+def test_a_worker_serving_the_api_answers_acquire_for_its_own_job(
+    tmp_path: Path, agents: Any
+) -> None:
+    """The one-host farm a new user tries first: one agent, `--http --worker`."""
+    db = tmp_path / "world.sqlite"
+    keys = tmp_path / "home" / "authorized_keys"
+    g = tmp_path / "g.yaml"
+    g.write_text(GRAPH)
+    world = ("--world-db", str(db))
+    solo: Agent = agents(
+        g,
+        tmp_path / "solo",
+        "--hostname",
+        "solo",
+        *world,
+        "--http",
+        "127.0.0.1:0",
+        "--worker",
+        "--authorized-keys",
+        str(keys),
+    )
+    solo.wait_converged()
+    admin = _bearer(_token(tmp_path / "cli", world, "root", "--admin"))
+    with httpx.Client(base_url=_url(solo), timeout=30) as c:
+        _idle(c, admin)
+        rid = _new(c, admin).json()["ReqID"]
+        t0 = time.monotonic()
+        r = c.post(f"/api/v1/reqs/{rid}/acquire_worker?wait=10", headers=admin)
+        assert r.status_code == 200, r.text
+        assert time.monotonic() - t0 < 5
+        key = r.json()["Key"]
+        assert key.startswith("-----BEGIN RSA PRIVATE KEY-----")
+        wait_for(
+            lambda: keys.exists() and f"evergraph-job-{rid}" in keys.read_text(),
+            what="the job's key",
+        )
+    assert solo.stop() == 0
+
+
+@pytest.mark.slow
+def test_acquire_elsewhere_is_refused_at_once_and_the_periods_hold_over_http(
+    tmp_path: Path, agents: Any
+) -> None:
+    db = tmp_path / "world.sqlite"
+    keys = tmp_path / "home" / "authorized_keys"
+    g = tmp_path / "g.yaml"
+    g.write_text(GRAPH)
+    world = ("--world-db", str(db))
+    periods = ("--farm-job-period", "100", "--farm-max-prolong", "1")
+    srv: Agent = agents(
+        g, tmp_path / "srv", "--hostname", "srv", *world, "--http", "127.0.0.1:0", *periods
+    )
+    other: Agent = agents(
+        g, tmp_path / "other", "--hostname", "other", *world, "--http", "127.0.0.1:0", *periods
+    )
+    wk: Agent = agents(
+        g,
+        tmp_path / "wk1",
+        "--hostname",
+        "wk1",
+        *world,
+        "--worker",
+        "--authorized-keys",
+        str(keys),
+        "--farm-server",
+        "srv",
+    )
+    for a in (srv, other, wk):
+        a.wait_converged()
+    admin = _bearer(_token(tmp_path / "cli", world, "root", "--admin"))
+    alice = _bearer(_token(tmp_path / "cli", world, "alice"))
+
+    def job_timeout(rid: int) -> float:
+        async def main() -> float:
+            kv = SQLiteKV(db)
+            try:
+                req = await Farm(kv).request(ADMIN, rid)
+            finally:
+                await kv.close()
+            assert req.job is not None
+            return req.job.timeout
+
+        return asyncio.run(main())
+
+    with (
+        httpx.Client(base_url=_url(srv), timeout=30) as c,
+        httpx.Client(base_url=_url(other), timeout=30) as elsewhere,
+    ):
+        _idle(c, admin)
+        rid = _new(c, alice).json()["ReqID"]
+        wait_for(lambda: _state(c, alice, rid) == "IN PROGRESS", what="matched")
+        # the matcher (whichever server leads) gave the job --farm-job-period
+        assert job_timeout(rid) - time.time() == pytest.approx(100, abs=15)
+        # through a server the worker does not hand keys to: 400 at once, naming them
+        t0 = time.monotonic()
+        r = elsewhere.post(f"/api/v1/reqs/{rid}/acquire_worker?wait=20", headers=alice)
+        assert time.monotonic() - t0 < 5
+        assert r.status_code == 400, r.text
+        message = r.json()["message"]
+        assert message.startswith("invalid request: ")
+        assert "(srv, wk1)" in message
+        assert "other" in message
+        # through its server: the key
+        r = c.post(f"/api/v1/reqs/{rid}/acquire_worker?wait=20", headers=alice)
+        assert r.status_code == 200, r.text
+        # prolong on the HTTP side: by the period given, at most --farm-max-prolong times
+        r = elsewhere.post(f"/api/v1/reqs/{rid}/prolong", headers=alice)
+        assert r.status_code == 204, r.text
+        assert job_timeout(rid) - time.time() == pytest.approx(100, abs=15)
+        r = c.post(f"/api/v1/reqs/{rid}/prolong", headers=alice)
+        assert r.status_code == 400, r.text
+        assert "the limit is 1" in r.json()["message"]
+        assert c.post(f"/api/v1/reqs/{rid}/close", headers=alice).status_code == 204
+    for a in (wk, other, srv):
+        assert a.stop() == 0
