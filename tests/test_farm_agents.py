@@ -21,7 +21,7 @@ from .conftest import Agent, wait_for
 
 T = TypeVar("T")
 ADMIN = User(name="root", admin=True)
-ALICE = User(name="alice")
+ALICE = User(name="alice", fragment=True)  # (her requests carry fragments)
 
 
 def farm_call(db: Path, fn: Callable[[Farm], Awaitable[T]]) -> T:

@@ -8,7 +8,10 @@ worker does not serve is refused at once; `--farm-job-period` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -16,8 +19,14 @@ from typing import Any
 import httpx
 import pytest
 
+from evergraph.farm import model
 from evergraph.farm.service import Farm
 from evergraph.farm.tokens import User
+from evergraph.world.election import election_key
+from evergraph.world.etcd import EtcdKV
+from evergraph.world.etcd_server import EtcdServer
+from evergraph.world.follow import Tombstone, watch_one
+from evergraph.world.kv import KV
 from evergraph.world.sqlite import SQLiteKV
 
 from .conftest import Agent, wait_for
@@ -251,3 +260,73 @@ def test_acquire_elsewhere_is_refused_at_once_and_the_periods_hold_over_http(
         assert c.post(f"/api/v1/reqs/{rid}/close", headers=alice).status_code == 204
     for a in (wk, other, srv):
         assert a.stop() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["sqlite", "etcd"])
+def test_the_matcher_resumes_soon_after_a_killed_leaders_lease_expires(
+    tmp_path: Path, agents: Any, backend: str, shm: Path, servers: list[EtcdServer]
+) -> None:
+    """kill -9 of the leading matcher's agent: the next leader matches a waiting
+    request within 2 s of the dead leader's election lease expiring, and the lease
+    is `--farm-election-ttl` long."""
+    ttl = 3.0
+    g = tmp_path / "g.yaml"
+    g.write_text(GRAPH)
+    world: tuple[str, ...] = ("--world-db", str(tmp_path / "world.sqlite"))
+    if backend == "etcd":
+        server = EtcdServer.single(shm)
+        servers.append(server)
+        server.start()
+        world = ("--seeds", server.client_url)
+    flags = ("--http", "127.0.0.1:0", "--farm-election-ttl", str(ttl))
+    serving = {
+        name: agents(g, tmp_path / name, "--hostname", name, *world, *flags)
+        for name in ("m0", "m1")
+    }
+    wk: Agent = agents(g, tmp_path / "wk1", "--hostname", "wk1", *world, "--worker")
+    for a in (*serving.values(), wk):
+        a.wait_converged()
+
+    def kv() -> KV:
+        return EtcdKV([servers[0].client_url]) if backend == "etcd" else SQLiteKV(world[1])
+
+    async def main() -> tuple[float, float]:
+        client = kv()
+        farm = Farm(client)
+        try:
+            [w] = await farm.workers()
+            await farm.set_state(ADMIN, w.uuid, model.IDLE)
+            async with asyncio.timeout(15):
+                while (await farm.worker(w.uuid)).state != model.IDLE:
+                    await asyncio.sleep(0.02)  # polling the World: PREPARE -> IDLE
+            item = await client.get(election_key("farm"))
+            assert item is not None
+            dead = serving[item.value.decode()]
+            lease_gone = asyncio.Event()
+
+            async def watch() -> float:
+                async with contextlib.aclosing(watch_one(client, election_key("farm"))) as snaps:
+                    async for snap in snaps:
+                        if isinstance(snap, Tombstone) or snap.lease != item.lease:
+                            lease_gone.set()
+                            return time.monotonic()
+                raise AssertionError("the watch ended")
+
+            watcher = asyncio.create_task(watch())
+            t0 = time.monotonic()
+            os.kill(dead.proc.pid, signal.SIGKILL)
+            rid = await farm.new_request(ADMIN, priority=1)
+            req = await farm.wait_started(ADMIN, rid, 30)
+            t1 = time.monotonic()
+            assert req.state == model.IN_PROGRESS
+            gone = await watcher
+            return t1 - t0, t1 - gone
+        finally:
+            await client.close()
+
+    after_kill, after_expiry = asyncio.run(main())
+    assert after_expiry < 2.0
+    assert after_kill < ttl + 2.0 + (1.0 if backend == "etcd" else 0.0)  # etcd: whole seconds
+    for a in (wk, *serving.values()):
+        a.stop()
