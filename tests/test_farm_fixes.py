@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from evergraph.farm import model
+from evergraph.farm import model, tokens
 from evergraph.farm.service import Farm
 from evergraph.farm.tokens import User
 from evergraph.world.election import election_key
@@ -29,7 +29,7 @@ from evergraph.world.follow import Tombstone, watch_one
 from evergraph.world.kv import KV
 from evergraph.world.sqlite import SQLiteKV
 
-from .conftest import Agent, wait_for
+from .conftest import Agent, run_cli, wait_for
 from .test_farm_http import _token
 from .test_http import _url
 
@@ -330,3 +330,25 @@ def test_the_matcher_resumes_soon_after_a_killed_leaders_lease_expires(
     assert after_kill < ttl + 2.0 + (1.0 if backend == "etcd" else 0.0)  # etcd: whole seconds
     for a in (wk, *serving.values()):
         a.stop()
+
+
+def test_token_create_fragment_gives_the_right_and_list_shows_it(tmp_path: Path) -> None:
+    s = tmp_path / "s"
+    plain = _token(s, (), "bob")
+    fragment = _token(s, (), "carol", "--fragment")
+
+    async def find(t: str) -> User | None:
+        kv = SQLiteKV(s / "world.sqlite")
+        try:
+            return await tokens.lookup(kv, t)
+        finally:
+            await kv.close()
+
+    bob, carol = asyncio.run(find(plain)), asyncio.run(find(fragment))
+    assert bob is not None
+    assert carol is not None
+    assert (bob.fragment, carol.fragment, carol.admin) == (False, True, False)
+    r = run_cli("farm", "token", "list", "--state-dir", s)
+    assert r.returncode == 0, r.stderr
+    rows = sorted(line.split("\t")[1:] for line in r.stdout.splitlines())
+    assert rows == [["bob", "-", "-"], ["carol", "-", "fragment"]]

@@ -86,16 +86,14 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
     @state_dir_option
     @world_options
     def list_(state_dir: Path | None, **opts: object) -> None:
-        """`HASH  NAME  GROUPS  admin|-  fragment|-` for every token (never the token
-        itself)."""
+        """`HASH  NAME  GROUPS  admin|fragment|-` for every token (never the token
+        itself; `fragment`: may send graph fragments, as an admin may)."""
         from evergraph.farm import tokens
 
         async def body(kv: KV) -> int:
             for prefix, user in await tokens.users(kv):
-                admin = "admin" if user.admin else "-"
-                frag = "fragment" if user.fragment else "-"
-                groups = ",".join(user.groups) or "-"
-                click.echo(f"{prefix}\t{user.name}\t{groups}\t{admin}\t{frag}")
+                admin = "admin" if user.admin else "fragment" if user.fragment else "-"
+                click.echo(f"{prefix}\t{user.name}\t{','.join(user.groups) or '-'}\t{admin}")
             return 0
 
         sys.exit(with_world(state_dir, opts, body, read_only=True))
