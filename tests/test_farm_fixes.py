@@ -352,3 +352,23 @@ def test_token_create_fragment_gives_the_right_and_list_shows_it(tmp_path: Path)
     assert r.returncode == 0, r.stderr
     rows = sorted(line.split("\t")[1:] for line in r.stdout.splitlines())
     assert rows == [["bob", "-", "-"], ["carol", "-", "fragment"]]
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (("--farm-job-period", "60"), "--farm-job-period"),  # no --http: no matcher here
+        (("--worker", "--fragment-kinds", "file,nosuch"), "--fragment-kinds"),
+        (("--fragment-kinds", "file"), "--worker"),
+        (("--http", "127.0.0.1:0", "--farm-election-ttl", "0.1"), "--farm-election-ttl"),
+    ],
+)
+def test_bad_farm_flags_are_one_line_and_exit_2(
+    tmp_path: Path, args: tuple[str, ...], flag: str
+) -> None:
+    g = tmp_path / "g.yaml"
+    g.write_text(GRAPH)
+    r = run_cli("run", g, "--state-dir", tmp_path / "s", *args)
+    assert r.returncode == 2, r.stderr
+    assert len([line for line in r.stderr.splitlines() if flag in line]) == 1, r.stderr
+    assert "Traceback" not in r.stderr

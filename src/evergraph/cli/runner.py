@@ -107,6 +107,10 @@ def farm_options(
             "a worker: add --worker",
             "--worker",
         )
+    given = {k: v for k, v in (periods or {}).items() if v is not None}
+    if given and not http_addr:
+        flag = "--farm-" + next(iter(given)).replace("_", "-")
+        raise InputError("the farm's periods are for the agents serving it: add --http", flag)
     if not worker and not http_addr:
         return None
     # imported here: an agent outside the farm does not load the farm package
@@ -125,11 +129,7 @@ def farm_options(
             raise InputError(f"no such resource kind: {', '.join(unknown)}", "--fragment-kinds")
     elif fragment_kinds is not None:
         raise InputError("give kinds separated by commas, e.g. file,exec", "--fragment-kinds")
-    given = {k: v for k, v in (periods or {}).items() if v is not None}
     settings = None
-    if given and not http_addr:
-        flag = "--farm-" + next(iter(given)).replace("_", "-")
-        raise InputError("the farm's periods are for the agents serving it: add --http", flag)
     if given:
         if "max_prolong" in given:
             given["max_prolong"] = int(given["max_prolong"])

@@ -131,6 +131,7 @@ class FarmLeader:
         await self.election.lead(self._lead, "the farm's matcher")
 
     async def _lead(self) -> None:
+        self._unfit_since = {}  # what a past term saw says nothing of the time between
         records = _Records()
         async with asyncio.TaskGroup() as tg:
             tg.create_task(follow(self.kv, FARM, records))
