@@ -372,3 +372,58 @@ def test_bad_farm_flags_are_one_line_and_exit_2(
     assert r.returncode == 2, r.stderr
     assert len([line for line in r.stderr.splitlines() if flag in line]) == 1, r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_a_worker_away_for_a_moment_does_not_invalidate_its_requests(
+    tmp_path: Path, agents: Any
+) -> None:
+    """`--farm-invalid-grace`: the only fitting worker deregistered and started again
+    within the grace leaves its waiting request WAITING; a request no worker fits
+    becomes INVALID once the grace has passed, not before."""
+    grace = 5.0
+    db = tmp_path / "world.sqlite"
+    g = tmp_path / "g.yaml"
+    g.write_text(GRAPH)
+    world = ("--world-db", str(db))
+    srv: Agent = agents(
+        g,
+        tmp_path / "srv",
+        "--hostname",
+        "srv",
+        *world,
+        "--http",
+        "127.0.0.1:0",
+        "--farm-invalid-grace",
+        str(grace),
+    )
+    worker = ("--hostname", "wk1", *world, "--worker", "--cap", "board=rpi4")
+    wk: Agent = agents(g, tmp_path / "wk1", *worker)
+    srv.wait_converged()
+    wk.wait_converged()
+    admin = _bearer(_token(tmp_path / "cli", world, "root", "--admin"))
+    with httpx.Client(base_url=_url(srv), timeout=30) as c:
+        wait_for(lambda: c.get("/api/v1/workers/", headers=admin).json(), what="a worker")
+        [w] = c.get("/api/v1/workers/", headers=admin).json()
+        uuid = w["WorkerUUID"]
+        # (the worker stays in MAINTENANCE: a request that fits it waits)
+        body = json.dumps({"Priority": 3, "Caps": {"board": "rpi4"}})
+        rid = c.post("/api/v1/reqs/", content=body, headers=admin).json()["ReqID"]
+        assert wk.stop() == 0
+        r = c.post(f"/api/v1/workers/{uuid}/deregister", headers=admin)
+        assert r.status_code == 204, r.text
+        gone = time.monotonic()
+        wk2: Agent = agents(g, tmp_path / "wk1", *worker)
+        wait_for(
+            lambda: c.get(f"/api/v1/workers/{uuid}", headers=admin).status_code == 200,
+            what="the worker registered again",
+        )
+        assert time.monotonic() - gone < grace, "the worker took longer than the grace"
+        body = json.dumps({"Priority": 3, "Caps": {"board": "nosuch"}})
+        never = c.post("/api/v1/reqs/", content=body, headers=admin).json()["ReqID"]
+        asked = time.monotonic()
+        wait_for(lambda: _state(c, admin, never) == "INVALID", what="INVALID after the grace")
+        assert time.monotonic() - asked >= grace - 0.5  # (the matcher's clock started first)
+        assert _state(c, admin, rid) == "WAITING"
+    assert wk2.stop() == 0
+    assert srv.stop() == 0
