@@ -29,6 +29,7 @@ BENCHMARKS = (
     "files",
     "world",
     "farm",
+    "failover",
     "soak",
     "http",
     "cluster",

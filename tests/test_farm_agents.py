@@ -21,7 +21,7 @@ from .conftest import Agent, wait_for
 
 T = TypeVar("T")
 ADMIN = User(name="root", admin=True)
-ALICE = User(name="alice")
+ALICE = User(name="alice", fragment=True)  # (her requests carry fragments)
 
 
 def farm_call(db: Path, fn: Callable[[Farm], Awaitable[T]]) -> T:
@@ -94,9 +94,13 @@ def test_a_job_authorizes_a_key_until_it_ends_and_a_dead_worker_fails_its_job(
     wait_for(
         lambda: farm_call(db, lambda f: f.worker(uuid)).state == model.IDLE, what="worker IDLE"
     )
-    rid2 = farm_call(db, lambda f: f.new_request(ALICE, priority=3))
+    # (its fragment asks for no reversal: the worker adds it, persisted like the key's)
+    left = tmp_path / "job" / "left-by-job-2"
+    fragment2 = f'resources:\n  file:\n  - name: {left}\n    content: "job 2\\n"\n'
+    rid2 = farm_call(db, lambda f: f.new_request(ALICE, priority=3, fragment=fragment2))
     assert farm_call(db, lambda f: f.wait_started(ALICE, rid2, 15)).state == model.IN_PROGRESS
     wait_for(lambda: f"evergraph-job-{rid2}" in keys.read_text(), what="second key")
+    wait_for(left.exists, what="job 2's fragment applied")
     os.kill(wk.proc.pid, signal.SIGKILL)
     wk.proc.wait()
     wait_for(
@@ -108,10 +112,12 @@ def test_a_job_authorizes_a_key_until_it_ends_and_a_dead_worker_fails_its_job(
     # the key is still in the file (nobody ran to remove it) until the worker's agent
     # comes back: its persisted reversal removes it
     assert f"evergraph-job-{rid2}" in keys.read_text()
+    assert left.exists()
     wk2: Agent = agents(
         g, wstate, "--hostname", "wk1", *world, "--worker", "--authorized-keys", str(keys)
     )
     wait_for(lambda: f"evergraph-job-{rid2}" not in keys.read_text(), what="revoked on restart")
+    wait_for(lambda: not left.exists(), what="job 2's fragment reversed on restart")
     wk2.wait_converged()  # stopped before its first convergence, a run exits 1
     assert wk2.stop() == 0
     assert srv.stop() == 0

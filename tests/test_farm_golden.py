@@ -217,7 +217,7 @@ def test_farm_anonymous_serves_tokenless_clients_as_a_plain_user() -> None:
 def test_a_request_may_carry_a_graph_fragment_which_must_load() -> None:
     async def main() -> list[tuple[int, str]]:
         kv = MemoryKV(MemoryStore())
-        token = await tokens.create(kv, "alice", [], admin=False)
+        token = await tokens.create(kv, "alice", [], admin=False, fragment=True)
         farm = Farm(kv, host="srv")
         app = create_app(lambda: (), FarmApi(farm))
         out = []

@@ -58,7 +58,8 @@ def test_boruta_routes_with_tokens_over_real_agents(
     wk.wait_converged()
     admin = {"Authorization": "Bearer " + _token(tmp_path / "cli", world, "root", "--admin")}
     alice = {
-        "Authorization": "Bearer " + _token(tmp_path / "cli", world, "alice", "--group", "lab")
+        "Authorization": "Bearer "
+        + _token(tmp_path / "cli", world, "alice", "--group", "lab", "--fragment")
     }
     bob = {"Authorization": "Bearer " + _token(tmp_path / "cli", world, "bob")}
     with httpx.Client(base_url=_url(srv), timeout=30) as c:

@@ -16,7 +16,7 @@ from evergraph.farm import model
 from evergraph.farm.host import WorkerHost
 from evergraph.farm.leader import FarmLeader
 from evergraph.farm.model import Refused
-from evergraph.farm.service import ALIVE, Farm, Forbidden, NotFound
+from evergraph.farm.service import ALIVE, Farm, FarmSettings, Forbidden, NotFound
 from evergraph.farm.tokens import User
 from evergraph.world.election import Election
 from evergraph.world.exports import Collector, HostKeyBook, Publisher, publish_hostkeys
@@ -62,11 +62,13 @@ class Cluster:
         return keys, book, pub, col
 
     @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[tuple[Farm, WorkerHost]]:
+    async def running(
+        self, settings: FarmSettings | None = None
+    ) -> AsyncIterator[tuple[Farm, WorkerHost]]:
         _, _, _, col = await self.host("srv")
         _, _, wpub, _ = await self.host("wk1")
         election = Election(self.kv(), "farm", "srv", ttl=5)
-        leader = FarmLeader(self.kv(), election)
+        leader = FarmLeader(self.kv(), election, settings)
         self.tasks += [asyncio.create_task(election.run()), asyncio.create_task(leader.run())]
         farm = Farm(self.kv(), host="srv", collector=col)
         worker = WorkerHost(
@@ -142,14 +144,17 @@ def test_request_matched_acquired_and_closed(tmp_path: Path) -> None:
 
 def test_unsatisfiable_is_invalid_and_a_dead_worker_fails_its_job(tmp_path: Path) -> None:
     async def main() -> None:
-        async with Cluster(tmp_path).running() as (farm, worker):
+        async with Cluster(tmp_path).running(FarmSettings(invalid_grace=0)) as (farm, worker):
             uuid = worker.uuid
+            # (the worker in MAINTENANCE: nothing takes the request meanwhile)
+            waiting = await farm.new_request(ALICE, priority=8)
+            with pytest.raises(Refused, match="WAITING"):
+                await farm.acquire(ALICE, waiting, 0)
+            await farm.close_request(ALICE, waiting)
             await farm.set_state(ADMIN, uuid, model.IDLE)
             bad = await farm.new_request(ALICE, priority=8, caps={"board": "pi5"})
             req = await farm.wait_started(ALICE, bad, 10)
             assert req.state == model.INVALID
-            with pytest.raises(Refused, match="WAITING"):
-                await farm.acquire(ALICE, await farm.new_request(ALICE, priority=8), 0)
             rid2 = await farm.new_request(BOB, priority=1)
             # bob has no group, the worker has one: a request with no groups fits any
             req = await farm.wait_started(BOB, rid2, 10)
@@ -207,5 +212,69 @@ def test_a_stale_worker_record_never_fails_a_running_request(tmp_path: Path) -> 
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+    asyncio.run(main())
+
+
+def test_a_request_is_invalid_only_after_its_workers_are_gone_for_the_grace(
+    tmp_path: Path,
+) -> None:
+    """Its only fitting worker deregistered for a moment (re-registered within the
+    grace), a WAITING request stays WAITING; one no worker fits becomes INVALID, but
+    not before the grace has passed."""
+    grace = 1.5
+
+    async def main() -> None:
+        async with Cluster(tmp_path).running(FarmSettings(invalid_grace=grace)) as (farm, wk):
+            # the worker stays in MAINTENANCE: requests that fit it wait
+            rid = await farm.new_request(ALICE, priority=4, caps={"board": "rpi4"})
+            await farm.deregister(ADMIN, wk.uuid)
+            gone = asyncio.get_running_loop().time()
+            never = await farm.new_request(ALICE, priority=4, caps={"board": "pi5"})
+            await asyncio.sleep(grace / 3)  # the worker is away for a moment
+            await wk.register()
+            req = await farm.wait_started(ALICE, never, 10)
+            assert req.state == model.INVALID
+            assert asyncio.get_running_loop().time() - gone >= grace
+            # the matcher has passed the grace of the first request too: still waiting
+            assert (await farm.request(ALICE, rid)).state == model.WAITING
+
+    asyncio.run(main())
+
+
+def test_request_ids_are_dense_whatever_priority_changes_happen(tmp_path: Path) -> None:
+    """A priority change sends a request to the tail of its priority's FIFO, and
+    takes no request id: ids are 1, 2, 3, ... with no gap."""
+    from evergraph.farm.matcher import match
+
+    async def main() -> None:
+        farm = Farm(MemoryKV(MemoryStore()))
+        a = await farm.new_request(ALICE, priority=4)
+        b = await farm.new_request(ALICE, priority=4)
+        await farm.update_request(ALICE, a, priority=3)
+        await farm.update_request(ALICE, a, priority=4)  # now behind b
+        c = await farm.new_request(ALICE, priority=4)
+        d = await farm.new_request(ALICE, priority=4)
+        assert [a, b, c, d] == [1, 2, 3, 4]
+        reqs = await farm.requests(ADMIN)
+        # FIFO within the priority: b, then a (moved to the tail), then c and d
+        workers = [
+            model.complete_prepare(
+                model.set_state(
+                    model.register_worker(
+                        uuid=f"00000000-0000-4000-8000-00000000000{i}",
+                        caps={},
+                        address="127.0.0.1",
+                        port=22,
+                        username="t",
+                        now=0.0,
+                    ),
+                    model.IDLE,
+                )
+            )
+            for i in range(3)
+        ]
+        plan = match(reqs, workers, max(r.valid_after for r in reqs) + 1)
+        assert [x.request for x in plan.assign] == [b, a, c]
 
     asyncio.run(main())

@@ -122,6 +122,9 @@ class FarmOptions(msgspec.Struct, frozen=True):
     authorized_keys: str = ""
     #: agents a worker hands job keys to (`--farm-server`); this host always
     key_servers: tuple[str, ...] = ()
+    #: the resource kinds a request's fragment may use here (`--fragment-kinds`;
+    #: empty: any kind)
+    fragment_kinds: tuple[str, ...] = ()
     #: run the farm's matcher when elected (agents serving the farm API)
     matcher: bool = False
     #: periods and limits (None: the defaults)
@@ -232,6 +235,8 @@ class Agent:
         self.extra = list(services)
         self.farm = farm or FarmOptions()
         self.worker: WorkerHost | None = None
+        #: the request whose fragment was refused (logged once per job)
+        self._fragment_refused = 0
         #: the last graph from the frontend, untouched (a job's resources are merged
         #: into a copy of it whenever the job changes)
         self._raw: GraphModel | None = None
@@ -351,11 +356,13 @@ class Agent:
         opts = self.farm
         if opts.matcher:
             from evergraph.farm.leader import FarmLeader
+            from evergraph.farm.service import FarmSettings
             from evergraph.world.election import Election
 
-            election = Election(kv, "farm", host)
+            farm_settings = opts.settings or FarmSettings()
+            election = Election(kv, "farm", host, ttl=farm_settings.election_ttl)
             self._service(election.run(), "farm-election")
-            self._service(FarmLeader(kv, election, opts.settings).run(), "farm-matcher")
+            self._service(FarmLeader(kv, election, farm_settings).run(), "farm-matcher")
         if opts.worker:
             from evergraph.farm.facts import discovered, worker_uuid
             from evergraph.farm.host import WorkerHost
@@ -482,6 +489,23 @@ class Agent:
             except InputError as e:
                 log.error("farm: %s (the job runs without its fragment)", e)
             else:
+                allowed = set(self.farm.fragment_kinds)
+                other = sorted({r.kind for r in frag.resources.values()} - allowed)
+                if allowed and other:
+                    if self._fragment_refused != job.request:
+                        self._fragment_refused = job.request
+                        log.error(
+                            "farm: request %d's fragment uses %s, not among this worker's "
+                            "--fragment-kinds (%s): refused, the job runs without it",
+                            job.request,
+                            ", ".join(other),
+                            ",".join(sorted(allowed)),
+                        )
+                    return raw
+                # what the fragment changes is undone when the job ends, even across
+                # a crash (a persisted reversal), whatever the fragment's own meta says
+                for res in frag.resources.values():
+                    res.meta = msgspec.structs.replace(res.meta, reverse=True)
                 merge(raw, list(frag.resources.values()))
                 for edge in frag.edges:
                     raw.edges.append(edge)

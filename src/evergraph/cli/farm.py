@@ -51,10 +51,21 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
     @click.argument("name")
     @click.option("--group", "groups", multiple=True, help="A group of this user (repeatable).")
     @click.option("--admin", is_flag=True, help="May use the admin routes (workers' state).")
+    @click.option(
+        "--fragment",
+        is_flag=True,
+        help="May send requests with a graph fragment (which workers apply as root for the "
+        "job's lifetime; admins may anyway).",
+    )
     @state_dir_option
     @world_options
     def create(
-        name: str, groups: tuple[str, ...], admin: bool, state_dir: Path | None, **opts: object
+        name: str,
+        groups: tuple[str, ...],
+        admin: bool,
+        fragment: bool,
+        state_dir: Path | None,
+        **opts: object,
     ) -> None:
         """Create a token for user NAME and print it (it is not shown again)."""
         from evergraph.farm import tokens
@@ -66,7 +77,7 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
             sys.exit(2)
 
         async def body(kv: KV) -> int:
-            click.echo(await tokens.create(kv, name, list(groups), admin))
+            click.echo(await tokens.create(kv, name, list(groups), admin, fragment))
             return 0
 
         sys.exit(with_world(state_dir, opts, body))
@@ -75,12 +86,13 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
     @state_dir_option
     @world_options
     def list_(state_dir: Path | None, **opts: object) -> None:
-        """`HASH  NAME  GROUPS  admin|-` for every token (never the token itself)."""
+        """`HASH  NAME  GROUPS  admin|fragment|-` for every token (never the token
+        itself; `fragment`: may send graph fragments, as an admin may)."""
         from evergraph.farm import tokens
 
         async def body(kv: KV) -> int:
             for prefix, user in await tokens.users(kv):
-                admin = "admin" if user.admin else "-"
+                admin = "admin" if user.admin else "fragment" if user.fragment else "-"
                 click.echo(f"{prefix}\t{user.name}\t{','.join(user.groups) or '-'}\t{admin}")
             return 0
 
@@ -173,7 +185,8 @@ def register_client(farm: click.Group) -> None:
     @click.option(
         "--fragment",
         type=click.Path(exists=True, dir_okay=False, path_type=Path),
-        help="A YAML graph the worker applies for the job's lifetime (evergraph servers).",
+        help="A YAML graph the worker applies for the job's lifetime, reversed at its end "
+        "(evergraph servers; needs a token created with --fragment).",
     )
     @_URL
     @_TOKEN

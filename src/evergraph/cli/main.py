@@ -307,6 +307,39 @@ def world_options(f: Callable[..., None]) -> Callable[..., None]:
     "(repeatable; this host always may).",
 )
 @click.option(
+    "--fragment-kinds",
+    metavar="KIND,...",
+    help="The resource kinds a request's graph fragment may use on this worker (e.g. "
+    "file,pkg); a fragment with another kind is refused, the job runs without it. "
+    "[default: any kind]",
+)
+@click.option(
+    "--farm-job-period",
+    type=click.FloatRange(0, min_open=True),
+    metavar="S",
+    help="With --http: a job's length, and what one prolong adds. [default: 3600]",
+)
+@click.option(
+    "--farm-max-prolong",
+    type=click.IntRange(0),
+    metavar="N",
+    help="With --http: how many times a job may be prolonged. [default: 3]",
+)
+@click.option(
+    "--farm-invalid-grace",
+    type=click.FloatRange(0),
+    metavar="S",
+    help="With --http: a waiting request becomes INVALID only after no registered worker "
+    "could serve it for S seconds. [default: 60]",
+)
+@click.option(
+    "--farm-election-ttl",
+    type=click.FloatRange(0.5),
+    metavar="S",
+    help="With --http: the farm election's lease; a dead leader's matcher is taken over "
+    "within about S seconds. [default: 10]",
+)
+@click.option(
     "--replace",
     is_flag=True,
     help="Take the hostname over from another live agent (which then stops).",
@@ -356,6 +389,11 @@ def run(
     ssh_user: str,
     authorized_keys: Path | None,
     farm_servers: tuple[str, ...],
+    fragment_kinds: str | None,
+    farm_job_period: float | None,
+    farm_max_prolong: int | None,
+    farm_invalid_grace: float | None,
+    farm_election_ttl: float | None,
     verbose: int,
     deployers: tuple[str, ...],
     **world: object,

@@ -55,6 +55,11 @@ DEFAULTS: dict[str, Any] = {
     "ssh_user": "root",
     "authorized_keys": None,
     "farm_servers": (),
+    "fragment_kinds": None,
+    "farm_job_period": None,
+    "farm_max_prolong": None,
+    "farm_invalid_grace": None,
+    "farm_election_ttl": None,
     "replace": False,
     "world_backend": "sqlite",
     "world_db": None,
@@ -99,18 +104,47 @@ def farm_options(
     authorized_keys: Path | None,
     farm_servers: tuple[str, ...],
     http_addr: str | None,
+    fragment_kinds: str | None = None,
+    periods: dict[str, float | None] | None = None,
 ) -> FarmOptions | None:
-    if not worker and (caps or groups or farm_servers or authorized_keys):
+    """`periods`: `--farm-job-period` and the like, by FarmSettings field (None: the
+    default)."""
+    if not worker and (caps or groups or farm_servers or authorized_keys or fragment_kinds):
         raise InputError(
-            "--cap, --group, --authorized-keys and --farm-server describe a worker: add --worker",
+            "--cap, --group, --authorized-keys, --farm-server and --fragment-kinds describe "
+            "a worker: add --worker",
             "--worker",
         )
+    given = {k: v for k, v in (periods or {}).items() if v is not None}
+    if given and not http_addr:
+        flag = "--farm-" + next(iter(given)).replace("_", "-")
+        raise InputError("the farm's periods are for the agents serving it: add --http", flag)
     if not worker and not http_addr:
         return None
     # imported here: an agent outside the farm does not load the farm package
     from evergraph.agent.run import FarmOptions
     from evergraph.farm.facts import parse_caps
+    from evergraph.farm.service import FarmSettings
     from evergraph.world.names import hostname_problem
+
+    kinds = tuple(sorted({k.strip() for k in (fragment_kinds or "").split(",") if k.strip()}))
+    if kinds:
+        from evergraph.frontends.open import builtin_registry
+
+        known = builtin_registry().kinds()
+        unknown = [k for k in kinds if k not in known]
+        if unknown:
+            raise InputError(f"no such resource kind: {', '.join(unknown)}", "--fragment-kinds")
+    elif fragment_kinds is not None:
+        raise InputError("give kinds separated by commas, e.g. file,exec", "--fragment-kinds")
+    settings = None
+    if given:
+        if "max_prolong" in given:
+            given["max_prolong"] = int(given["max_prolong"])
+        try:
+            settings = FarmSettings(**given)  # type: ignore[arg-type]
+        except ValueError as e:
+            raise InputError(str(e), "--farm-" + next(iter(given)).replace("_", "-")) from None
 
     try:
         parsed = parse_caps(caps)
@@ -128,7 +162,9 @@ def farm_options(
         ssh_user=ssh_user,
         authorized_keys=str(authorized_keys.absolute()) if authorized_keys else "",
         key_servers=tuple(farm_servers),
+        fragment_kinds=kinds,
         matcher=bool(http_addr),
+        settings=settings,
     )
 
 
@@ -150,7 +186,13 @@ def http_service(
 
         farm = None
         if agent.kv is not None:
-            farm = Farm(agent.kv, host=agent.settings.host(), collector=agent.collector)
+            farm = Farm(
+                agent.kv,
+                host=agent.settings.host(),
+                collector=agent.collector,
+                settings=agent.farm.settings,  # the matcher's periods and limits, too
+                local=agent.worker,
+            )
         view = AgentView(agent, farm=farm is not None)
         app = create_app(agent.status, FarmApi(farm, anonymous), view)
         server = HttpServer(app, sock, on_stop=view.close, unix=unix_sock, max_body=max_body)
@@ -325,6 +367,13 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     ssh_user: str = params["ssh_user"]
     authorized_keys: Path | None = params["authorized_keys"]
     farm_servers: tuple[str, ...] = params["farm_servers"]
+    fragment_kinds: str | None = params["fragment_kinds"]
+    periods = {
+        "job_period": params["farm_job_period"],
+        "max_prolong": params["farm_max_prolong"],
+        "invalid_grace": params["farm_invalid_grace"],
+        "election_ttl": params["farm_election_ttl"],
+    }
     verbose: int = params["verbose"]
     deployers: tuple[str, ...] = params["deployers"]
     world = {k: params[k] for k in WORLD_PARAMS}
@@ -366,7 +415,16 @@ def run_command(params: dict[str, Any]) -> NoReturn:
         services.append(progress_service(terminal_handler()))
         services.append(flusher)  # a pipe's buffered lines, written soon after they come
         farm = farm_options(
-            worker, caps, groups, ssh_port, ssh_user, authorized_keys, farm_servers, http_addr
+            worker,
+            caps,
+            groups,
+            ssh_port,
+            ssh_user,
+            authorized_keys,
+            farm_servers,
+            http_addr,
+            fragment_kinds,
+            periods,
         )
     except InputError as e:
         die(e)

@@ -17,6 +17,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from evergraph._util.clock import SYSTEM, Clock
 from evergraph.farm import model
 from evergraph.farm.access import new_key_pair
@@ -24,6 +26,7 @@ from evergraph.farm.service import (
     ACCESS,
     ALIVE,
     DEMAND,
+    Alive,
     decode_request,
     decode_worker,
     encode,
@@ -128,7 +131,15 @@ class WorkerHost:
 
     async def alive(self) -> None:
         """(Re)write `farm/alive/<uuid>` under the agent's lease."""
-        await self.kv.put(f"{ALIVE}{self.uuid}", b"1", lease=self.lease())
+        value = msgspec.json.encode(Alive(servers=sorted(self.key_servers)))
+        await self.kv.put(f"{ALIVE}{self.uuid}", value, lease=self.lease())
+
+    def job_key(self, rid: int) -> str | None:
+        """The private key of request `rid`'s job if this worker runs it now (for the
+        acquire_worker this very agent serves)."""
+        if self.job is None or self.job.request != rid:
+            return None
+        return self._private.decode()
 
     async def run(self) -> None:
         await self.alive()

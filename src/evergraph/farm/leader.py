@@ -17,6 +17,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
+import msgspec
+
 from evergraph._util.clock import SYSTEM, Clock
 from evergraph.farm import matcher, model
 from evergraph.farm.model import Refused, Request, Worker
@@ -107,6 +109,9 @@ class FarmLeader:
         self.refused = 0
         #: key -> (mod revision, decoded record): a pass decodes only what changed
         self._cache: dict[str, tuple[int, Any]] = {}
+        #: WAITING request -> since when (clock.time) no registered worker could
+        #: serve it: INVALID only after `settings.invalid_grace` of that
+        self._unfit_since: dict[int, float] = {}
 
     def _decoded(self, kv: KeyValue, decode: Callable[[bytes, str], T]) -> T | None:
         hit = self._cache.get(kv.key)
@@ -126,6 +131,7 @@ class FarmLeader:
         await self.election.lead(self._lead, "the farm's matcher")
 
     async def _lead(self) -> None:
+        self._unfit_since = {}  # what a past term saw says nothing of the time between
         records = _Records()
         async with asyncio.TaskGroup() as tg:
             tg.create_task(follow(self.kv, FARM, records))
@@ -167,8 +173,9 @@ class FarmLeader:
         living = {k[len(ALIVE) :] for k in alive_items}
         await self._housekeeping(reqs, workers, living, now)
         plan = matcher.match([r for r, _ in reqs.values()], [w for w, _ in workers.values()], now)
+        plan, wakeup = self._grace(plan, now)
         if plan.empty:
-            return _next(plan)
+            return wakeup
         for rid in plan.failed:
             r, mod = reqs[rid]
             # conditioned on the worker record the decision was made from, too
@@ -220,7 +227,21 @@ class FarmLeader:
             )
             if ok:
                 log.info("farm: request %d -> worker %s", a.request, a.worker)
-        return _next(plan)
+        return wakeup
+
+    def _grace(self, plan: matcher.Plan, now: float) -> tuple[matcher.Plan, float | None]:
+        """`plan` with only the INVALID moves whose grace has run out (a request
+        no worker fits is kept WAITING for `invalid_grace`: its workers may come
+        back), and when the next pass is due."""
+        grace = self.settings.invalid_grace
+        since = {rid: self._unfit_since.get(rid, now) for rid in plan.invalid}
+        self._unfit_since = since
+        due = [rid for rid, t in since.items() if t + grace <= now]
+        later = [t + grace for t in since.values() if t + grace > now]
+        wakeups = [t for t in (plan.next_wakeup, *later) if t is not None]
+        if len(due) != len(plan.invalid):
+            plan = msgspec.structs.replace(plan, invalid=[r for r in plan.invalid if r in due])
+        return plan, min(wakeups) if wakeups else None
 
     async def _housekeeping(
         self,
@@ -263,7 +284,3 @@ class FarmLeader:
             self.refused += 1
             return False
         return True
-
-
-def _next(plan: matcher.Plan) -> float | None:
-    return plan.next_wakeup

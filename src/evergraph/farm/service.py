@@ -5,11 +5,16 @@ servers (or a server and the leader's matcher) never both win a race.
 
 World layout:
 
-- `farm/seq`: the last request id handed out (requests are numbered 1, 2, ...;
-  the number also orders a priority's FIFO);
+- `farm/seq`: the last request id handed out (requests are numbered 1, 2, ...,
+  with no gaps);
+- `farm/queued`: the last queue position handed out (a new request, or one whose
+  priority changed, goes to the tail of its priority's FIFO); apart from
+  `farm/seq` so that a priority change does not take an id;
 - `farm/requests/<id, 10 digits>`: a `Request` (JSON);
 - `farm/workers/<uuid>`: a `Worker` (JSON), registered by the worker's agent;
 - `farm/alive/<uuid>`: present while the worker's agent lives (under its lease);
+  its value `{"servers": [...]}` names the agents the worker hands job keys to
+  (`--farm-server` and itself), so that another answers acquire_worker at once;
 - `farm/demand/<id>/<host>`: agent `host` serves `acquire_worker` for request `id`
   and asks the job's worker for the key; the worker exports it (kind `farm.access`)
   sealed to that host's pinned key, so the private key is never plain in the World.
@@ -22,6 +27,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 
@@ -37,6 +43,7 @@ log = logging.getLogger("evergraph.farm")
 
 FARM = "farm/"
 SEQ = "farm/seq"
+QUEUED = "farm/queued"
 REQS = "farm/requests/"
 WORKERS = "farm/workers/"
 ALIVE = "farm/alive/"
@@ -69,6 +76,19 @@ class FarmSettings:
     max_prolong: int = 3
     #: acquire_worker waits this long at most for a WAITING request
     acquire_wait: float = 60.0
+    #: a WAITING request becomes INVALID only once no registered worker could serve
+    #: it for this long (a worker re-registering, or deregistered by mistake and
+    #: back, does not kill the queue)
+    invalid_grace: float = 60.0
+    #: the farm election's lease: a dead leader's matcher is replaced within it
+    election_ttl: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("deadline_period", "job_period", "acquire_wait", "election_ttl"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"farm settings: {name} must be positive")
+        if self.max_prolong < 0 or not self.invalid_grace >= 0:
+            raise ValueError("farm settings: max_prolong and invalid_grace may not be negative")
 
 
 @dataclass(frozen=True)
@@ -81,6 +101,25 @@ class Access:
     key: str
 
 
+class LocalWorker(Protocol):
+    """The worker this very agent runs (`farm.host.WorkerHost`): the key of its job
+    goes straight to the acquire_worker served here (its own exports never come
+    back to it through the World)."""
+
+    uuid: str
+
+    def job_key(self, rid: int) -> str | None: ...
+
+    def listen(self, fn: Callable[[], None]) -> Callable[[], None]: ...
+
+
+class Alive(msgspec.Struct, frozen=True):
+    """The value of `farm/alive/<uuid>`."""
+
+    servers: list[str] = []
+
+
+_alive_dec = msgspec.json.Decoder(Alive)
 _req_dec = msgspec.json.Decoder(Request)
 _worker_dec = msgspec.json.Decoder(Worker)
 
@@ -123,22 +162,31 @@ class Farm:
         collector: Collector | None = None,
         settings: FarmSettings | None = None,
         clock: Clock = SYSTEM,
+        local: LocalWorker | None = None,
     ) -> None:
         self.kv = kv
         self.host = host
         self.collector = collector
+        self.local = local
         self.settings = settings or FarmSettings()
         self.clock = clock
 
     # -- reading ------------------------------------------------------------------------
-    async def _seq(self) -> tuple[int, int]:
-        item = await self.kv.get(SEQ)
+    async def _seq(self, key: str = SEQ) -> tuple[int, int]:
+        """A counter (`farm/seq`, `farm/queued`) and its mod revision (0: none yet)."""
+        item = await self.kv.get(key)
         if item is None:
             return 0, 0
         try:
             return int(item.value), item.mod_revision
         except ValueError:
-            raise WorldError(f"{SEQ}: not a number") from None
+            raise WorldError(f"{key}: not a number") from None
+
+    async def _queued(self) -> tuple[int, int]:
+        """The last queue position and its mod revision: at least the last id (a
+        World from before `farm/queued` ordered its queue by id)."""
+        (q, mod), (n, _) = await asyncio.gather(self._seq(QUEUED), self._seq(SEQ))
+        return max(q, n), mod
 
     async def _request(self, rid: int) -> tuple[Request, int]:
         item = await self.kv.get(req_key(rid))
@@ -157,6 +205,15 @@ class Farm:
             return decode_worker(item.value, item.key), item.mod_revision
         except ValueError as e:
             raise WorldError(str(e)) from None
+
+    @staticmethod
+    def may_send_fragment(user: User) -> None:
+        """Forbidden unless `user` may send a graph fragment: a worker applies it as
+        root, so it is a right given with the token (`--fragment`), or an admin's."""
+        if not (user.admin or user.fragment):
+            raise Forbidden(
+                "a graph fragment needs a token created with --fragment (or an admin's)"
+            )
 
     @staticmethod
     def _may_see(user: User, req: Request) -> None:
@@ -207,14 +264,17 @@ class Farm:
         fragment: str | None = None,
     ) -> int:
         """A new WAITING request owned by `user` (groups from the token); its id."""
+        if fragment:
+            self.may_send_fragment(user)
         for _ in range(ATTEMPTS):
             n, mod = await self._seq()
+            q, qmod = await self._queued()
             req = model.new_request(
                 id=n + 1,
                 owner=user.name,
                 priority=priority,
                 now=self.clock.time(),
-                queued=n + 1,
+                queued=q + 1,
                 groups=user.groups,
                 caps=caps,
                 valid_after=valid_after,
@@ -222,8 +282,13 @@ class Farm:
                 fragment=fragment,
                 deadline_period=self.settings.deadline_period,
             )
-            ops = [Put(SEQ, str(n + 1).encode()), Put(req_key(n + 1), encode(req))]
-            if await self.kv.txn([Compare(SEQ, mod)], ops) is not None:
+            ops = [
+                Put(SEQ, str(n + 1).encode()),
+                Put(QUEUED, str(q + 1).encode()),
+                Put(req_key(n + 1), encode(req)),
+            ]
+            compares = [Compare(SEQ, mod), Compare(QUEUED, qmod)]
+            if await self.kv.txn(compares, ops) is not None:
                 log.info("farm: request %d by %s (priority %d)", n + 1, user.name, priority)
                 return n + 1
         raise WorldError("farm: the request counter kept changing; try again")
@@ -240,11 +305,11 @@ class Farm:
         for _ in range(ATTEMPTS):
             req, mod = await self._request(rid)
             self._may_see(user, req)
-            n, smod = await self._seq()
+            q, qmod = await self._queued()
             new = model.update_request(
                 req,
                 self.clock.time(),
-                queued=n + 1,
+                queued=q + 1,
                 priority=priority,
                 valid_after=valid_after,
                 deadline=deadline,
@@ -254,8 +319,8 @@ class Farm:
             compares = [Compare(req_key(rid), mod)]
             ops: list[Put | Delete] = [Put(req_key(rid), encode(new))]
             if new.queued != req.queued:  # to the tail of its new priority
-                compares.append(Compare(SEQ, smod))
-                ops.append(Put(SEQ, str(n + 1).encode()))
+                compares.append(Compare(QUEUED, qmod))
+                ops.append(Put(QUEUED, str(q + 1).encode()))
             if await self.kv.txn(compares, ops) is not None:
                 return
         raise WorldError(f"farm: request {rid} kept changing; try again")
@@ -319,6 +384,7 @@ class Farm:
         w = await self.worker(req.job.worker)
         if self.collector is None:
             raise Refused("this agent does not serve worker keys (it has no World identity)")
+        await self._serves(w)
         left = max(1.0, wait - (self.clock.monotonic() - started)) if wait > 0 else 10.0
         key = await self._key_for(rid, w, left)
         return Access(ip=w.address, port=w.port, username=w.username, key=key)
@@ -327,6 +393,8 @@ class Farm:
         """Ask the worker for the job's key (a demand record) and wait for it to arrive,
         sealed to this host and signed by the worker's pinned key."""
         assert self.collector is not None
+        if self.local is not None and self.local.uuid == w.uuid:
+            return await self._local_key(rid, self.local, wait)
         collector = self.collector
         src = w.caps.get("hostname", "")
 
@@ -354,6 +422,39 @@ class Farm:
             raise Refused(
                 f"the worker of request {rid} did not hand over its key in {wait:.0f} s"
             ) from None
+        finally:
+            unlisten()
+        return key
+
+    async def _serves(self, w: Worker) -> None:
+        """Refused at once (naming them) if the worker hands its job keys only to
+        other agents than this one: waiting for the key would be in vain."""
+        item = await self.kv.get(f"{ALIVE}{w.uuid}")
+        if item is None:
+            return
+        try:
+            servers = _alive_dec.decode(item.value).servers
+        except msgspec.DecodeError:
+            return  # an older worker's: it says nothing
+        if servers and self.host not in servers:
+            raise Refused(
+                f"worker {w.uuid} hands its job keys only to its farm servers "
+                f"({', '.join(sorted(servers))}), and this agent ({self.host}) is none "
+                "of them: acquire the worker through one of those"
+            )
+
+    @staticmethod
+    async def _local_key(rid: int, local: LocalWorker, wait: float) -> str:
+        """The key of this agent's own worker's job, once the worker started it."""
+        changed = asyncio.Event()
+        unlisten = local.listen(changed.set)
+        try:
+            async with asyncio.timeout(wait):
+                while (key := local.job_key(rid)) is None:
+                    await changed.wait()
+                    changed.clear()
+        except TimeoutError:
+            raise Refused(f"this agent's worker did not start the job of request {rid}") from None
         finally:
             unlisten()
         return key

@@ -1,6 +1,8 @@
 """API tokens of the farm's users, stored in the World only as hashes.
 
-`farm/tokens/<sha256 of the token>` holds `{name, groups, admin, created}`: the
+`farm/tokens/<sha256 of the token>` holds `{name, groups, admin, fragment,
+created}` (`fragment`: the right to send a request with a graph fragment, which
+a worker applies as root; admins have it anyway): the
 token itself is shown once, when created, and never stored; a presented token is
 hashed and looked up in one read. Tokens are 256 random bits, so a plain sha256
 is enough (no password-style stretching needed).
@@ -26,6 +28,8 @@ class User(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     groups: list[str] = []
     admin: bool = False
+    #: may send requests with a graph fragment (`token create --fragment`)
+    fragment: bool = False
     created: float = 0.0
 
 
@@ -45,11 +49,18 @@ def check_names(name: str, groups: list[str]) -> None:
             raise ValueError(f"{g!r} is not a group name (letters, digits, '._-', at most 64)")
 
 
-async def create(kv: KV, name: str, groups: list[str], admin: bool) -> str:
-    """A new token for `name` (returned once; only its hash is stored)."""
+async def create(kv: KV, name: str, groups: list[str], admin: bool, fragment: bool = False) -> str:
+    """A new token for `name` (returned once; only its hash is stored). `fragment`:
+    the token may send graph fragments."""
     check_names(name, groups)
     token = "egt_" + secrets.token_urlsafe(32)
-    user = User(name=name, groups=sorted(set(groups)), admin=admin, created=time.time())
+    user = User(
+        name=name,
+        groups=sorted(set(groups)),
+        admin=admin,
+        fragment=fragment,
+        created=time.time(),
+    )
     await kv.put(_key(token), msgspec.json.encode(user))
     return token
 

@@ -94,6 +94,7 @@ class FarmApi:
     async def new_request(self, request: HttpRequest, farm: Farm, user: User) -> Response:
         spec = boruta.parse_new_request(await request.body(), farm.clock.time())
         if spec.fragment:
+            farm.may_send_fragment(user)  # 403 before anything of it is read
             _check_fragment(spec.fragment)
         rid = await farm.new_request(
             user,
