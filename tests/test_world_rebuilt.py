@@ -414,3 +414,57 @@ def test_members_show_a_workers_capabilities_and_groups(
     assert query(db, "SELECT 1 FROM kv WHERE key = 'world/id'")
     assert w.stop() == 0
     assert p.stop() == 0
+
+
+# -- scheduler volunteers in a replaced World ---------------------------------------------
+
+
+def test_a_volunteer_never_keeps_a_lease_of_another_world(tmp_path: Path) -> None:
+    """`world.sqlite` recreated, its first leases taken by another process (the ids
+    the volunteer had): the volunteer writes its record again under a lease of
+    its own, and does not keep the other process's leases alive."""
+    from evergraph.world.scheduler import Options, Volunteer, volunteer_key
+    from evergraph.world.sqlite import SQLiteKV
+
+    db = tmp_path / "world.sqlite"
+
+    async def body() -> None:
+        kv = SQLiteKV(db)
+        vol = Volunteer(kv, "web", "h1", Options(ttl=2))
+        task = asyncio.create_task(vol.run())
+        try:
+            async with asyncio.timeout(10):
+                await vol.volunteered.wait()
+            _remove_world(db)
+            other = SQLiteKV(db)  # the new World
+            try:
+                foreign = {await other.grant(2.0) for _ in range(4)}
+                assert vol.lease in foreign  # the same id, in another World
+
+                async def mine() -> bool:
+                    item = await other.get(volunteer_key("web", "h1"))
+                    return item is not None and item.lease not in foreign
+
+                async with asyncio.timeout(10):
+                    while not await mine():
+                        await asyncio.sleep(0.05)
+                assert vol.lease not in foreign
+                # the other process's leases expire: nobody keeps them alive for it
+                async with asyncio.timeout(10):
+                    while True:
+                        rows = {r[0] for r in sqlite3.connect(db).execute("SELECT id FROM leases")}
+                        if not rows & foreign:
+                            break
+                        await other.get("x")  # sweeps what expired
+                        await asyncio.sleep(0.2)
+                assert await mine()
+            finally:
+                await other.close()
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await vol.leave(withdraw=False)
+            await kv.close()
+
+    asyncio.run(body())
