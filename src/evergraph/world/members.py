@@ -315,10 +315,12 @@ class Membership:
     async def _maintain(self) -> None:
         loop = asyncio.get_running_loop()
         next_tick = loop.time() + self.ttl / 3
+        again = False  # a pass that failed: the next one looks at the record too
         while not self.replaced.is_set():
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout_at(next_tick):
                     await self._wake.wait()
+            woken = self._wake.is_set()
             self._wake.clear()
             tick = loop.time() >= next_tick
             if tick:
@@ -326,7 +328,8 @@ class Membership:
             if self._stopping:
                 continue
             try:
-                await self._pass(tick)
+                await self._pass(tick, woken or again)
+                again = False
             except LeaseExpired:
                 log.warning("world: lease %x expired; granting a new one", self.lease)
                 self._lease_gone = True
@@ -334,10 +337,13 @@ class Membership:
             except WorldError as e:
                 log.warning("world: keep-alive failed: %s", e)
                 next_tick = min(next_tick, loop.time() + 1.0)
+                again = True
 
-    async def _pass(self, tick: bool) -> None:
+    async def _pass(self, tick: bool, woken: bool = True) -> None:
         """One round: a fresh lease if ours is gone or of another World; the
-        keep-alive and the World's id (on ticks); our record as we wrote it."""
+        keep-alive and the World's id (on ticks); our record as we wrote it (when
+        woken: the record's watch, a new lease or World; a quiet tick costs a
+        keep-alive and one read)."""
         look = tick  # at the World's id record
         if self._lease_gone or self.kv.epoch != self._lease_epoch:
             look = True  # a lease lost may be a World lost: look now
@@ -363,6 +369,8 @@ class Membership:
         if self.kv.epoch != self._lease_epoch:
             self._wake.set()
             return
+        if not woken and not self._due_regrant:
+            return
         # after a new lease (or World) our record is expected to be gone: no alarm
         await self._restore(expect_gone=self._due_regrant)
         if self.replaced.is_set():
@@ -378,7 +386,8 @@ class Membership:
 
     async def _restore(self, expect_gone: bool = False) -> None:
         """Our record, if the World holds anything else (an alarm names it); a
-        genuine takeover sets `replaced` instead."""
+        genuine takeover sets `replaced` instead. `expect_gone`: a new lease or
+        World, where no record, or an old one of ours, is no news."""
         for _ in range(20):
             cur = await self.kv.get(self.key)
             if cur is not None and cur.value == self._mine and cur.lease == self.lease:
@@ -395,9 +404,9 @@ class Membership:
             if cur is None and not expect_gone:
                 # gone with our lease (we were away)? then LeaseExpired: no alarm
                 await self.kv.keepalive(self.lease)
-            if (cur is None and not expect_gone) or (
-                cur is not None and cur.value != self._alarmed
-            ):
+            # a rebuild finds nothing, or an old copy of ours (a restored backup)
+            expected = expect_gone and (cur is None or verdict == "ours")
+            if not expected and (cur is None or cur.value != self._alarmed):
                 self._alarmed = cur.value if cur is not None else b""
                 log.error(
                     "%s: alarm: %s; restoring this agent's record",
