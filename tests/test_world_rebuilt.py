@@ -336,6 +336,49 @@ def test_a_forged_or_deleted_member_record_is_restored_and_the_agent_runs_on(
     assert a.stop() == 0
 
 
+def test_an_old_signed_record_of_another_agent_put_back_is_no_takeover(
+    tmp_path: Path, agents: AgentFactory
+) -> None:
+    """A genuine record of another agent (signed by its own key, under a live
+    lease) that neither names this agent's key as replaced nor started after it
+    (a replay of whoever held the hostname before): restored, the agent runs on."""
+    import msgspec
+
+    from evergraph.world.hostkeys import HostKeys
+    from evergraph.world.members import Member, sign_member
+    from evergraph.world.sqlite import SQLiteKV
+
+    db, g = tmp_path / "world.sqlite", _noop_graph(tmp_path)
+    a = agents(g, tmp_path / "sa", "--hostname", "web1", "--world-db", str(db))
+    a.wait_converged()
+    keys = HostKeys(tmp_path / "earlier")
+    old = Member(
+        host="web1",
+        address="203.0.113.7",
+        public=keys.public,
+        verify=keys.verify,
+        started=1.0,
+        pid=77,
+        timestamp=2.0,
+    )
+
+    async def put_back() -> None:
+        kv = SQLiteKV(db)
+        try:
+            lease = await kv.grant(60.0)
+            await kv.put("members/web1", msgspec.json.encode(sign_member(old, keys)), lease=lease)
+        finally:
+            await kv.close()
+
+    asyncio.run(put_back())
+    wait_for(logged(a, "did not take this hostname over"), what="the alarm")
+    wait_for(_mine(db, a), what="the record restored")
+    assert "address 203.0.113.7, pid 77" in a.log.read_text()
+    assert not exited(a)
+    assert "taken over" not in a.log.read_text()
+    assert a.stop() == 0
+
+
 def test_a_forged_member_record_present_at_start_is_no_claim(
     tmp_path: Path, agents: AgentFactory
 ) -> None:
