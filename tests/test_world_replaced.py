@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import sqlite3
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -570,6 +571,93 @@ def test_etcd_revision_going_back_is_a_replacement(caplog: pytest.LogCaptureFixt
         "revision went back from" in r.getMessage() and "resyncing" in r.getMessage()
         for r in caplog.records
     )
+
+
+def test_the_world_id_record_tells_an_etcd_replaced_under_the_same_id_with_a_revision_ahead(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The new cluster has the same id and is already further on than the old one:
+    the client resumes its watch there and sees nothing wrong (the deletions are
+    lost). The World's id record tells: the follower then reports what vanished."""
+    from evergraph.world.worldid import WORLD_ID, WorldIdentity
+
+    worlds = EtcdWorlds(same_cluster_id=True)
+
+    async def body() -> None:
+        async with clients(worlds, 2) as (a, b):
+            ident = WorldIdentity(b)
+            assert await ident.check() is None  # makes the record
+            for i in range(5):
+                await a.put(f"p/{i}", rec(i))
+            r = KeyedRecorder()
+            async with following(b, "p/", r):
+                await r.until({f"p/{i}": i for i in range(5)})
+                filler: Writes = [(f"f/{i}", b"x") for i in range(40)]
+                await worlds.replace([*filler, ("p/0", rec(0)), ("p/1", rec(100))])
+                _, _rev = await b.range("f/")
+                assert b.epoch == 0  # the backend saw nothing
+                why = await ident.check()
+                assert why is not None
+                assert f"its {WORLD_ID} record" in why
+                assert b.epoch == 1
+                await r.until({"p/0": 0, "p/1": 100})
+                assert await ident.check() is None  # the new World's record, known now
+                assert b.epoch == 1
+
+    with caplog.at_level(logging.WARNING, logger="evergraph.world"):
+        try:
+            run(body)
+        finally:
+            worlds.close()
+    assert any("world/id record" in r.getMessage() for r in caplog.records)
+
+
+def test_a_client_that_found_the_world_rolled_back_tells_the_others(tmp_path: Path) -> None:
+    """A backup restored in place: the writer that saw the revision go back bumps
+    the World id record's epoch, so a client that had not looked before others
+    wrote past its revision finds the World replaced too."""
+    from evergraph.world.sqlite import SQLiteKV
+    from evergraph.world.worldid import WorldIdentity
+
+    db, backup = tmp_path / "world.sqlite", tmp_path / "backup.sqlite"
+
+    async def body() -> None:
+        w, f = SQLiteKV(db), SQLiteKV(db)
+        try:
+            wi, fi = WorldIdentity(w), WorldIdentity(f)
+            assert await wi.check() is None
+            assert await fi.check() is None
+            for i in range(5):
+                await w.put(f"p/{i}", rec(i))
+            with (
+                contextlib.closing(sqlite3.connect(db)) as src,
+                contextlib.closing(sqlite3.connect(backup)) as dst,
+            ):
+                src.backup(dst)
+            for i in range(5, 10):
+                await w.put(f"p/{i}", rec(i))
+            await w.range("p/")  # f has not read since: it saw revision 6, w 11
+            with (
+                contextlib.closing(sqlite3.connect(backup)) as src,
+                contextlib.closing(sqlite3.connect(db)) as dst,
+            ):
+                src.backup(dst)
+            await w.put("q/x", b"1")  # w: the revision went back
+            assert w.epoch == 1
+            assert await wi.check() is None  # already counted: it bumps the record
+            for i in range(20):
+                await w.put(f"q/{i}", b"1")  # now past what f saw
+            assert f.epoch == 0
+            why = await fi.check()
+            assert why is not None
+            assert "epoch 1 to" in why
+            assert "epoch 2" in why
+            assert f.epoch == 1
+        finally:
+            await w.close()
+            await f.close()
+
+    run(body)
 
 
 # -- deploys -------------------------------------------------------------------------------

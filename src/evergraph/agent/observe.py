@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from evergraph.engine.status import Observer, VertexStatus
 from evergraph.world.kv import KV, Compare, Delete, Event, KeyValue, Put
@@ -114,6 +114,12 @@ class TimedKV(KV):
     @property
     def world_id(self) -> str:
         return self.kv.world_id
+
+    def mark_replaced(self, why: str) -> None:
+        self.kv.mark_replaced(why)
+
+    def listen_replaced(self, fn: Callable[[str], None]) -> Callable[[], None]:
+        return self.kv.listen_replaced(fn)
 
     async def get(self, key: str) -> KeyValue | None:
         t0 = time.perf_counter()

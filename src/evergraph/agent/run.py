@@ -330,8 +330,18 @@ class Agent:
             raise InputError(why, "--hostname")
         keys = self.keys()
         pins = Pins(self.settings.state_dir)
+        caps, groups = self._worker_caps(host)
         membership = Membership(
-            kv, Member(host=host, public=keys.public, verify=keys.verify, version=__version__)
+            kv,
+            Member(
+                host=host,
+                public=keys.public,
+                verify=keys.verify,
+                version=__version__,
+                capabilities=caps,
+                groups=groups,
+            ),
+            keys=keys,
         )
         previous = await membership.claim(replace=self.replace)
         await publish_hostkeys(kv, keys, host)
@@ -339,6 +349,16 @@ class Agent:
         self.publisher = Publisher(kv, keys, host, book, lambda: membership.lease)
         self.collector = Collector(kv, keys, host, book)
         membership.on_regrant(self.publisher.resync)
+
+        def rebuild(why: str) -> None:
+            # a replaced World: what the agent owns without a lease (its host keys)
+            # is written again too; the lease's records follow `on_regrant`
+            self._service(
+                _retrying(lambda: publish_hostkeys(kv, keys, host), "re-publish host keys"),
+                "hostkeys-republish",
+            )
+
+        membership.on_replaced(rebuild)
         self._service(membership.run(), "membership")
         self._service(self._on_replaced(membership), "replaced-watch")
         self._service(book.run(), "hostkeys")
@@ -376,7 +396,7 @@ class Agent:
                 kv,
                 uuid=uuid,
                 host=host,
-                caps={**discovered(), "hostname": host, **opts.caps},
+                caps=membership.member.capabilities or {**discovered(), "hostname": host},
                 groups=list(opts.groups),
                 address=membership.member.address,
                 port=opts.ssh_port,
@@ -389,11 +409,24 @@ class Agent:
             await worker.register()
 
             def alive_again() -> None:
-                self._service(worker.alive(), "farm-alive")
+                self._service(_retrying(worker.alive, "mark the worker alive"), "farm-alive")
+
+            def register_again(why: str) -> None:
+                self._service(_retrying(worker.register, "register the worker"), "farm-register")
 
             membership.on_regrant(alive_again)
+            membership.on_replaced(register_again)
             self._service(worker.run(), "farm-worker")
             self.worker = worker
+
+    def _worker_caps(self, host: str) -> tuple[dict[str, str], list[str]]:
+        """A worker's capabilities and groups (its member record shows them too);
+        none for other agents."""
+        if not self.farm.worker:
+            return {}, []
+        from evergraph.farm.facts import discovered
+
+        return {**discovered(), "hostname": host, **self.farm.caps}, list(self.farm.groups)
 
     async def _on_replaced(self, membership: Membership) -> None:
         await membership.replaced.wait()
@@ -564,6 +597,19 @@ async def _logged(coro: Awaitable[Any], name: str) -> Any:
     except Exception:
         log.exception("agent: the %s service failed", name)
         raise
+
+
+async def _retrying(fn: Callable[[], Awaitable[None]], what: str) -> None:
+    """`fn()` until the World takes it (a World error is retried with backoff)."""
+    delay = 0.05
+    while True:
+        try:
+            await fn()
+            return
+        except WorldError as e:
+            log.warning("world: cannot %s (%s); retrying in %.2fs", what, e, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 async def _unless_stopped(

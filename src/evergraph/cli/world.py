@@ -182,7 +182,8 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
     @state_dir_option
     @world_options
     def members(as_json: bool, state_dir: Path | None, **opts: object) -> None:
-        """List the live cluster members (agents whose lease is alive)."""
+        """List the live cluster members (agents whose lease is alive): host, state,
+        version, groups, address, capabilities (a farm worker's)."""
         from evergraph.world.members import members as list_members
 
         async def body(kv: KV) -> int:
@@ -192,9 +193,10 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
                 if as_json:
                     click.echo(msgspec.json.encode(m).decode())
                 else:
+                    caps = ",".join(f"{k}={v}" for k, v in sorted(m.capabilities.items()))
                     click.echo(
                         f"{m.host}\t{m.state}\t{m.version}\t{','.join(m.groups) or '-'}\t"
-                        f"{m.address or '-'}"
+                        f"{m.address or '-'}\t{caps or '-'}"
                     )
             return 0
 

@@ -84,6 +84,8 @@ class Election:
         #: our lease (0: none at the moment) and until when (clock.monotonic) we
         #: know it is alive: ttl after the last keep-alive that succeeded was sent
         self._lease = 0
+        #: the epoch of the World the lease was granted in (see kv.py)
+        self._lease_epoch = kv.epoch
         self._valid_until = 0.0
         self._lease_lock = asyncio.Lock()
         #: the key as last seen (None: not yet read)
@@ -253,6 +255,7 @@ class Election:
             retry = _RETRY_FIRST
             while not self._lease:
                 sent = self.clock.monotonic()
+                epoch = self.kv.epoch
                 try:
                     lease = await self.kv.grant(self.ttl)
                 except WorldError as e:
@@ -261,6 +264,7 @@ class Election:
                     retry = min(retry * 2, _RETRY_MAX)
                     continue
                 self._lease = lease
+                self._lease_epoch = epoch
                 self._renew(sent)
             return self._lease
 
@@ -280,6 +284,9 @@ class Election:
     async def _keepalive(self) -> None:
         while True:
             await self.clock.sleep(self.ttl / 3)
+            if self._lease and self.kv.epoch != self._lease_epoch:
+                # granted in a World since replaced: the id is someone else's there
+                self._drop_lease(self._lease, "the World was replaced")
             lease = await self._ensure_lease()
             sent = self.clock.monotonic()
             try:

@@ -30,7 +30,9 @@ module adds what the World contract asks on top:
   A watch's first answer is not linearizable (a lagging member may be behind),
   so a revision that went back there is confirmed with a read first. A new
   cluster with the same id (same member names, peer URLs and token) whose
-  revision is already past ours cannot be told apart.
+  revision is already past ours cannot be told apart here: the World's id
+  record does (world/worldid.py), and `mark_replaced` then ends every watch
+  of this client at once with `WorldReplaced`.
 
 Revisions are etcd's own (header and mod revisions), so they match what
 `etcdctl` shows.
@@ -329,6 +331,8 @@ class EtcdKV(KV):
         self._seen_rev = 0
         self._epoch = 0
         self._why = ""
+        #: each watch's pending read (cancelled when the World is found replaced)
+        self._watch_reads: set[asyncio.Future[Any]] = set()
 
     @property
     def epoch(self) -> int:
@@ -367,6 +371,14 @@ class EtcdKV(KV):
         self._epoch += 1
         self._why = why
         log.warning("world: %s", WorldReplaced(why))
+        # a watch waiting for its next answer raises WorldReplaced now, not at
+        # the World's next change (which, for this watch, may never come)
+        for read in list(self._watch_reads):
+            read.cancel()
+        self._tell_replaced(why)
+
+    def mark_replaced(self, why: str) -> None:
+        self._replace(why, self._cluster_id, 0)
 
     async def _confirm_revision(self, ep: _Endpoint, floor: int, epoch: int) -> None:
         """A watch's first answer said the revision went back below `floor`: ask
@@ -701,7 +713,12 @@ class EtcdKV(KV):
                 create = rpc.WatchCreateRequest(key=key, range_end=end, start_revision=nxt)
                 await self._step(call.write(rpc.WatchRequest(create_request=create)))
                 while True:
-                    resp = await self._step(call.read())
+                    read = asyncio.ensure_future(call.read())
+                    self._watch_reads.add(read)
+                    try:
+                        resp = await self._step(read)
+                    finally:
+                        self._watch_reads.discard(read)
                     if resp is grpc.aio.EOF:
                         raise _StreamEnded
                     self._observe(ep, resp.header, floor, epoch, revision=False)
@@ -749,6 +766,8 @@ class EtcdKV(KV):
             except asyncio.CancelledError:
                 if self._closed and not _cancelling():
                     return  # close() cancelled the stream
+                if self._epoch != mine and not _cancelling():
+                    raise WorldReplaced(self._why) from None  # mark_replaced woke us
                 raise
             except Exception:
                 if self._closed:

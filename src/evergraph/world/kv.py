@@ -20,6 +20,11 @@ strict subsets of its behaviour:
   notices raises `WorldReplaced` (a `Compacted`: the caller re-lists) from its
   watches and bumps `epoch`; reads return the new World's data, so a caller
   that keeps revisions across calls compares `epoch` before and after.
+  What the backend cannot see (an etcd replaced under the same cluster id
+  whose revision is already past ours; a backup restored in place that others
+  wrote past) the World's own id record tells (world/worldid.py): whoever
+  finds it changed calls `mark_replaced`, which counts a new epoch just the
+  same. `listen_replaced(fn)` is told of every new epoch, with the reason.
 
 Keys are `str`, values `bytes`. World features (members, follow, exports,
 deploys) are written once on top of this protocol.
@@ -31,7 +36,7 @@ import abc
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Literal
 
 import msgspec
@@ -142,6 +147,24 @@ class KV(abc.ABC):
         """An identity of the World this client talks to now (etcd: the cluster id;
         sqlite and memory: a random id made with the World); "" if unknown."""
         return ""
+
+    def mark_replaced(self, why: str) -> None:
+        """Count a new epoch as if the backend had noticed the World replaced
+        (`why` says how it was found): watches raise WorldReplaced, followers
+        re-read and compare by content, listeners are told."""
+        raise NotImplementedError(f"the {self.name} World cannot be marked replaced")
+
+    def listen_replaced(self, fn: Callable[[str], None]) -> Callable[[], None]:
+        """Call `fn(why)` whenever this client counts a new epoch; returns the
+        function that stops it."""
+        fns: list[Callable[[str], None]] = self.__dict__.setdefault("_replaced_fns", [])
+        fns.append(fn)
+        return lambda: fns.remove(fn) if fn in fns else None
+
+    def _tell_replaced(self, why: str) -> None:
+        """For backends: a new epoch was counted."""
+        for fn in list(self.__dict__.get("_replaced_fns", ())):
+            fn(why)
 
     # -- reads ------------------------------------------------------------------
     @abc.abstractmethod

@@ -12,7 +12,7 @@ import asyncio
 import bisect
 import itertools
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from evergraph.world.kv import (
     KV,
@@ -46,6 +46,9 @@ class MemoryStore:
         self.world_id = secrets.token_hex(8)
         #: how many times the World was replaced (reset)
         self.epoch = 0
+        self.why = _RESET
+        #: clients' replacement listeners (every client of the store hears a reset)
+        self.replaced_fns: list[Callable[[str], None]] = []
 
     def reset(self) -> None:
         """Replace the World: no keys, no leases, no history, revisions from 0 again,
@@ -58,10 +61,17 @@ class MemoryStore:
         self.history.clear()
         self.revision = self.compacted = 0
         self.world_id = secrets.token_hex(8)
+        self.new_epoch(_RESET)
+
+    def new_epoch(self, why: str) -> None:
+        """Count a new epoch (a reset, or `mark_replaced` by a client)."""
         self.epoch += 1
-        log.warning("world: %s", WorldReplaced(_RESET))
+        self.why = why
+        log.warning("world: %s", WorldReplaced(why))
         self._changed.set()
         self._changed = asyncio.Event()
+        for fn in list(self.replaced_fns):
+            fn(why)
 
     def commit(self, events: list[Event]) -> None:
         self.history.append((self.revision, events))
@@ -126,6 +136,14 @@ class MemoryKV(KV):
     @property
     def world_id(self) -> str:
         return self.store.world_id
+
+    def mark_replaced(self, why: str) -> None:
+        self.store.new_epoch(why)
+
+    def listen_replaced(self, fn: Callable[[str], None]) -> Callable[[], None]:
+        fns = self.store.replaced_fns
+        fns.append(fn)
+        return lambda: fns.remove(fn) if fn in fns else None
 
     def _check(self) -> MemoryStore:
         if self._closed.is_set():
@@ -215,7 +233,7 @@ class MemoryKV(KV):
         epoch = st.epoch
         while not self._closed.is_set():
             if st.epoch != epoch:
-                raise WorldReplaced(_RESET)
+                raise WorldReplaced(st.why)
             if nxt <= st.compacted and nxt <= st.revision:
                 # also when a live watch fell behind a compaction
                 raise Compacted(nxt, st.compacted)

@@ -389,6 +389,10 @@ class Volunteer:
         self._value = encode_options(options)
         self._on_change = on_change
         self.lease = 0
+        #: the epoch of the World the lease was granted in: in another World (a
+        #: replaced one) the same id is not ours, so it is never kept alive there
+        self._lease_epoch = kv.epoch
+        self._replaced = asyncio.Event()
         self._lease_lock = asyncio.Lock()
         self._put_lock = asyncio.Lock()
         self._closed = False
@@ -418,6 +422,7 @@ class Volunteer:
         return (
             isinstance(item, KeyValue)
             and self.lease != 0
+            and self._lease_epoch == self.kv.epoch
             and item.lease == self.lease
             and item.value == self._value
         )
@@ -440,6 +445,13 @@ class Volunteer:
 
     # -- run -------------------------------------------------------------------------
     async def run(self) -> None:
+        unlisten = self.kv.listen_replaced(lambda _why: self._replaced.set())
+        try:
+            await self._run()
+        finally:
+            unlisten()
+
+    async def _run(self) -> None:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._keepalive(), name=f"scheduler-{self.ns}-keepalive")
             tg.create_task(self.election.run(), name=f"scheduler-{self.ns}-election")
@@ -452,9 +464,13 @@ class Volunteer:
     async def _ensure_lease(self) -> int:
         async with self._lease_lock:
             delay = BACKOFF_FIRST
+            if self.lease and self._lease_epoch != self.kv.epoch:
+                self.lease = 0  # granted in a World that was replaced since
             while not self.lease:
                 try:
+                    epoch = self.kv.epoch
                     self.lease = await self.kv.grant(float(self.options.ttl))
+                    self._lease_epoch = epoch
                 except WorldError as e:
                     log.warning("world: scheduler %s: cannot grant a lease: %s", self.ns, e)
                     await asyncio.sleep(delay)
@@ -502,9 +518,20 @@ class Volunteer:
 
     async def _keepalive(self) -> None:
         while True:
-            await asyncio.sleep(self.options.ttl / 3)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.options.ttl / 3):
+                    await self._replaced.wait()
+            self._replaced.clear()
             lease = self.lease
             if not lease or self._closed:
+                continue
+            if self._lease_epoch != self.kv.epoch:
+                log.warning(
+                    "world: scheduler %s: the World was replaced; volunteering again under "
+                    "a fresh lease",
+                    self.ns,
+                )
+                await self._put()
                 continue
             try:
                 await self.kv.keepalive(lease)

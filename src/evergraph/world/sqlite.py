@@ -30,7 +30,10 @@ watches raise `WorldReplaced`. While the path has no file at all, the client
 keeps the old one: it does not make a new World itself (it could race with a
 deleter still removing the old `-wal`/`-shm` files, and share them with a new
 database); the next process that opens the path does. Each World also holds
-a random id (`world_id`, made with the file), checked by reads and watches.
+a random id (`world_id`, made with the file), checked by reads and watches,
+and a client remembers the highest revision it saw: a lower one (a backup
+restored in place: same file, same id, an older revision) is a replacement
+too, noticed by reads, writes, watches and keep-alives.
 """
 
 from __future__ import annotations
@@ -114,6 +117,8 @@ class SQLiteKV(KV):
         self._db, self._file, self._world_id = self._open()
         self._epoch = 0
         self._why = ""
+        #: the highest revision seen in this World (a lower one: a restored backup)
+        self._seen = 0
         self._closed = asyncio.Event()
         self._changed = asyncio.Event()
         self._notifier: asyncio.Task[None] | None = None
@@ -190,8 +195,22 @@ class SQLiteKV(KV):
         self._world_id = world_id
         self._epoch += 1
         self._why = why
+        self._seen = 0
         log.warning("world: %s", WorldReplaced(why))
         self._notify()
+        self._tell_replaced(why)
+
+    def mark_replaced(self, why: str) -> None:
+        self._replaced(why, self._world_id)
+
+    def _saw(self, rev: int) -> None:
+        """A revision read from the World: lower than one seen before, the file
+        was restored (or overwritten) with an older copy of this World."""
+        if rev < self._seen:
+            self._replaced(
+                f"{self.path}'s revision went back from {self._seen} to {rev}", self._world_id
+            )
+        self._seen = max(self._seen, rev)
 
     def _meta(self, db: sqlite3.Connection) -> tuple[int, int]:
         """(revision, compacted), inside a read transaction; a World id other than
@@ -200,7 +219,9 @@ class SQLiteKV(KV):
         world_id = int(meta.get("world_id", self._world_id))
         if world_id != self._world_id:
             self._replaced(f"{self.path} was overwritten", world_id)
-        return int(meta["revision"]), int(meta["compacted"])
+        rev = int(meta["revision"])
+        self._saw(rev)
+        return rev, int(meta["compacted"])
 
     # -- plumbing ---------------------------------------------------------------
     @contextlib.contextmanager
@@ -230,8 +251,11 @@ class SQLiteKV(KV):
         return int(db.execute("SELECT v FROM meta WHERE k = ?", (name,)).fetchone()[0])
 
     def _bump(self, db: sqlite3.Connection) -> int:
-        rev = self._rev(db) + 1
+        cur = self._rev(db)
+        self._saw(cur)
+        rev = cur + 1
         db.execute("UPDATE meta SET v = ? WHERE k = 'revision'", (rev,))
+        self._seen = rev
         return rev
 
     def _sweep(self, db: sqlite3.Connection) -> None:
@@ -391,6 +415,7 @@ class SQLiteKV(KV):
 
     async def keepalive(self, lease: int) -> None:
         with self._txn() as db:
+            self._saw(self._rev(db))
             self._sweep(db)
             cur = db.execute(
                 "UPDATE leases SET expires = ? + ttl WHERE id = ?", (time.time(), lease)
