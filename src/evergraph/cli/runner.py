@@ -92,10 +92,15 @@ def farm_options(
     farm_servers: tuple[str, ...],
     http_addr: str | None,
 ) -> FarmOptions | None:
-    if not worker and (caps or groups or farm_servers or authorized_keys):
+    if not worker and (caps or groups or authorized_keys):
         raise InputError(
-            "--cap, --group, --authorized-keys and --farm-server describe a worker: add --worker",
-            "--worker",
+            "--cap, --group and --authorized-keys describe a worker: add --worker", "--worker"
+        )
+    if farm_servers and not worker and not http_addr:
+        raise InputError(
+            "--farm-server names the farm servers a worker or an API server (--http) trusts: "
+            "add --worker or --http",
+            "--farm-server",
         )
     if not worker and not http_addr:
         return None
@@ -108,10 +113,21 @@ def farm_options(
         parsed = parse_caps(caps)
     except ValueError as e:
         raise InputError(str(e), "--cap") from None
-    for h in farm_servers:
+    from evergraph.world.hostkeys import parse_identity
+
+    names: list[str] = []
+    server_keys: dict[str, str] = {}
+    for spec in farm_servers:
+        h, sep, key = spec.partition("=")
         why = hostname_problem(h)
         if why:
             raise InputError(why, "--farm-server")
+        if sep:
+            try:
+                server_keys[h] = ":".join(parse_identity(key))
+            except ValueError as e:
+                raise InputError(f"{h}: {e}", "--farm-server") from None
+        names.append(h)
     return FarmOptions(
         worker=worker,
         caps=parsed,
@@ -119,7 +135,8 @@ def farm_options(
         ssh_port=ssh_port,
         ssh_user=ssh_user,
         authorized_keys=str(authorized_keys.absolute()) if authorized_keys else "",
-        key_servers=tuple(farm_servers),
+        key_servers=tuple(names),
+        server_keys=server_keys,
         matcher=bool(http_addr),
     )
 
@@ -137,8 +154,13 @@ def http_service(addr: str, anonymous: str | None) -> Service:
         from evergraph.http.observe import AgentView
 
         farm = None
-        if agent.kv is not None:
-            farm = Farm(agent.kv, host=agent.settings.host(), collector=agent.collector)
+        if agent.kv is not None and agent.farm_trust is not None:
+            farm = Farm(
+                agent.kv,
+                trust=agent.farm_trust,
+                host=agent.settings.host(),
+                collector=agent.collector,
+            )
         view = AgentView(agent, farm=farm is not None)
         app = create_app(agent.status, FarmApi(farm, anonymous), view)
         await view.serve(HttpServer(app, sock, on_stop=view.close))

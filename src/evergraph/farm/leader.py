@@ -7,6 +7,12 @@ is one transaction conditioned on the leader key's revision (the term) and on
 the revision of each record it read: a deposed leader, still believing it leads,
 cannot write, and a record that changed meanwhile is left for the next pass.
 So a worker never holds two jobs, whatever dies when.
+
+Every record it writes is signed with its host key and its term (`farm.signed`);
+records not signed by a farm server it pins (or, for a worker's registration, by
+the worker's own host) are treated as absent, logged once. A worker acts only on
+an assignment of the current term: on taking office, the leader signs the
+records of the jobs still running again, with its own term.
 """
 
 from __future__ import annotations
@@ -26,12 +32,13 @@ from evergraph.farm.service import (
     REQS,
     WORKERS,
     FarmSettings,
-    decode_request,
-    decode_worker,
     encode,
+    open_request,
+    open_worker,
     req_key,
     worker_key,
 )
+from evergraph.farm.signed import Envelope, FarmTrust, Untrusted
 from evergraph.world.election import Election
 from evergraph.world.follow import Follower, follow
 from evergraph.world.kv import KV, Compare, Delete, KeyValue, Put, WorldError
@@ -39,6 +46,8 @@ from evergraph.world.kv import KV, Compare, Delete, KeyValue, Put, WorldError
 log = logging.getLogger("evergraph.farm")
 
 T = TypeVar("T")
+#: a record to write: its key, the record, and the mod revision it replaces
+Write = tuple[str, Request | Worker, int]
 
 
 class _Records(Follower[KeyValue]):
@@ -95,29 +104,33 @@ class FarmLeader:
         self,
         kv: KV,
         election: Election,
+        trust: FarmTrust,
         settings: FarmSettings | None = None,
         clock: Clock = SYSTEM,
     ) -> None:
         self.kv = kv
         self.election = election
+        self.trust = trust
         self.settings = settings or FarmSettings()
         self.clock = clock
         #: passes run and transactions refused (tests, benchmarks)
         self.passes = 0
         self.refused = 0
-        #: key -> (mod revision, decoded record): a pass decodes only what changed
+        #: key -> (mod revision, verified record): a pass checks only what changed
         self._cache: dict[str, tuple[int, Any]] = {}
 
-    def _decoded(self, kv: KeyValue, decode: Callable[[bytes, str], T]) -> T | None:
+    def _decoded(
+        self, kv: KeyValue, decode: Callable[[FarmTrust, KeyValue], tuple[T, Envelope]]
+    ) -> tuple[T, Envelope] | None:
+        """The record if it is trusted; None (as if absent, logged once) otherwise."""
         hit = self._cache.get(kv.key)
         if hit is not None and hit[0] == kv.mod_revision:
-            return cast(T, hit[1])
+            return cast(tuple[T, Envelope] | None, hit[1])
         try:
-            obj = decode(kv.value, kv.key)
-        except ValueError as e:
-            log.warning("farm: %s", e)
-            self._cache[kv.key] = (kv.mod_revision, None)
-            return None
+            obj: tuple[T, Envelope] | None = decode(self.trust, kv)
+        except Untrusted as e:
+            self.trust.refuse(kv, str(e))
+            obj = None
         self._cache[kv.key] = (kv.mod_revision, obj)
         return obj
 
@@ -152,20 +165,24 @@ class FarmLeader:
         self.passes += 1
         now = self.clock.time()
         reqs: dict[int, tuple[Request, int]] = {}
+        envs: dict[str, Envelope] = {}
         for kv in list(req_items.values()):
-            r = self._decoded(kv, decode_request)
-            if r is not None:
-                reqs[r.id] = (r, kv.mod_revision)
+            rec = self._decoded(kv, open_request)
+            if rec is not None:
+                reqs[rec[0].id] = (rec[0], kv.mod_revision)
+                envs[kv.key] = rec[1]
         workers: dict[str, tuple[Worker, int]] = {}
         for kv in list(worker_items.values()):
-            w = self._decoded(kv, decode_worker)
-            if w is not None:
-                workers[w.uuid] = (w, kv.mod_revision)
+            wrec = self._decoded(kv, open_worker)
+            if wrec is not None:
+                workers[wrec[0].uuid] = (wrec[0], kv.mod_revision)
+                envs[kv.key] = wrec[1]
         if len(self._cache) > 2 * (len(req_items) + len(worker_items)) + 100:
             live = req_items.keys() | worker_items.keys()
             self._cache = {k: v for k, v in self._cache.items() if k in live}
         living = {k[len(ALIVE) :] for k in alive_items}
         await self._housekeeping(reqs, workers, living, now)
+        await self._reaffirm(reqs, workers, envs)
         plan = matcher.match([r for r, _ in reqs.values()], [w for w, _ in workers.values()], now)
         if plan.empty:
             return _next(plan)
@@ -175,11 +192,11 @@ class FarmLeader:
             uuid = r.job.worker if r.job is not None else ""
             seen = workers.get(uuid)
             reads = [(req_key(rid), mod), (worker_key(uuid), seen[1] if seen else 0)]
-            await self._write(reads, [Put(req_key(rid), encode(model.fail_request(r)))])
+            await self._write(reads, [(req_key(rid), model.fail_request(r), mod)])
         for rid in plan.done:
             r, mod = reqs[rid]
             await self._write(
-                [(req_key(rid), mod)], [Put(req_key(rid), encode(model.finish_request(r, now)))]
+                [(req_key(rid), mod)], [(req_key(rid), model.finish_request(r, now), mod)]
             )
         for uuid in plan.release:
             w, mod = workers[uuid]
@@ -188,16 +205,16 @@ class FarmLeader:
             reads = [(worker_key(uuid), mod)]
             if w.job is not None:
                 reads.append((req_key(w.job), job[1] if job else 0))
-            await self._write(reads, [Put(worker_key(uuid), encode(model.release_worker(w)))])
+            await self._write(reads, [(worker_key(uuid), model.release_worker(w), mod)])
         for rid in plan.timeout:
             r, mod = reqs[rid]
             await self._write(
-                [(req_key(rid), mod)], [Put(req_key(rid), encode(model.expire_request(r, now)))]
+                [(req_key(rid), mod)], [(req_key(rid), model.expire_request(r, now), mod)]
             )
         for rid in plan.invalid:
             r, mod = reqs[rid]
             await self._write(
-                [(req_key(rid), mod)], [Put(req_key(rid), encode(model.invalidate_request(r)))]
+                [(req_key(rid), mod)], [(req_key(rid), model.invalidate_request(r), mod)]
             )
         released = set(plan.release)
         for a in plan.assign:
@@ -213,10 +230,7 @@ class FarmLeader:
                 continue
             ok = await self._write(
                 [(req_key(a.request), rmod), (worker_key(a.worker), wmod)],
-                [
-                    Put(req_key(a.request), encode(started)),
-                    Put(worker_key(a.worker), encode(running)),
-                ],
+                [(req_key(a.request), started, rmod), (worker_key(a.worker), running, wmod)],
             )
             if ok:
                 log.info("farm: request %d -> worker %s", a.request, a.worker)
@@ -249,15 +263,45 @@ class FarmLeader:
                 if not running:
                     new = model.complete_maintenance(w)
             if new is not None and await self._write(
-                [(worker_key(uuid), mod)], [Put(worker_key(uuid), encode(new))]
+                [(worker_key(uuid), mod)], [(worker_key(uuid), new, mod)]
             ):
                 log.info("farm: worker %s is %s", uuid, new.state)
 
-    async def _write(self, reads: list[tuple[str, int]], ops: list[Put | Delete]) -> bool:
-        """Apply `ops` if we still lead (the term) and nothing read has changed."""
+    async def _reaffirm(
+        self,
+        reqs: dict[int, tuple[Request, int]],
+        workers: dict[str, tuple[Worker, int]],
+        envs: dict[str, Envelope],
+    ) -> None:
+        """Sign again, with our term, the records of every job still running whose
+        assignment is not of our term (a leader before us signed it, or the worker
+        re-registered): a worker acts only on an assignment of the current term."""
+        term = self.election.term
+        for uuid, (w, wmod) in list(workers.items()):
+            if w.state != model.RUNNING or w.job is None or w.job not in reqs:
+                continue
+            r, rmod = reqs[w.job]
+            if r.state != model.IN_PROGRESS or r.job is None or r.job.worker != uuid:
+                continue
+            wenv, renv = envs[worker_key(uuid)], envs[req_key(r.id)]
+            if all(e.term == term and e.signer == self.trust.me for e in (wenv, renv)):
+                continue
+            if await self._write(
+                [(req_key(r.id), rmod), (worker_key(uuid), wmod)],
+                [(req_key(r.id), r, rmod), (worker_key(uuid), w, wmod)],
+            ):
+                log.info("farm: request %d on worker %s signed again for term %d", r.id, uuid, term)
+
+    async def _write(self, reads: list[tuple[str, int]], writes: list[Write]) -> bool:
+        """Write `writes` (signed with our term) if we still lead (the term) and
+        nothing read has changed."""
         term = self.election.term
         if not term:
             return False
+        ops: list[Put | Delete] = [
+            Put(key, self.trust.seal(key, encode(obj), term=term, prev=prev))
+            for key, obj, prev in writes
+        ]
         compares = [Compare(self.election.key, term), *(Compare(k, m) for k, m in reads)]
         if await self.kv.txn(compares, ops) is None:
             self.refused += 1
