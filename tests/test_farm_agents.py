@@ -17,6 +17,7 @@ from evergraph.farm.service import Farm
 from evergraph.farm.signed import FarmTrust
 from evergraph.farm.tokens import User
 from evergraph.world.hostkeys import HostKeys
+from evergraph.world.kv import KV
 from evergraph.world.pins import Pins
 from evergraph.world.sqlite import SQLiteKV
 
@@ -39,12 +40,14 @@ def srv_trust(state: Path, name: str = "srv") -> FarmTrust:
     return FarmTrust(HostKeys(state), name, host_key=host_key)
 
 
-def farm_call(db: Path, fn: Callable[[Farm], Awaitable[T]]) -> T:
-    """`fn` on the farm as the API server "srv" (its state dir beside the World) sees
-    and signs it."""
+def farm_call(
+    db: Path, fn: Callable[[Farm], Awaitable[T]], world: Callable[[], KV] | None = None
+) -> T:
+    """`fn` on the farm as the API server "srv" (its state dir beside the World
+    file `db`) sees and signs it; `world`: another World than that file."""
 
     async def main() -> T:
-        kv = SQLiteKV(db)
+        kv = world() if world is not None else SQLiteKV(db)
         try:
             return await fn(Farm(kv, trust=srv_trust(db.parent / "srv")))
         finally:

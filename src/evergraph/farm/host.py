@@ -200,18 +200,24 @@ class WorkerHost:
                     w, env = open_worker(self.trust, snap)
                     if not self.trust.is_server(env):  # this host or a pinned server
                         raise Untrusted(f"signed by {env.signer!r}, not by a farm server")
+                    if env.prev < self._high and not (env.prev == 0 and w.job is None):
+                        raise Untrusted("older than a version already seen (put back: a replay)")
                 except Untrusted as e:
                     self.trust.refuse(snap, str(e))
                     await self._restore()
                     continue
-                high, self._high, self._last = self._high, snap.mod_revision, w
+                high, self._high = self._high, snap.mod_revision
                 running = w.job if w.state == model.RUNNING else None
                 if running is not None and self.job is not None and self.job.request == running:
+                    self._last = w
                     continue  # the job we run, signed again or prolonged
                 if running is None:
+                    self._last = w
                     await self._set_job(None)
                     continue
                 job = await self._admit(snap, w, env, running, high)
+                if job is not None:
+                    self._last = w  # (a refused assignment is never what we restore)
                 await self._set_job(job)
 
     async def _restore(self) -> None:

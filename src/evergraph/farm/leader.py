@@ -118,6 +118,12 @@ class FarmLeader:
         self.refused = 0
         #: key -> (mod revision, verified record): a pass checks only what changed
         self._cache: dict[str, tuple[int, Any]] = {}
+        #: key -> mod revision of the newest trusted version seen: a version whose
+        #: `prev` is older was put back (a replay) and is refused
+        self._high: dict[str, int] = {}
+        #: running jobs found on taking office, signed by an earlier leader:
+        #: worker uuid -> (request id, its mod revision), to sign again for our term
+        self._inherited: dict[str, tuple[int, int]] | None = None
 
     def _decoded(
         self, kv: KeyValue, decode: Callable[[FarmTrust, KeyValue], tuple[T, Envelope]]
@@ -128,17 +134,31 @@ class FarmLeader:
             return cast(tuple[T, Envelope] | None, hit[1])
         try:
             obj: tuple[T, Envelope] | None = decode(self.trust, kv)
+            assert obj is not None
+            self._fresh(kv, obj[0], obj[1])
         except Untrusted as e:
             self.trust.refuse(kv, str(e))
             obj = None
         self._cache[kv.key] = (kv.mod_revision, obj)
         return obj
 
+    def _fresh(self, kv: KeyValue, record: object, env: Envelope) -> None:
+        """Untrusted if this version is older than one already seen (put back). A
+        worker's registration (created, no job) starts its record's history anew."""
+        high = self._high.get(kv.key, 0)
+        if kv.mod_revision < high:
+            high = 0  # revisions went back: another World
+        fresh_registration = env.prev == 0 and isinstance(record, Worker) and record.job is None
+        if env.prev < high and not fresh_registration:
+            raise Untrusted("older than a version already seen (put back: a replay)")
+        self._high[kv.key] = kv.mod_revision
+
     async def run(self) -> None:
         """Lead whenever elected, until cancelled."""
         await self.election.lead(self._lead, "the farm's matcher")
 
     async def _lead(self) -> None:
+        self._inherited = None  # found on the first pass of this term
         records = _Records()
         async with asyncio.TaskGroup() as tg:
             tg.create_task(follow(self.kv, FARM, records))
@@ -182,7 +202,7 @@ class FarmLeader:
             self._cache = {k: v for k, v in self._cache.items() if k in live}
         living = {k[len(ALIVE) :] for k in alive_items}
         await self._housekeeping(reqs, workers, living, now)
-        await self._reaffirm(reqs, workers, envs)
+        await self._reaffirm(reqs, workers, envs, worker_items)
         plan = matcher.match([r for r, _ in reqs.values()], [w for w, _ in workers.values()], now)
         if plan.empty:
             return _next(plan)
@@ -272,11 +292,15 @@ class FarmLeader:
         reqs: dict[int, tuple[Request, int]],
         workers: dict[str, tuple[Worker, int]],
         envs: dict[str, Envelope],
+        kv_of: dict[str, KeyValue],
     ) -> None:
         """Sign again, with our term, the records of every job still running whose
         assignment is not of our term (a leader before us signed it, or the worker
         re-registered): a worker acts only on an assignment of the current term."""
         term = self.election.term
+        first = self._inherited is None
+        inherited = self._inherited if self._inherited is not None else {}
+        self._inherited = inherited
         for uuid, (w, wmod) in list(workers.items()):
             if w.state != model.RUNNING or w.job is None or w.job not in reqs:
                 continue
@@ -285,11 +309,28 @@ class FarmLeader:
                 continue
             wenv, renv = envs[worker_key(uuid)], envs[req_key(r.id)]
             if all(e.term == term and e.signer == self.trust.me for e in (wenv, renv)):
+                inherited.pop(uuid, None)
+                continue
+            if first:
+                inherited[uuid] = (r.id, rmod)
+            # an earlier term's assignment is signed again only if it was there when
+            # we took office: one that shows up later was put back (a replay)
+            if inherited.get(uuid) != (r.id, rmod) and not (
+                wenv.term in (0, term) and renv.term in (0, term)
+            ):
+                inherited.pop(uuid, None)
+                self.trust.refuse(
+                    kv_of[worker_key(uuid)],
+                    f"runs request {r.id} by an assignment of term {wenv.term} (its request: "
+                    f"term {renv.term}) that was not there when this leader took office in "
+                    f"term {term}: put back, not signed again",
+                )
                 continue
             if await self._write(
                 [(req_key(r.id), rmod), (worker_key(uuid), wmod)],
                 [(req_key(r.id), r, rmod), (worker_key(uuid), w, wmod)],
             ):
+                inherited.pop(uuid, None)
                 log.info("farm: request %d on worker %s signed again for term %d", r.id, uuid, term)
 
     async def _write(self, reads: list[tuple[str, int]], writes: list[Write]) -> bool:
