@@ -12,6 +12,7 @@ import hashlib
 import json
 import random
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,10 @@ class Farm:
         return f'resources:\n  exec:\n  - name: pwn\n    cmd: "touch {self.marker}"\n'
 
     def no_effect(self) -> None:
+        # no job started for a forged request (ids 97-99, the fuzz's 1000-1049): no
+        # key made, no fragment merged, nothing run
+        started = re.findall(r"job of request (\d+) started", self.wk.log.read_text())
+        assert not [n for n in started if int(n) >= 97], started
         assert not self.marker.exists(), "a forged fragment ran on the worker"
         assert not self.keys.exists() or "evergraph-job-" not in self.keys.read_text()
         assert self.wk.proc.poll() is None
@@ -174,11 +179,12 @@ def _start(
 
 
 def _request(rid: int, uuid: str, fragment: str | None, state: str = model.IN_PROGRESS) -> bytes:
+    now = time.time()  # a job running now, as a real one would be
     req = model.new_request(
-        id=rid, owner="mallory", priority=1, now=1000.0, queued=rid, fragment=fragment
+        id=rid, owner="mallory", priority=1, now=now, queued=rid, fragment=fragment
     )
     if state == model.IN_PROGRESS:
-        req = model.start_request(req, uuid, 1001.0, 3600)
+        req = model.start_request(req, uuid, now, 3600)
     return encode(req)
 
 
@@ -197,13 +203,14 @@ def test_a_forged_assignment_runs_nothing_and_the_leader_does_not_act_on_it(farm
     f = farm
     wkey, rkey = worker_key(f.uuid), req_key(99)
     # as today's records were: plain JSON, an IN PROGRESS request holding an exec
-    rev = f.put((rkey, _request(99, f.uuid, f.exec_fragment())), (wkey, _running(f, 99)))
+    forged = _request(99, f.uuid, f.exec_fragment())
+    rev = f.put((rkey, forged), (wkey, _running(f, 99)))
     why = wait_refused(f.wk, wkey, rev, "an unsigned assignment")
     assert "not a signed farm record" in why
     wait_refused(f.srv, rkey, rev, "the leader: an unsigned request")
     f.no_effect()
     # the leader neither failed nor touched it: treated as absent
-    assert f.get(rkey) == (_request(99, f.uuid, f.exec_fragment()), rev)
+    assert f.get(rkey) == (forged, rev)
     # the worker put its own record back (signed, as it was)
     wait_for(lambda: (f.get(wkey) or (b"", 0))[1] > rev, what="the worker record restored")
     assert f.worker().state == model.IDLE

@@ -130,6 +130,9 @@ def open_request(trust: FarmTrust, item: KeyValue) -> tuple[Request, Envelope]:
         raise Untrusted(str(e)) from None
     if req_key(req.id) != item.key:
         raise Untrusted(f"it holds request {req.id}, not the one of its key")
+    if req.state == model.WAITING and env.term != 0:
+        # only API servers write a WAITING request; the matcher never does
+        raise Untrusted(f"a WAITING request signed with a matcher's term ({env.term})")
     return req, env
 
 
