@@ -328,17 +328,33 @@ def test_a_job_key_goes_only_to_the_explicitly_pinned_server(tmp_path: Path, age
 def test_a_deleted_worker_record_comes_back(farm: Farm) -> None:
     f = farm
 
-    async def wipe(kv: KV) -> None:
-        await kv.delete(worker_key(f.uuid))
-        await kv.delete(f"{ALIVE}{f.uuid}")
+    async def delete(kv: KV, key: str) -> None:
+        await kv.delete(key)
 
-    f.call(wipe)
+    f.call(lambda kv: delete(kv, worker_key(f.uuid)))
     wait_for(lambda: f.get(worker_key(f.uuid)) is not None, what="the worker record back")
-    wait_for(lambda: f.get(f"{ALIVE}{f.uuid}") is not None, what="the alive key back")
     workers = farm_call(f.tmp / "world.sqlite", lambda x: x.workers(), f.kv)
     assert [w.uuid for w in workers] == [f.uuid]  # listed again, and trusted
     assert workers[0].state == model.IDLE  # as it was
+    # (the leader may see the alive key missing meanwhile and make the worker FAILED:
+    # that key is liveness, not trust; it is put back all the same)
+    f.call(lambda kv: delete(kv, f"{ALIVE}{f.uuid}"))
+    wait_for(lambda: f.get(f"{ALIVE}{f.uuid}") is not None, what="the alive key back")
     f.no_effect()
+
+
+def test_a_farm_server_named_without_a_key_needs_an_explicit_pin(tmp_path: Path) -> None:
+    g = tmp_path / "g.yaml"
+    g.write_text(GRAPH)
+    base = ("run", g, "--world-db", tmp_path / "w.sqlite", "--worker", "--state-dir")
+    r = run_cli(*base, tmp_path / "wk", "--farm-server", "srv", "--hostname", "wk")
+    assert r.returncode == 2, r.stderr
+    assert "--farm-server srv=KEY" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = run_cli(*base, tmp_path / "wk", "--farm-server", "srv=nokey", "--hostname", "wk")
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1
+    assert "--farm-server" in r.stderr
 
 
 # -- 7. fuzz ---------------------------------------------------------------------------------
