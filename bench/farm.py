@@ -182,7 +182,7 @@ def _http(quick: bool) -> dict[str, Any]:
                 "--world-db",
                 str(db),
                 "--state-dir",
-                str(d / "cli"),
+                str(d / "srv"),  # signed by the API server's key: the one it trusts
             ],
             capture_output=True,
             text=True,

@@ -436,3 +436,31 @@ def test_fuzzed_farm_records_have_no_effect(farm: Farm) -> None:
         what="a genuine job after the fuzz",
     )
     assert not f.marker.exists()
+
+
+def test_a_record_of_a_host_not_yet_known_is_checked_again(tmp_path: Path) -> None:
+    """A worker's registration reaches the API server before its `hostkeys/` record:
+    refused for now, and trusted once the key is known (a refusal is not kept)."""
+    from evergraph.farm.service import Farm as Service
+    from evergraph.farm.signed import FarmTrust
+    from evergraph.world.memory import MemoryKV, MemoryStore
+
+    known: dict[str, str] = {}
+    wk = HostKeys(tmp_path / "wk1")
+    trust = FarmTrust(HostKeys(tmp_path / "srv"), "srv", host_key=known.get)
+    uuid = "00000000-0000-4000-8000-000000000001"
+    w = model.register_worker(
+        uuid=uuid, caps={"hostname": "wk1"}, address="127.0.0.1", port=22, username="t", now=0.0
+    )
+
+    async def main() -> tuple[list[model.Worker], list[model.Worker]]:
+        kv = MemoryKV(MemoryStore())
+        await kv.put(worker_key(uuid), seal(wk, "wk1", worker_key(uuid), encode(w)))
+        farm = Service(kv, trust=trust)
+        before = await farm.workers()
+        known["wk1"] = wk.verify
+        return before, await farm.workers()
+
+    before, after = asyncio.run(main())
+    assert before == []
+    assert [x.uuid for x in after] == [uuid]

@@ -38,7 +38,7 @@ from evergraph.farm.service import (
     req_key,
     worker_key,
 )
-from evergraph.farm.signed import Envelope, FarmTrust, Untrusted
+from evergraph.farm.signed import Envelope, FarmTrust, UnknownSigner, Untrusted
 from evergraph.world.election import Election
 from evergraph.world.follow import Follower, follow
 from evergraph.world.kv import KV, Compare, Delete, KeyValue, Put, WorldError
@@ -46,6 +46,8 @@ from evergraph.world.kv import KV, Compare, Delete, KeyValue, Put, WorldError
 log = logging.getLogger("evergraph.farm")
 
 T = TypeVar("T")
+#: seconds before a record signed by a host of unknown key is checked again
+_UNKNOWN_RETRY = 0.2
 #: a record to write: its key, the record, and the mod revision it replaces
 Write = tuple[str, Request | Worker, int]
 
@@ -124,6 +126,8 @@ class FarmLeader:
         #: running jobs found on taking office, signed by an earlier leader:
         #: worker uuid -> (request id, its mod revision), to sign again for our term
         self._inherited: dict[str, tuple[int, int]] | None = None
+        #: a record of this pass was signed by a host whose key is not known yet
+        self._unknown = False
 
     def _decoded(
         self, kv: KeyValue, decode: Callable[[FarmTrust, KeyValue], tuple[T, Envelope]]
@@ -136,6 +140,10 @@ class FarmLeader:
             obj: tuple[T, Envelope] | None = decode(self.trust, kv)
             assert obj is not None
             self._fresh(kv, obj[0], obj[1])
+        except UnknownSigner as e:
+            self.trust.refuse(kv, str(e))
+            self._unknown = True  # checked again on a pass soon, not cached
+            return None
         except Untrusted as e:
             self.trust.refuse(kv, str(e))
             obj = None
@@ -184,6 +192,7 @@ class FarmLeader:
         """One matching pass over a snapshot; returns when the next one is due."""
         self.passes += 1
         now = self.clock.time()
+        self._unknown = False
         reqs: dict[int, tuple[Request, int]] = {}
         envs: dict[str, Envelope] = {}
         for kv in list(req_items.values()):
@@ -205,7 +214,7 @@ class FarmLeader:
         await self._reaffirm(reqs, workers, envs, worker_items)
         plan = matcher.match([r for r, _ in reqs.values()], [w for w, _ in workers.values()], now)
         if plan.empty:
-            return _next(plan)
+            return self._next(plan, now)
         for rid in plan.failed:
             r, mod = reqs[rid]
             # conditioned on the worker record the decision was made from, too
@@ -254,7 +263,15 @@ class FarmLeader:
             )
             if ok:
                 log.info("farm: request %d -> worker %s", a.request, a.worker)
-        return _next(plan)
+        return self._next(plan, now)
+
+    def _next(self, plan: matcher.Plan, now: float) -> float | None:
+        """When the next pass is due: the plan's timers, or soon if a record's signer
+        was not known yet (its key may have come meanwhile)."""
+        if not self._unknown:
+            return plan.next_wakeup
+        soon = now + _UNKNOWN_RETRY
+        return soon if plan.next_wakeup is None else min(plan.next_wakeup, soon)
 
     async def _housekeeping(
         self,
@@ -348,7 +365,3 @@ class FarmLeader:
             self.refused += 1
             return False
         return True
-
-
-def _next(plan: matcher.Plan) -> float | None:
-    return plan.next_wakeup

@@ -33,7 +33,7 @@ import msgspec
 from evergraph._util.clock import SYSTEM, Clock
 from evergraph.farm import model
 from evergraph.farm.model import Refused, Request, Worker
-from evergraph.farm.signed import Envelope, FarmTrust, Untrusted, open_envelope
+from evergraph.farm.signed import Envelope, FarmTrust, UnknownSigner, Untrusted, open_envelope
 from evergraph.farm.tokens import User
 from evergraph.world.exports import Collector
 from evergraph.world.follow import Tombstone, watch_one
@@ -51,6 +51,8 @@ DEMAND = "farm/demand/"
 ACCESS = "farm.access"
 #: optimistic transactions retried this often before giving up
 ATTEMPTS = 50
+#: checked records remembered (then forgotten all at once)
+_CHECKED_MAX = 100_000
 
 
 class NotFound(Exception):
@@ -173,6 +175,8 @@ class Farm:
         self.trust = trust
         self.host = host or trust.me
         self.collector = collector
+        #: key -> (mod revision, value, the checked record or None)
+        self._checked: dict[str, tuple[int, bytes, Request | Worker | None]] = {}
         self.settings = settings or FarmSettings()
         self.clock = clock
 
@@ -197,19 +201,36 @@ class Farm:
         """The worker record if trusted; None (logged once) otherwise."""
         return self._open_worker(item)
 
-    def _open_request(self, item: KeyValue) -> Request | None:
+    def _opened(self, item: KeyValue, is_request: bool) -> Request | Worker | None:
+        """The trusted record, or None (refused, logged once). Checked once per
+        version: a list of many records verifies only what changed."""
+        hit = self._checked.get(item.key)
+        if hit is not None and hit[0] == item.mod_revision and hit[1] == item.value:
+            return hit[2]
+        rec: Request | Worker | None
         try:
-            return open_request(self.trust, item)[0]
+            if is_request:
+                rec = open_request(self.trust, item)[0]
+            else:
+                rec = open_worker(self.trust, item)[0]
+        except UnknownSigner as e:
+            self.trust.refuse(item, str(e))
+            return None  # not remembered: the signer's key may come in a moment
         except Untrusted as e:
             self.trust.refuse(item, str(e))
-            return None
+            rec = None
+        if len(self._checked) >= _CHECKED_MAX:
+            self._checked.clear()
+        self._checked[item.key] = (item.mod_revision, item.value, rec)
+        return rec
+
+    def _open_request(self, item: KeyValue) -> Request | None:
+        rec = self._opened(item, True)
+        return rec if isinstance(rec, Request) else None
 
     def _open_worker(self, item: KeyValue) -> Worker | None:
-        try:
-            return open_worker(self.trust, item)[0]
-        except Untrusted as e:
-            self.trust.refuse(item, str(e))
-            return None
+        rec = self._opened(item, False)
+        return rec if isinstance(rec, Worker) else None
 
     async def _request(self, rid: int) -> tuple[Request, int]:
         """A trusted request record (one that is not is absent)."""

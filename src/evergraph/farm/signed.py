@@ -49,6 +49,11 @@ class Untrusted(ValueError):
     """A record that is not acted on; the message says why (one line)."""
 
 
+class UnknownSigner(Untrusted):
+    """Signed by a host whose key this host has not seen yet: not acted on now, but
+    checked again later (its `hostkeys/` record may come in a moment)."""
+
+
 _dec = msgspec.json.Decoder(Envelope)
 
 
@@ -119,12 +124,16 @@ class FarmTrust:
         return self.servers.get(env.signer) == env.key
 
     def is_host(self, env: Envelope, host: str) -> bool:
-        """Signed by `host` with its pinned key."""
+        """Signed by `host` with its pinned key; UnknownSigner if no key is known
+        for `host` yet."""
         if env.signer != host or not host:
             return False
         if self.servers.get(host) == env.key:
             return True
-        return self.host_key is not None and self.host_key(host) == env.key
+        key = self.host_key(host) if self.host_key is not None else None
+        if key is None:
+            raise UnknownSigner(f"signed by {host!r}, whose key this host has not seen yet")
+        return key == env.key
 
     def trusted_keys(self) -> set[str]:
         """The keys whose farm tokens this host accepts."""
