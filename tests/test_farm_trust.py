@@ -343,6 +343,29 @@ def test_a_deleted_worker_record_comes_back(farm: Farm) -> None:
     f.no_effect()
 
 
+@pytest.mark.slow
+def test_a_deleted_request_is_put_back_by_the_leader(farm: Farm) -> None:
+    """The farm never deletes a request: one that vanishes was deleted by someone
+    else, and the leader puts it back as it last verified it."""
+    f = farm
+    db = f.tmp / "world.sqlite"
+    # a request no worker could ever take: the leader makes it INVALID (so it saw it)
+    rid = farm_call(db, lambda x: x.new_request(ADMIN, priority=2, caps={"board": "x"}), f.kv)
+
+    def state() -> str:
+        return farm_call(db, lambda x: x.request(ADMIN, rid), f.kv).state
+
+    wait_for(lambda: state() == model.INVALID, what="the request INVALID")
+
+    async def delete(kv: KV) -> None:
+        await kv.delete(req_key(rid))
+
+    f.call(delete)
+    wait_for(lambda: f.get(req_key(rid)) is not None, what="the request put back")
+    assert state() == model.INVALID
+    f.no_effect()
+
+
 def test_a_farm_server_named_without_a_key_needs_an_explicit_pin(tmp_path: Path) -> None:
     g = tmp_path / "g.yaml"
     g.write_text(GRAPH)

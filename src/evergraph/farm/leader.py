@@ -62,6 +62,8 @@ class _Records(Follower[KeyValue]):
         self.reqs: dict[str, KeyValue] = {}
         self.workers: dict[str, KeyValue] = {}
         self.alive: dict[str, KeyValue] = {}
+        #: request records deleted (the farm never deletes one): key -> last version
+        self.gone: dict[str, KeyValue] = {}
         self.changed = asyncio.Event()
         self.ready = asyncio.Event()
 
@@ -92,6 +94,8 @@ class _Records(Follower[KeyValue]):
         bucket = self._bucket(prev.key)
         if bucket is not None:
             bucket.pop(prev.key, None)
+        if bucket is self.reqs:
+            self.gone[prev.key] = prev
 
     async def batch_done(self) -> None:
         self.changed.set()
@@ -174,7 +178,9 @@ class FarmLeader:
             while True:
                 records.changed.clear()
                 try:
-                    wakeup = await self.step(records.reqs, records.workers, records.alive)
+                    wakeup = await self.step(
+                        records.reqs, records.workers, records.alive, records.gone
+                    )
                 except WorldError as e:
                     log.warning("farm: matching pass failed (%s); retrying", e)
                     wakeup = self.clock.time() + 0.5
@@ -188,11 +194,14 @@ class FarmLeader:
         req_items: dict[str, KeyValue],
         worker_items: dict[str, KeyValue],
         alive_items: dict[str, KeyValue],
+        gone: dict[str, KeyValue] | None = None,
     ) -> float | None:
         """One matching pass over a snapshot; returns when the next one is due."""
         self.passes += 1
         now = self.clock.time()
         self._unknown = False
+        if gone:
+            await self._put_back(gone)
         reqs: dict[int, tuple[Request, int]] = {}
         envs: dict[str, Envelope] = {}
         for kv in list(req_items.values()):
@@ -264,6 +273,22 @@ class FarmLeader:
             if ok:
                 log.info("farm: request %d -> worker %s", a.request, a.worker)
         return self._next(plan, now)
+
+    async def _put_back(self, gone: dict[str, KeyValue]) -> None:
+        """Requests are never deleted: one that vanished was deleted by someone else,
+        and is put back as last verified (signed again, if it is still absent)."""
+        for key, prev in list(gone.items()):
+            del gone[key]
+            hit = self._cache.get(key)
+            if hit is None or hit[0] != prev.mod_revision or hit[1] is None:
+                continue  # never verified: nothing of ours to put back
+            req = hit[1][0]
+            if await self._write([(key, 0)], [(key, req, prev.mod_revision)]):
+                log.warning(
+                    "farm: %s was deleted, by someone else (requests are never deleted): "
+                    "put back as last verified",
+                    key,
+                )
 
     def _next(self, plan: matcher.Plan, now: float) -> float | None:
         """When the next pass is due: the plan's timers, or soon if a record's signer
@@ -356,8 +381,10 @@ class FarmLeader:
         term = self.election.term
         if not term:
             return False
+        # a WAITING request (one put back) carries no term: only a matcher's own
+        # moves do, and a WAITING request signed with a term is refused everywhere
         ops: list[Put | Delete] = [
-            Put(key, self.trust.seal(key, encode(obj), term=term, prev=prev))
+            Put(key, self.trust.seal(key, encode(obj), term=_term_of(obj, term), prev=prev))
             for key, obj, prev in writes
         ]
         compares = [Compare(self.election.key, term), *(Compare(k, m) for k, m in reads)]
@@ -365,3 +392,7 @@ class FarmLeader:
             self.refused += 1
             return False
         return True
+
+
+def _term_of(obj: Request | Worker, term: int) -> int:
+    return 0 if isinstance(obj, Request) and obj.state == model.WAITING else term
