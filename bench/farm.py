@@ -42,20 +42,29 @@ RATE = 50
 
 
 async def _matching(kv_factory: Any, n: int) -> dict[str, Any]:
+    import tempfile
+    from pathlib import Path
+
     from evergraph.farm import model
     from evergraph.farm.leader import FarmLeader
     from evergraph.farm.service import ALIVE, Farm, encode, worker_key
+    from evergraph.farm.signed import FarmTrust
     from evergraph.farm.tokens import User
     from evergraph.world.election import Election, election_key
+    from evergraph.world.hostkeys import HostKeys
 
+    # the farm servers (candidates, the users' API server) pin one another's key
+    keys = HostKeys(Path(tempfile.mkdtemp(prefix="farm-bench-")))
+    servers = dict.fromkeys(("m0", "m1", "api"), keys.verify)
     kv = kv_factory()
-    farm = Farm(kv)
+    farm = Farm(kv, trust=FarmTrust(keys, "api", servers))
     for i in range(WORKERS):
         uuid = f"00000000-0000-4000-8000-{i:012d}"
         w = model.register_worker(
             uuid=uuid, caps={"slot": str(i)}, address="127.0.0.1", port=22, username="t", now=0
         )
-        await kv.put(worker_key(uuid), encode(model.complete_prepare(model.set_state(w, "IDLE"))))
+        idle = encode(model.complete_prepare(model.set_state(w, "IDLE")))
+        await kv.put(worker_key(uuid), farm.trust.seal(worker_key(uuid), idle))
         await kv.put(f"{ALIVE}{uuid}", b"1")
     tasks: dict[str, list[asyncio.Task[Any]]] = {}
     clients = []
@@ -64,7 +73,8 @@ async def _matching(kv_factory: Any, n: int) -> dict[str, Any]:
         ckv = kv_factory()
         clients.append(ckv)
         e = Election(ckv, "farm", name, ttl=5.0)
-        tasks[name] = [asyncio.create_task(e.run()), asyncio.create_task(FarmLeader(ckv, e).run())]
+        leader = FarmLeader(ckv, e, FarmTrust(keys, name, servers))
+        tasks[name] = [asyncio.create_task(e.run()), asyncio.create_task(leader.run())]
 
     candidate("m0")
     candidate("m1")
@@ -75,7 +85,7 @@ async def _matching(kv_factory: Any, n: int) -> dict[str, Any]:
     async def one_user() -> None:
         ukv = kv_factory()
         clients.append(ukv)
-        ufarm = Farm(ukv)
+        ufarm = Farm(ukv, trust=farm.trust)
         while left[0] > 0:
             left[0] -= 1
             t0 = time.perf_counter()
@@ -172,7 +182,7 @@ def _http(quick: bool) -> dict[str, Any]:
                 "--world-db",
                 str(db),
                 "--state-dir",
-                str(d / "cli"),
+                str(d / "srv"),  # signed by the API server's key: the one it trusts
             ],
             capture_output=True,
             text=True,

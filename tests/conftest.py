@@ -44,6 +44,14 @@ def run_cli(*args: str | Path, timeout: float = 60) -> subprocess.CompletedProce
     )
 
 
+def host_key(state: Path) -> str:
+    """The host key of a state dir (`PUBLIC:VERIFY`), as `evergraph hosts key` prints it
+    (made if none yet): what `--farm-server NAME=KEY` takes."""
+    r = run_cli("hosts", "key", "--state-dir", state)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
 class Agent:
     """A background `evergraph run` whose convergence we can await."""
 

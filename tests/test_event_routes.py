@@ -37,7 +37,8 @@ def test_vertex_and_farm_events_on_their_own_routes(tmp_path: Path, agents: Any)
     g.write_text(f"graph: g\nresources:\n  file:\n  - name: {f}\n    content: hi\n")
     srv: Agent = agents(g, tmp_path / "srv", "--hostname", "srv", *world, "--http", "127.0.0.1:0")
     srv.wait_converged()
-    r = run_cli("farm", "token", "create", "alice", *world, "--state-dir", tmp_path / "cli")
+    # (signed by the API server's own key: a token of another host is refused)
+    r = run_cli("farm", "token", "create", "alice", *world, "--state-dir", tmp_path / "srv")
     assert r.returncode == 0, r.stderr
     alice = {"Authorization": "Bearer " + r.stdout.strip()}
     with httpx.Client(base_url=_url(srv), timeout=30) as c:

@@ -14,21 +14,44 @@ import pytest
 
 from evergraph.farm import model
 from evergraph.farm.service import Farm
+from evergraph.farm.signed import FarmTrust
 from evergraph.farm.tokens import User
+from evergraph.world.hostkeys import HostKeys
+from evergraph.world.kv import KV
+from evergraph.world.pins import Pins
 from evergraph.world.sqlite import SQLiteKV
 
-from .conftest import Agent, wait_for
+from .conftest import Agent, host_key, wait_for
 
 T = TypeVar("T")
 ADMIN = User(name="root", admin=True)
 ALICE = User(name="alice", fragment=True)  # (her requests carry fragments)
 
 
-def farm_call(db: Path, fn: Callable[[Farm], Awaitable[T]]) -> T:
+def srv_trust(state: Path, name: str = "srv", servers: tuple[str, ...] = ()) -> FarmTrust:
+    """The farm trust of the API server whose state dir is `state`: its key, the
+    worker hosts' keys it pinned, and `servers`, the farm servers it pinned
+    (`--farm-server NAME=KEY`)."""
+    pins = Pins(state)
+
+    def host_key(host: str) -> str | None:
+        pin = pins.get(host)
+        return pin.verify if pin is not None else None
+
+    pinned = {s: pin.verify for s in servers if (pin := pins.get(s)) is not None}
+    return FarmTrust(HostKeys(state), name, pinned, host_key=host_key)
+
+
+def farm_call(
+    db: Path, fn: Callable[[Farm], Awaitable[T]], world: Callable[[], KV] | None = None
+) -> T:
+    """`fn` on the farm as the API server "srv" (its state dir beside the World
+    file `db`) sees and signs it; `world`: another World than that file."""
+
     async def main() -> T:
-        kv = SQLiteKV(db)
+        kv = world() if world is not None else SQLiteKV(db)
         try:
-            return await fn(Farm(kv))
+            return await fn(Farm(kv, trust=srv_trust(db.parent / "srv")))
         finally:
             await kv.close()
 
@@ -62,6 +85,8 @@ def test_a_job_authorizes_a_key_until_it_ends_and_a_dead_worker_fails_its_job(
         "board=rpi4",
         "--authorized-keys",
         str(keys),
+        "--farm-server",
+        f"srv={host_key(tmp_path / 'srv')}",
     )
     srv.wait_converged()
     wk.wait_converged()
@@ -113,8 +138,12 @@ def test_a_job_authorizes_a_key_until_it_ends_and_a_dead_worker_fails_its_job(
     # comes back: its persisted reversal removes it
     assert f"evergraph-job-{rid2}" in keys.read_text()
     assert left.exists()
+    # --farm-server NAME alone: the first run pinned srv's key explicitly
     wk2: Agent = agents(
-        g, wstate, "--hostname", "wk1", *world, "--worker", "--authorized-keys", str(keys)
+        g,
+        wstate,
+        *("--hostname", "wk1", *world, "--worker", "--authorized-keys", str(keys)),
+        *("--farm-server", "srv"),
     )
     wait_for(lambda: f"evergraph-job-{rid2}" not in keys.read_text(), what="revoked on restart")
     wait_for(lambda: not left.exists(), what="job 2's fragment reversed on restart")

@@ -15,10 +15,12 @@ import pytest
 
 from evergraph.farm import model
 from evergraph.farm.leader import FarmLeader
-from evergraph.farm.service import ALIVE, REQS, Farm, decode_request, encode, worker_key
+from evergraph.farm.service import ALIVE, REQS, Farm, encode, open_request, worker_key
+from evergraph.farm.signed import FarmTrust
 from evergraph.farm.tokens import User
 from evergraph.world.election import Election, election_key
 from evergraph.world.follow import SimpleFollower, follow
+from evergraph.world.hostkeys import HostKeys
 from evergraph.world.kv import KV, KeyValue
 
 from .worlds import Factory, world_factory
@@ -32,10 +34,17 @@ N_WORKERS = 5
 def test_leader_killed_twice_during_matching(tmp_path: Path, backend: str) -> None:
     rng = random.Random(7)
     with world_factory(backend, tmp_path) as (factory, _server):
-        _run(factory, rng)
+        _run(factory, rng, HostKeys(tmp_path / "keys"))
 
 
-def _run(factory: Factory, rng: random.Random) -> None:
+def _run(factory: Factory, rng: random.Random, keys: HostKeys) -> None:
+    # the farm servers (three candidate leaders, the users' API server) pin each other
+    names = ("l0", "l1", "l2", "api")
+    servers = dict.fromkeys(names, keys.verify)
+
+    def trust(name: str) -> FarmTrust:
+        return FarmTrust(keys, name, servers)
+
     async def main() -> None:
         clients: list[KV] = []
 
@@ -45,14 +54,14 @@ def _run(factory: Factory, rng: random.Random) -> None:
             return c
 
         kv = client()
-        farm = Farm(kv)
+        farm = Farm(kv, trust=trust("api"))
         uuids = [f"00000000-0000-4000-8000-00000000000{i}" for i in range(N_WORKERS)]
         for u in uuids:
             w = model.register_worker(
                 uuid=u, caps={}, address="127.0.0.1", port=22, username="t", now=0.0
             )
             w = model.complete_prepare(model.set_state(w, model.IDLE))
-            await kv.put(worker_key(u), encode(w))
+            await kv.put(worker_key(u), farm.trust.seal(worker_key(u), encode(w)))
             await kv.put(f"{ALIVE}{u}", b"1")
 
         # the invariant: at every revision, a worker runs at most one request
@@ -62,7 +71,7 @@ def _run(factory: Factory, rng: random.Random) -> None:
         progressed = asyncio.Event()
 
         def on_req(item: KeyValue) -> None:
-            r = decode_request(item.value, item.key)
+            r = open_request(farm.trust, item)[0]
             if r.state == model.IN_PROGRESS and r.job is not None:
                 running[r.id] = r.job.worker
             else:
@@ -90,7 +99,7 @@ def _run(factory: Factory, rng: random.Random) -> None:
             elections[name] = e
             candidates[name] = [
                 asyncio.create_task(e.run()),
-                asyncio.create_task(FarmLeader(ckv, e).run()),
+                asyncio.create_task(FarmLeader(ckv, e, trust(name)).run()),
             ]
 
         async def kill_leader() -> str:

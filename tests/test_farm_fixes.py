@@ -29,12 +29,27 @@ from evergraph.world.follow import Tombstone, watch_one
 from evergraph.world.kv import KV
 from evergraph.world.sqlite import SQLiteKV
 
-from .conftest import Agent, run_cli, wait_for
+from .conftest import Agent, host_key, run_cli, wait_for
+from .test_farm_agents import srv_trust
 from .test_farm_http import _token
 from .test_http import _url
 
 ADMIN = User(name="root", admin=True)
 GRAPH = "graph: g\nresources:\n  noop:\n  - name: n\n"
+
+
+def _leader(db: Path) -> str:
+    """Who leads the farm's matcher now ("" if nobody)."""
+
+    async def main() -> str:
+        kv = SQLiteKV(db)
+        try:
+            item = await kv.get(election_key("farm"))
+        finally:
+            await kv.close()
+        return item.value.decode() if item is not None else ""
+
+    return asyncio.run(main())
 
 
 def _bearer(token: str) -> dict[str, str]:
@@ -88,15 +103,15 @@ def test_fragments_are_a_right_limited_by_kind_and_reversed_at_job_end(
         "--authorized-keys",
         str(keys),
         "--farm-server",
-        "srv",
+        f"srv={host_key(tmp_path / 'srv')}",
         "--fragment-kinds",
         "file",
     )
     srv.wait_converged()
     wk.wait_converged()
-    admin = _bearer(_token(tmp_path / "cli", world, "root", "--admin"))
-    bob = _bearer(_token(tmp_path / "cli", world, "bob"))
-    carol = _bearer(_token(tmp_path / "cli", world, "carol", "--fragment"))
+    admin = _bearer(_token(tmp_path / "srv", world, "root", "--admin"))
+    bob = _bearer(_token(tmp_path / "srv", world, "bob"))
+    carol = _bearer(_token(tmp_path / "srv", world, "carol", "--fragment"))
     made = tmp_path / "job" / "made-by-the-fragment"
     # the fragment's own meta does not ask for a reversal: the worker adds it
     file_fragment = f'resources:\n  file:\n  - name: {made}\n    content: "in a job\\n"\n'
@@ -167,7 +182,7 @@ def test_a_worker_serving_the_api_answers_acquire_for_its_own_job(
         str(keys),
     )
     solo.wait_converged()
-    admin = _bearer(_token(tmp_path / "cli", world, "root", "--admin"))
+    admin = _bearer(_token(tmp_path / "solo", world, "root", "--admin"))
     with httpx.Client(base_url=_url(solo), timeout=30) as c:
         _idle(c, admin)
         rid = _new(c, admin).json()["ReqID"]
@@ -194,11 +209,33 @@ def test_acquire_elsewhere_is_refused_at_once_and_the_periods_hold_over_http(
     g.write_text(GRAPH)
     world = ("--world-db", str(db))
     periods = ("--farm-job-period", "100", "--farm-max-prolong", "1")
+    # the API servers trust each other (either may lead the matcher, and a token or a
+    # request signed by one is acted on by the other)
+    pin_srv = ("--farm-server", f"srv={host_key(tmp_path / 'srv')}")
+    pin_other = ("--farm-server", f"other={host_key(tmp_path / 'other')}")
     srv: Agent = agents(
-        g, tmp_path / "srv", "--hostname", "srv", *world, "--http", "127.0.0.1:0", *periods
+        g,
+        tmp_path / "srv",
+        "--hostname",
+        "srv",
+        *world,
+        "--http",
+        "127.0.0.1:0",
+        *periods,
+        *pin_other,
     )
+    srv.wait_converged()
+    wait_for(lambda: _leader(db) == "srv", what="srv leads the matcher")  # (before other)
     other: Agent = agents(
-        g, tmp_path / "other", "--hostname", "other", *world, "--http", "127.0.0.1:0", *periods
+        g,
+        tmp_path / "other",
+        "--hostname",
+        "other",
+        *world,
+        "--http",
+        "127.0.0.1:0",
+        *periods,
+        *pin_srv,
     )
     wk: Agent = agents(
         g,
@@ -209,19 +246,20 @@ def test_acquire_elsewhere_is_refused_at_once_and_the_periods_hold_over_http(
         "--worker",
         "--authorized-keys",
         str(keys),
-        "--farm-server",
-        "srv",
+        *pin_srv,  # not "other": acquire through it must be refused
     )
     for a in (srv, other, wk):
         a.wait_converged()
-    admin = _bearer(_token(tmp_path / "cli", world, "root", "--admin"))
-    alice = _bearer(_token(tmp_path / "cli", world, "alice"))
+    admin = _bearer(_token(tmp_path / "srv", world, "root", "--admin"))
+    alice = _bearer(_token(tmp_path / "srv", world, "alice"))
 
     def job_timeout(rid: int) -> float:
         async def main() -> float:
             kv = SQLiteKV(db)
             try:
-                req = await Farm(kv).request(ADMIN, rid)
+                # as srv sees it: "other" is a farm server it pins (--farm-server)
+                trust = srv_trust(tmp_path / "srv", servers=("other",))
+                req = await Farm(kv, trust=trust).request(ADMIN, rid)
             finally:
                 await kv.close()
             assert req.job is not None
@@ -280,11 +318,23 @@ def test_the_matcher_resumes_soon_after_a_killed_leaders_lease_expires(
         server.start()
         world = ("--seeds", server.client_url)
     flags = ("--http", "127.0.0.1:0", "--farm-election-ttl", str(ttl))
+    names = ("m0", "m1")
+    pins = {n: ("--farm-server", f"{n}={host_key(tmp_path / n)}") for n in names}
     serving = {
-        name: agents(g, tmp_path / name, "--hostname", name, *world, *flags)
-        for name in ("m0", "m1")
+        name: agents(
+            g,
+            tmp_path / name,
+            "--hostname",
+            name,
+            *world,
+            *flags,
+            *(p for n in names if n != name for p in pins[n]),
+        )
+        for name in names
     }
-    wk: Agent = agents(g, tmp_path / "wk1", "--hostname", "wk1", *world, "--worker")
+    wk: Agent = agents(
+        g, tmp_path / "wk1", "--hostname", "wk1", *world, "--worker", *pins["m0"], *pins["m1"]
+    )
     for a in (*serving.values(), wk):
         a.wait_converged()
 
@@ -293,7 +343,9 @@ def test_the_matcher_resumes_soon_after_a_killed_leaders_lease_expires(
 
     async def main() -> tuple[float, float]:
         client = kv()
-        farm = Farm(client)
+        # requests signed as m0 (a farm server both the other server and the worker pin),
+        # read with m0's pins of the worker's key
+        farm = Farm(client, trust=srv_trust(tmp_path / "m0", "m0", servers=("m1",)))
         try:
             [w] = await farm.workers()
             await farm.set_state(ADMIN, w.uuid, model.IDLE)
@@ -340,7 +392,7 @@ def test_token_create_fragment_gives_the_right_and_list_shows_it(tmp_path: Path)
     async def find(t: str) -> User | None:
         kv = SQLiteKV(s / "world.sqlite")
         try:
-            return await tokens.lookup(kv, t)
+            return await tokens.lookup(kv, t, srv_trust(s))
         finally:
             await kv.close()
 
@@ -401,7 +453,7 @@ def test_a_worker_away_for_a_moment_does_not_invalidate_its_requests(
     wk: Agent = agents(g, tmp_path / "wk1", *worker)
     srv.wait_converged()
     wk.wait_converged()
-    admin = _bearer(_token(tmp_path / "cli", world, "root", "--admin"))
+    admin = _bearer(_token(tmp_path / "srv", world, "root", "--admin"))
     with httpx.Client(base_url=_url(srv), timeout=30) as c:
         wait_for(lambda: c.get("/api/v1/workers/", headers=admin).json(), what="a worker")
         [w] = c.get("/api/v1/workers/", headers=admin).json()

@@ -15,8 +15,10 @@ import pytest
 
 from evergraph.farm import model, tokens
 from evergraph.farm.service import Farm, encode, worker_key
+from evergraph.farm.signed import FarmTrust
 from evergraph.http.app import create_app
 from evergraph.http.farm_api import FarmApi
+from evergraph.world.hostkeys import HostKeys
 from evergraph.world.memory import MemoryKV, MemoryStore
 
 from .boruta_cases import (
@@ -49,7 +51,8 @@ async def _worker(farm: Farm) -> None:
     w = model.register_worker(
         uuid=VALID_UUID, caps={}, address="127.0.0.1", port=22, username="t", now=0.0
     )
-    await farm.kv.put(worker_key(VALID_UUID), encode(w))
+    key = worker_key(VALID_UUID)
+    await farm.kv.put(key, farm.trust.seal(key, encode(w)))
 
 
 # (golden name, method, path, body, set-up)
@@ -159,14 +162,15 @@ def _golden(name: str, method: str) -> tuple[bytes | None, dict[str, str]]:
     ("name", "method", "path", "body", "setup"), CASES, ids=[c[0] for c in CASES]
 )
 def test_golden_through_the_routes(
-    name: str, method: str, path: str, body: bytes, setup: Setup
+    name: str, method: str, path: str, body: bytes, setup: Setup, tmp_path: Path
 ) -> None:
     want_body, want_headers = _golden(name, method)
 
     async def main() -> httpx.Response:
         kv = MemoryKV(MemoryStore())
-        token = await tokens.create(kv, "root", [], admin=True)
-        farm = Farm(kv, host="srv")
+        trust = FarmTrust(HostKeys(tmp_path), "srv")
+        token = await tokens.create(kv, "root", [], admin=True, keys=trust.keys)
+        farm = Farm(kv, trust=trust)
         await setup(farm)
         app = create_app(lambda: (), FarmApi(farm))
         transport = httpx.ASGITransport(app=app)
@@ -194,10 +198,10 @@ def test_the_golden_folder_is_there() -> None:
     assert len(list(Path(GOLDEN).glob("*.headers"))) > 60
 
 
-def test_farm_anonymous_serves_tokenless_clients_as_a_plain_user() -> None:
+def test_farm_anonymous_serves_tokenless_clients_as_a_plain_user(tmp_path: Path) -> None:
     async def main() -> list[int]:
         kv = MemoryKV(MemoryStore())
-        farm = Farm(kv, host="srv")
+        farm = Farm(kv, trust=FarmTrust(HostKeys(tmp_path), "srv"))
         await _worker(farm)
         app = create_app(lambda: (), FarmApi(farm, anonymous="lab"))
         transport = httpx.ASGITransport(app=app)
@@ -214,11 +218,12 @@ def test_farm_anonymous_serves_tokenless_clients_as_a_plain_user() -> None:
     assert asyncio.run(main()) == [200, 201, 403, 401]
 
 
-def test_a_request_may_carry_a_graph_fragment_which_must_load() -> None:
+def test_a_request_may_carry_a_graph_fragment_which_must_load(tmp_path: Path) -> None:
     async def main() -> list[tuple[int, str]]:
         kv = MemoryKV(MemoryStore())
-        token = await tokens.create(kv, "alice", [], admin=False, fragment=True)
-        farm = Farm(kv, host="srv")
+        trust = FarmTrust(HostKeys(tmp_path), "srv")
+        token = await tokens.create(kv, "alice", [], admin=False, keys=trust.keys, fragment=True)
+        farm = Farm(kv, trust=trust)
         app = create_app(lambda: (), FarmApi(farm))
         out = []
         transport = httpx.ASGITransport(app=app)

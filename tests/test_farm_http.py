@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
 from evergraph.world.etcd_server import EtcdServer
 
-from .conftest import Agent, run_cli, wait_for
+from .conftest import Agent, host_key, run_cli, wait_for
 from .test_http import _url
 
 
@@ -52,16 +52,16 @@ def test_boruta_routes_with_tokens_over_real_agents(
         "--authorized-keys",
         str(keys),
         "--farm-server",
-        "srv",
+        f"srv={host_key(tmp_path / 'srv')}",
     )
     srv.wait_converged()
     wk.wait_converged()
-    admin = {"Authorization": "Bearer " + _token(tmp_path / "cli", world, "root", "--admin")}
+    admin = {"Authorization": "Bearer " + _token(tmp_path / "srv", world, "root", "--admin")}
     alice = {
         "Authorization": "Bearer "
-        + _token(tmp_path / "cli", world, "alice", "--group", "lab", "--fragment")
+        + _token(tmp_path / "srv", world, "alice", "--group", "lab", "--fragment")
     }
-    bob = {"Authorization": "Bearer " + _token(tmp_path / "cli", world, "bob")}
+    bob = {"Authorization": "Bearer " + _token(tmp_path / "srv", world, "bob")}
     with httpx.Client(base_url=_url(srv), timeout=30) as c:
         r = c.get("/api/v1/version")
         assert r.status_code == 200

@@ -17,6 +17,7 @@ from evergraph.farm.host import WorkerHost
 from evergraph.farm.leader import FarmLeader
 from evergraph.farm.model import Refused
 from evergraph.farm.service import ALIVE, Farm, FarmSettings, Forbidden, NotFound
+from evergraph.farm.signed import FarmTrust
 from evergraph.farm.tokens import User
 from evergraph.world.election import Election
 from evergraph.world.exports import Collector, HostKeyBook, Publisher, publish_hostkeys
@@ -65,12 +66,18 @@ class Cluster:
     async def running(
         self, settings: FarmSettings | None = None
     ) -> AsyncIterator[tuple[Farm, WorkerHost]]:
-        _, _, _, col = await self.host("srv")
-        _, _, wpub, _ = await self.host("wk1")
+        skeys, sbook, _, col = await self.host("srv")
+        wkeys, _, wpub, _ = await self.host("wk1")
+
+        def host_key(h: str) -> str | None:
+            pair = sbook.trusted(h)
+            return pair[1] if pair else None
+
+        strust = FarmTrust(skeys, "srv", host_key=host_key)
         election = Election(self.kv(), "farm", "srv", ttl=5)
-        leader = FarmLeader(self.kv(), election, settings)
+        leader = FarmLeader(self.kv(), election, strust, settings)
         self.tasks += [asyncio.create_task(election.run()), asyncio.create_task(leader.run())]
-        farm = Farm(self.kv(), host="srv", collector=col)
+        farm = Farm(self.kv(), trust=strust, collector=col)
         worker = WorkerHost(
             self.kv(),
             uuid="5f0c0e8a-1111-4222-8333-944445555666",
@@ -83,6 +90,7 @@ class Cluster:
             lease=lambda: 0,
             publisher=wpub,
             key_servers={"srv"},
+            trust=FarmTrust(wkeys, "wk1", {"srv": skeys.verify}),
         )
         await worker.alive()
         await worker.register()
@@ -175,7 +183,7 @@ def test_a_stale_worker_record_never_fails_a_running_request(tmp_path: Path) -> 
     """The matcher decided from a snapshot where the request is IN PROGRESS but its
     worker's record is older (still IDLE): its write to fail the request is
     conditioned on that worker record, so it is refused and the request runs on."""
-    from evergraph.farm.service import decode_request, encode, req_key, worker_key
+    from evergraph.farm.service import encode, open_request, req_key, worker_key
     from evergraph.world.kv import KeyValue
 
     async def main() -> None:
@@ -184,30 +192,34 @@ def test_a_stale_worker_record_never_fails_a_running_request(tmp_path: Path) -> 
         election = Election(kv, "farm", "m", ttl=5)
         task = asyncio.create_task(election.run())
         await election.wait_leader()
-        leader = FarmLeader(kv, election)
+        trust = FarmTrust(HostKeys(tmp_path), "m")
+        leader = FarmLeader(kv, election, trust)
         uuid = "00000000-0000-4000-8000-000000000001"
         w = model.register_worker(
             uuid=uuid, caps={}, address="127.0.0.1", port=22, username="t", now=0.0
         )
         idle = model.complete_prepare(model.set_state(w, model.IDLE))
-        rev_idle = await kv.put(worker_key(uuid), encode(idle))
+        wkey, rkey = worker_key(uuid), req_key(1)
+        idle_rec = trust.seal(wkey, encode(idle))
+        rev_idle = await kv.put(wkey, idle_rec)
         await kv.put(f"{ALIVE}{uuid}", b"1")
-        farm = Farm(kv)
+        farm = Farm(kv, trust=trust)
         rid = await farm.new_request(ALICE, priority=1)
         req = await farm.request(ALICE, rid)
         started = model.start_request(req, uuid, req.valid_after + 1, 3600)
         running = model.assign_worker(idle, rid)
+        started_rec = trust.seal(rkey, encode(started))
         rev = await kv.txn(
-            [], [Put(req_key(rid), encode(started)), Put(worker_key(uuid), encode(running))]
+            [], [Put(rkey, started_rec), Put(wkey, trust.seal(wkey, encode(running)))]
         )
         assert rev is not None
-        stale = {worker_key(uuid): KeyValue(worker_key(uuid), encode(idle), 1, rev_idle)}
-        reqs = {req_key(rid): KeyValue(req_key(rid), encode(started), 1, rev)}
+        stale = {wkey: KeyValue(wkey, idle_rec, 1, rev_idle)}
+        reqs = {rkey: KeyValue(rkey, started_rec, 1, rev)}
         alive = {f"{ALIVE}{uuid}": KeyValue(f"{ALIVE}{uuid}", b"1", 1, 1)}
         await leader.step(reqs, stale, alive)
         item = await kv.get(req_key(rid))
         assert item is not None
-        assert decode_request(item.value, item.key).state == model.IN_PROGRESS
+        assert open_request(trust, item)[0].state == model.IN_PROGRESS
         assert leader.refused >= 1
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -248,7 +260,7 @@ def test_request_ids_are_dense_whatever_priority_changes_happen(tmp_path: Path) 
     from evergraph.farm.matcher import match
 
     async def main() -> None:
-        farm = Farm(MemoryKV(MemoryStore()))
+        farm = Farm(MemoryKV(MemoryStore()), trust=FarmTrust(HostKeys(tmp_path), "m"))
         a = await farm.new_request(ALICE, priority=4)
         b = await farm.new_request(ALICE, priority=4)
         await farm.update_request(ALICE, a, priority=3)

@@ -7,6 +7,8 @@ import sqlite3
 from pathlib import Path
 
 from evergraph.farm import tokens
+from evergraph.farm.signed import FarmTrust
+from evergraph.world.hostkeys import HostKeys
 from evergraph.world.sqlite import SQLiteKV
 
 from .conftest import run_cli
@@ -29,7 +31,8 @@ def test_token_create_list_lookup_revoke(tmp_path: Path) -> None:
     async def find(t: str) -> tokens.User | None:
         kv = SQLiteKV(s / "world.sqlite")
         try:
-            return await tokens.lookup(kv, t)
+            # the API server of this state dir: it trusts its own key
+            return await tokens.lookup(kv, t, FarmTrust(HostKeys(s), "srv"))
         finally:
             await kv.close()
 

@@ -273,7 +273,8 @@ def test_farm_queue_depth(tmp_path: Path, agents: Any) -> None:
         str(tmp_path / "keys"),
     )
     a.wait_converged()
-    r = run_cli("farm", "token", "create", "alice", *world, "--state-dir", tmp_path / "cli")
+    # made with the API server's state dir: signed by its key, which it trusts
+    r = run_cli("farm", "token", "create", "alice", *world, "--state-dir", tmp_path / "s")
     assert r.returncode == 0, r.stderr
     auth = {"Authorization": "Bearer " + r.stdout.strip()}
     with httpx.Client(base_url=_url(a), timeout=10) as c:

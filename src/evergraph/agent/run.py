@@ -56,6 +56,7 @@ from evergraph.world.pins import Pins, PinsError
 if TYPE_CHECKING:
     from evergraph.farm.host import WorkerHost
     from evergraph.farm.service import FarmSettings
+    from evergraph.farm.signed import FarmTrust
 
 log = logging.getLogger("evergraph.agent")
 
@@ -122,6 +123,9 @@ class FarmOptions(msgspec.Struct, frozen=True):
     authorized_keys: str = ""
     #: agents a worker hands job keys to (`--farm-server`); this host always
     key_servers: tuple[str, ...] = ()
+    #: their keys as given (`--farm-server NAME=KEY`: `public:verify`), pinned
+    #: explicitly at start; a NAME given alone must be pinned explicitly already
+    server_keys: dict[str, str] = msgspec.field(default_factory=dict)
     #: the resource kinds a request's fragment may use here (`--fragment-kinds`;
     #: empty: any kind)
     fragment_kinds: tuple[str, ...] = ()
@@ -237,6 +241,8 @@ class Agent:
         self.worker: WorkerHost | None = None
         #: the request whose fragment was refused (logged once per job)
         self._fragment_refused = 0
+        #: the farm's signer and trusted keys (None: not in the farm)
+        self.farm_trust: FarmTrust | None = None
         #: the last graph from the frontend, untouched (a job's resources are merged
         #: into a copy of it whenever the job changes)
         self._raw: GraphModel | None = None
@@ -330,6 +336,7 @@ class Agent:
             raise InputError(why, "--hostname")
         keys = self.keys()
         pins = Pins(self.settings.state_dir)
+        servers = self._farm_servers(pins, host)  # pinned before any key is read
         caps, groups = self._worker_caps(host)
         membership = Membership(
             kv,
@@ -367,27 +374,69 @@ class Agent:
         self._service(self.collector.run(), "export-collector")
         if previous:
             self._service(self._retire(opened, previous), "retire-old-lease")
-        await self._join_farm(kv, host, membership)
+        await self._join_farm(kv, host, membership, book, servers)
         return membership
 
-    async def _join_farm(self, kv: KV, host: str, membership: Membership) -> None:
+    def _farm_servers(self, pins: Pins, host: str) -> dict[str, str]:
+        """The farm servers' verify keys: `--farm-server NAME=KEY` is pinned explicitly
+        (whatever the World says of NAME); NAME alone must be pinned explicitly
+        already (`hosts trust`), else the start is refused (exit 2)."""
+        out: dict[str, str] = {}
+        for name in self.farm.key_servers:
+            if name == host:
+                continue  # this host is always trusted
+            ident = self.farm.server_keys.get(name, "")
+            pin = pins.get(name)
+            if ident:
+                if pin is None or pin.how != "explicit" or pin.identity != ident:
+                    pin = pins.trust(name, ident)
+                    log.info("farm: pinned the key of farm server %s (--farm-server)", name)
+            elif pin is None or pin.how != "explicit":
+                raise InputError(
+                    f"farm server {name}: its key is not pinned explicitly; give "
+                    f"--farm-server {name}=KEY (KEY as `evergraph hosts key` prints it on "
+                    f"{name}), or pin it with `evergraph hosts trust {name} KEY`",
+                    "--farm-server",
+                )
+            out[name] = pin.verify
+        return out
+
+    async def _join_farm(
+        self,
+        kv: KV,
+        host: str,
+        membership: Membership,
+        book: HostKeyBook,
+        servers: dict[str, str],
+    ) -> None:
         # imported in each branch: the farm's modules (the worker's RSA keys:
         # cryptography) cost start-up time agents without the farm need not pay
         opts = self.farm
+        if opts.matcher or opts.worker:
+            from evergraph.farm.signed import FarmTrust
+
+            def host_key(name: str) -> str | None:
+                pair = book.trusted(name)
+                return pair[1] if pair is not None else None
+
+            self.farm_trust = FarmTrust(self.keys(), host, servers, host_key)
         if opts.matcher:
             from evergraph.farm.leader import FarmLeader
             from evergraph.farm.service import FarmSettings
             from evergraph.world.election import Election
 
+            assert self.farm_trust is not None
             farm_settings = opts.settings or FarmSettings()
             election = Election(kv, "farm", host, ttl=farm_settings.election_ttl)
             self._service(election.run(), "farm-election")
-            self._service(FarmLeader(kv, election, farm_settings).run(), "farm-matcher")
+            leader = FarmLeader(kv, election, self.farm_trust, farm_settings)
+            self._service(leader.run(), "farm-matcher")
         if opts.worker:
             from evergraph.farm.facts import discovered, worker_uuid
             from evergraph.farm.host import WorkerHost
 
             assert self.publisher is not None
+            assert self.farm_trust is not None
             try:
                 uuid = worker_uuid(self.settings.state_dir)
             except ValueError as e:
@@ -404,6 +453,7 @@ class Agent:
                 lease=lambda: membership.lease,
                 publisher=self.publisher,
                 key_servers={host, *opts.key_servers},
+                trust=self.farm_trust,
             )
             await worker.alive()
             await worker.register()

@@ -67,17 +67,24 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
         state_dir: Path | None,
         **opts: object,
     ) -> None:
-        """Create a token for user NAME and print it (it is not shown again)."""
+        """Create a token for user NAME and print it (it is not shown again).
+
+        The token's record is signed with this state dir's host key: API servers
+        accept it if that key is their own or one they pin (`--farm-server
+        NAME=KEY`), so run it on an API server's host, with its --state-dir."""
+        from evergraph.engine.settings import default_state_dir
         from evergraph.farm import tokens
+        from evergraph.world.hostkeys import HostKeys, KeyError_
 
         try:
             tokens.check_names(name, list(groups))
-        except ValueError as e:
+            keys = HostKeys(state_dir or default_state_dir())
+        except (ValueError, KeyError_) as e:
             click.echo(f"evergraph: farm token create: {e}", err=True)
             sys.exit(2)
 
         async def body(kv: KV) -> int:
-            click.echo(await tokens.create(kv, name, list(groups), admin, fragment))
+            click.echo(await tokens.create(kv, name, list(groups), admin, keys, fragment=fragment))
             return 0
 
         sys.exit(with_world(state_dir, opts, body))

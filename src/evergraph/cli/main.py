@@ -302,9 +302,12 @@ def world_options(f: Callable[..., None]) -> Callable[..., None]:
     "--farm-server",
     "farm_servers",
     multiple=True,
-    metavar="HOST",
-    help="An agent serving the farm API that may receive this worker's job keys "
-    "(repeatable; this host always may).",
+    metavar="NAME=KEY",
+    help="A farm server (an agent with --http) this worker or API server trusts "
+    "(repeatable; this host always is one): KEY as `evergraph hosts key` prints it on "
+    "NAME, pinned explicitly. Only farm servers sign the records a worker acts on and "
+    "receive its job keys; API servers accept tokens signed by them. NAME alone: only "
+    "if `evergraph hosts trust NAME KEY` pinned it already.",
 )
 @click.option(
     "--fragment-kinds",

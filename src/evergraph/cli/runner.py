@@ -109,11 +109,17 @@ def farm_options(
 ) -> FarmOptions | None:
     """`periods`: `--farm-job-period` and the like, by FarmSettings field (None: the
     default)."""
-    if not worker and (caps or groups or farm_servers or authorized_keys or fragment_kinds):
+    if not worker and (caps or groups or authorized_keys or fragment_kinds):
         raise InputError(
-            "--cap, --group, --authorized-keys, --farm-server and --fragment-kinds describe "
-            "a worker: add --worker",
+            "--cap, --group, --authorized-keys and --fragment-kinds describe a worker: "
+            "add --worker",
             "--worker",
+        )
+    if farm_servers and not worker and not http_addr:
+        raise InputError(
+            "--farm-server names the farm servers a worker or an API server (--http) trusts: "
+            "add --worker or --http",
+            "--farm-server",
         )
     given = {k: v for k, v in (periods or {}).items() if v is not None}
     if given and not http_addr:
@@ -150,10 +156,21 @@ def farm_options(
         parsed = parse_caps(caps)
     except ValueError as e:
         raise InputError(str(e), "--cap") from None
-    for h in farm_servers:
+    from evergraph.world.hostkeys import parse_identity
+
+    names: list[str] = []
+    server_keys: dict[str, str] = {}
+    for spec in farm_servers:
+        h, sep, key = spec.partition("=")
         why = hostname_problem(h)
         if why:
             raise InputError(why, "--farm-server")
+        if sep:
+            try:
+                server_keys[h] = ":".join(parse_identity(key))
+            except ValueError as e:
+                raise InputError(f"{h}: {e}", "--farm-server") from None
+        names.append(h)
     return FarmOptions(
         worker=worker,
         caps=parsed,
@@ -161,7 +178,8 @@ def farm_options(
         ssh_port=ssh_port,
         ssh_user=ssh_user,
         authorized_keys=str(authorized_keys.absolute()) if authorized_keys else "",
-        key_servers=tuple(farm_servers),
+        key_servers=tuple(names),
+        server_keys=server_keys,
         fragment_kinds=kinds,
         matcher=bool(http_addr),
         settings=settings,
@@ -185,9 +203,10 @@ def http_service(
         from evergraph.http.observe import AgentView
 
         farm = None
-        if agent.kv is not None:
+        if agent.kv is not None and agent.farm_trust is not None:
             farm = Farm(
                 agent.kv,
+                trust=agent.farm_trust,
                 host=agent.settings.host(),
                 collector=agent.collector,
                 settings=agent.farm.settings,  # the matcher's periods and limits, too

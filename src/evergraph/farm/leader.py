@@ -7,6 +7,12 @@ is one transaction conditioned on the leader key's revision (the term) and on
 the revision of each record it read: a deposed leader, still believing it leads,
 cannot write, and a record that changed meanwhile is left for the next pass.
 So a worker never holds two jobs, whatever dies when.
+
+Every record it writes is signed with its host key and its term (`farm.signed`);
+records not signed by a farm server it pins (or, for a worker's registration, by
+the worker's own host) are treated as absent, logged once. A worker acts only on
+an assignment of the current term: on taking office, the leader signs the
+records of the jobs still running again, with its own term.
 """
 
 from __future__ import annotations
@@ -28,12 +34,13 @@ from evergraph.farm.service import (
     REQS,
     WORKERS,
     FarmSettings,
-    decode_request,
-    decode_worker,
     encode,
+    open_request,
+    open_worker,
     req_key,
     worker_key,
 )
+from evergraph.farm.signed import Envelope, FarmTrust, UnknownSigner, Untrusted
 from evergraph.world.election import Election
 from evergraph.world.follow import Follower, follow
 from evergraph.world.kv import KV, Compare, Delete, KeyValue, Put, WorldError
@@ -41,6 +48,10 @@ from evergraph.world.kv import KV, Compare, Delete, KeyValue, Put, WorldError
 log = logging.getLogger("evergraph.farm")
 
 T = TypeVar("T")
+#: seconds before a record signed by a host of unknown key is checked again
+_UNKNOWN_RETRY = 0.2
+#: a record to write: its key, the record, and the mod revision it replaces
+Write = tuple[str, Request | Worker, int]
 
 
 class _Records(Follower[KeyValue]):
@@ -53,6 +64,8 @@ class _Records(Follower[KeyValue]):
         self.reqs: dict[str, KeyValue] = {}
         self.workers: dict[str, KeyValue] = {}
         self.alive: dict[str, KeyValue] = {}
+        #: request records deleted (the farm never deletes one): key -> last version
+        self.gone: dict[str, KeyValue] = {}
         self.changed = asyncio.Event()
         self.ready = asyncio.Event()
 
@@ -83,6 +96,8 @@ class _Records(Follower[KeyValue]):
         bucket = self._bucket(prev.key)
         if bucket is not None:
             bucket.pop(prev.key, None)
+        if bucket is self.reqs:
+            self.gone[prev.key] = prev
 
     async def batch_done(self) -> None:
         self.changed.set()
@@ -97,34 +112,63 @@ class FarmLeader:
         self,
         kv: KV,
         election: Election,
+        trust: FarmTrust,
         settings: FarmSettings | None = None,
         clock: Clock = SYSTEM,
     ) -> None:
         self.kv = kv
         self.election = election
+        self.trust = trust
         self.settings = settings or FarmSettings()
         self.clock = clock
         #: passes run and transactions refused (tests, benchmarks)
         self.passes = 0
         self.refused = 0
-        #: key -> (mod revision, decoded record): a pass decodes only what changed
+        #: key -> (mod revision, verified record): a pass checks only what changed
         self._cache: dict[str, tuple[int, Any]] = {}
         #: WAITING request -> since when (clock.time) no registered worker could
         #: serve it: INVALID only after `settings.invalid_grace` of that
         self._unfit_since: dict[int, float] = {}
+        #: key -> mod revision of the newest trusted version seen: a version whose
+        #: `prev` is older was put back (a replay) and is refused
+        self._high: dict[str, int] = {}
+        #: running jobs found on taking office, signed by an earlier leader:
+        #: worker uuid -> (request id, its mod revision), to sign again for our term
+        self._inherited: dict[str, tuple[int, int]] | None = None
+        #: a record of this pass was signed by a host whose key is not known yet
+        self._unknown = False
 
-    def _decoded(self, kv: KeyValue, decode: Callable[[bytes, str], T]) -> T | None:
+    def _decoded(
+        self, kv: KeyValue, decode: Callable[[FarmTrust, KeyValue], tuple[T, Envelope]]
+    ) -> tuple[T, Envelope] | None:
+        """The record if it is trusted; None (as if absent, logged once) otherwise."""
         hit = self._cache.get(kv.key)
         if hit is not None and hit[0] == kv.mod_revision:
-            return cast(T, hit[1])
+            return cast(tuple[T, Envelope] | None, hit[1])
         try:
-            obj = decode(kv.value, kv.key)
-        except ValueError as e:
-            log.warning("farm: %s", e)
-            self._cache[kv.key] = (kv.mod_revision, None)
+            obj: tuple[T, Envelope] | None = decode(self.trust, kv)
+            assert obj is not None
+            self._fresh(kv, obj[0], obj[1])
+        except UnknownSigner as e:
+            self.trust.refuse(kv, str(e))
+            self._unknown = True  # checked again on a pass soon, not cached
             return None
+        except Untrusted as e:
+            self.trust.refuse(kv, str(e))
+            obj = None
         self._cache[kv.key] = (kv.mod_revision, obj)
         return obj
+
+    def _fresh(self, kv: KeyValue, record: object, env: Envelope) -> None:
+        """Untrusted if this version is older than one already seen (put back). A
+        worker's registration (created, no job) starts its record's history anew."""
+        high = self._high.get(kv.key, 0)
+        if kv.mod_revision < high:
+            high = 0  # revisions went back: another World
+        fresh_registration = env.prev == 0 and isinstance(record, Worker) and record.job is None
+        if env.prev < high and not fresh_registration:
+            raise Untrusted("older than a version already seen (put back: a replay)")
+        self._high[kv.key] = kv.mod_revision
 
     async def run(self) -> None:
         """Lead whenever elected, until cancelled."""
@@ -132,6 +176,7 @@ class FarmLeader:
 
     async def _lead(self) -> None:
         self._unfit_since = {}  # what a past term saw says nothing of the time between
+        self._inherited = None  # found on the first pass of this term
         records = _Records()
         async with asyncio.TaskGroup() as tg:
             tg.create_task(follow(self.kv, FARM, records))
@@ -139,7 +184,9 @@ class FarmLeader:
             while True:
                 records.changed.clear()
                 try:
-                    wakeup = await self.step(records.reqs, records.workers, records.alive)
+                    wakeup = await self.step(
+                        records.reqs, records.workers, records.alive, records.gone
+                    )
                 except WorldError as e:
                     log.warning("farm: matching pass failed (%s); retrying", e)
                     wakeup = self.clock.time() + 0.5
@@ -153,40 +200,57 @@ class FarmLeader:
         req_items: dict[str, KeyValue],
         worker_items: dict[str, KeyValue],
         alive_items: dict[str, KeyValue],
+        gone: dict[str, KeyValue] | None = None,
     ) -> float | None:
         """One matching pass over a snapshot; returns when the next one is due."""
         self.passes += 1
         now = self.clock.time()
+        self._unknown = False
+        if gone:
+            await self._put_back(gone)
         reqs: dict[int, tuple[Request, int]] = {}
+        envs: dict[str, Envelope] = {}
         for kv in list(req_items.values()):
-            r = self._decoded(kv, decode_request)
-            if r is not None:
-                reqs[r.id] = (r, kv.mod_revision)
+            rec = self._decoded(kv, open_request)
+            if rec is not None:
+                reqs[rec[0].id] = (rec[0], kv.mod_revision)
+                envs[kv.key] = rec[1]
         workers: dict[str, tuple[Worker, int]] = {}
         for kv in list(worker_items.values()):
-            w = self._decoded(kv, decode_worker)
-            if w is not None:
-                workers[w.uuid] = (w, kv.mod_revision)
+            wrec = self._decoded(kv, open_worker)
+            if wrec is not None:
+                workers[wrec[0].uuid] = (wrec[0], kv.mod_revision)
+                envs[kv.key] = wrec[1]
         if len(self._cache) > 2 * (len(req_items) + len(worker_items)) + 100:
             live = req_items.keys() | worker_items.keys()
             self._cache = {k: v for k, v in self._cache.items() if k in live}
         living = {k[len(ALIVE) :] for k in alive_items}
         await self._housekeeping(reqs, workers, living, now)
+        await self._reaffirm(reqs, workers, envs, worker_items)
         plan = matcher.match([r for r, _ in reqs.values()], [w for w, _ in workers.values()], now)
         plan, wakeup = self._grace(plan, now)
+
+        def _mod(key: str) -> int:
+            # a record the decision took for absent (none, or one not trusted):
+            # conditioned on staying as it was (0 for "none" would never hold
+            # while an untrusted record is there: the move would be refused forever)
+            item = req_items.get(key) or worker_items.get(key)
+            return item.mod_revision if item is not None else 0
+
         if plan.empty:
-            return wakeup
+            return self._next(wakeup, now)
         for rid in plan.failed:
             r, mod = reqs[rid]
             # conditioned on the worker record the decision was made from, too
             uuid = r.job.worker if r.job is not None else ""
             seen = workers.get(uuid)
-            reads = [(req_key(rid), mod), (worker_key(uuid), seen[1] if seen else 0)]
-            await self._write(reads, [Put(req_key(rid), encode(model.fail_request(r)))])
+            wkey = worker_key(uuid)
+            reads = [(req_key(rid), mod), (wkey, seen[1] if seen else _mod(wkey))]
+            await self._write(reads, [(req_key(rid), model.fail_request(r), mod)])
         for rid in plan.done:
             r, mod = reqs[rid]
             await self._write(
-                [(req_key(rid), mod)], [Put(req_key(rid), encode(model.finish_request(r, now)))]
+                [(req_key(rid), mod)], [(req_key(rid), model.finish_request(r, now), mod)]
             )
         for uuid in plan.release:
             w, mod = workers[uuid]
@@ -194,17 +258,17 @@ class FarmLeader:
             job = reqs.get(w.job) if w.job is not None else None
             reads = [(worker_key(uuid), mod)]
             if w.job is not None:
-                reads.append((req_key(w.job), job[1] if job else 0))
-            await self._write(reads, [Put(worker_key(uuid), encode(model.release_worker(w)))])
+                reads.append((req_key(w.job), job[1] if job else _mod(req_key(w.job))))
+            await self._write(reads, [(worker_key(uuid), model.release_worker(w), mod)])
         for rid in plan.timeout:
             r, mod = reqs[rid]
             await self._write(
-                [(req_key(rid), mod)], [Put(req_key(rid), encode(model.expire_request(r, now)))]
+                [(req_key(rid), mod)], [(req_key(rid), model.expire_request(r, now), mod)]
             )
         for rid in plan.invalid:
             r, mod = reqs[rid]
             await self._write(
-                [(req_key(rid), mod)], [Put(req_key(rid), encode(model.invalidate_request(r)))]
+                [(req_key(rid), mod)], [(req_key(rid), model.invalidate_request(r), mod)]
             )
         released = set(plan.release)
         for a in plan.assign:
@@ -220,14 +284,11 @@ class FarmLeader:
                 continue
             ok = await self._write(
                 [(req_key(a.request), rmod), (worker_key(a.worker), wmod)],
-                [
-                    Put(req_key(a.request), encode(started)),
-                    Put(worker_key(a.worker), encode(running)),
-                ],
+                [(req_key(a.request), started, rmod), (worker_key(a.worker), running, wmod)],
             )
             if ok:
                 log.info("farm: request %d -> worker %s", a.request, a.worker)
-        return wakeup
+        return self._next(wakeup, now)
 
     def _grace(self, plan: matcher.Plan, now: float) -> tuple[matcher.Plan, float | None]:
         """`plan` with only the INVALID moves whose grace has run out (a request
@@ -242,6 +303,30 @@ class FarmLeader:
         if len(due) != len(plan.invalid):
             plan = msgspec.structs.replace(plan, invalid=[r for r in plan.invalid if r in due])
         return plan, min(wakeups) if wakeups else None
+
+    async def _put_back(self, gone: dict[str, KeyValue]) -> None:
+        """Requests are never deleted: one that vanished was deleted by someone else,
+        and is put back as last verified (signed again, if it is still absent)."""
+        for key, prev in list(gone.items()):
+            del gone[key]
+            hit = self._cache.get(key)
+            if hit is None or hit[0] != prev.mod_revision or hit[1] is None:
+                continue  # never verified: nothing of ours to put back
+            req = hit[1][0]
+            if await self._write([(key, 0)], [(key, req, prev.mod_revision)]):
+                log.warning(
+                    "farm: %s was deleted, by someone else (requests are never deleted): "
+                    "put back as last verified",
+                    key,
+                )
+
+    def _next(self, wakeup: float | None, now: float) -> float | None:
+        """When the next pass is due: `wakeup` (the plan's timers and graces), or soon
+        if a record's signer was not known yet (its key may have come meanwhile)."""
+        if not self._unknown:
+            return wakeup
+        soon = now + _UNKNOWN_RETRY
+        return soon if wakeup is None else min(wakeup, soon)
 
     async def _housekeeping(
         self,
@@ -270,17 +355,74 @@ class FarmLeader:
                 if not running:
                     new = model.complete_maintenance(w)
             if new is not None and await self._write(
-                [(worker_key(uuid), mod)], [Put(worker_key(uuid), encode(new))]
+                [(worker_key(uuid), mod)], [(worker_key(uuid), new, mod)]
             ):
                 log.info("farm: worker %s is %s", uuid, new.state)
 
-    async def _write(self, reads: list[tuple[str, int]], ops: list[Put | Delete]) -> bool:
-        """Apply `ops` if we still lead (the term) and nothing read has changed."""
+    async def _reaffirm(
+        self,
+        reqs: dict[int, tuple[Request, int]],
+        workers: dict[str, tuple[Worker, int]],
+        envs: dict[str, Envelope],
+        kv_of: dict[str, KeyValue],
+    ) -> None:
+        """Sign again, with our term, the records of every job still running whose
+        assignment is not of our term (a leader before us signed it, or the worker
+        re-registered): a worker acts only on an assignment of the current term."""
+        term = self.election.term
+        first = self._inherited is None
+        inherited = self._inherited if self._inherited is not None else {}
+        self._inherited = inherited
+        for uuid, (w, wmod) in list(workers.items()):
+            if w.state != model.RUNNING or w.job is None or w.job not in reqs:
+                continue
+            r, rmod = reqs[w.job]
+            if r.state != model.IN_PROGRESS or r.job is None or r.job.worker != uuid:
+                continue
+            wenv, renv = envs[worker_key(uuid)], envs[req_key(r.id)]
+            if all(e.term == term and e.signer == self.trust.me for e in (wenv, renv)):
+                inherited.pop(uuid, None)
+                continue
+            if first:
+                inherited[uuid] = (r.id, rmod)
+            # an earlier term's assignment is signed again only if it was there when
+            # we took office: one that shows up later was put back (a replay)
+            if inherited.get(uuid) != (r.id, rmod) and not (
+                wenv.term in (0, term) and renv.term in (0, term)
+            ):
+                inherited.pop(uuid, None)
+                self.trust.refuse(
+                    kv_of[worker_key(uuid)],
+                    f"runs request {r.id} by an assignment of term {wenv.term} (its request: "
+                    f"term {renv.term}) that was not there when this leader took office in "
+                    f"term {term}: put back, not signed again",
+                )
+                continue
+            if await self._write(
+                [(req_key(r.id), rmod), (worker_key(uuid), wmod)],
+                [(req_key(r.id), r, rmod), (worker_key(uuid), w, wmod)],
+            ):
+                inherited.pop(uuid, None)
+                log.info("farm: request %d on worker %s signed again for term %d", r.id, uuid, term)
+
+    async def _write(self, reads: list[tuple[str, int]], writes: list[Write]) -> bool:
+        """Write `writes` (signed with our term) if we still lead (the term) and
+        nothing read has changed."""
         term = self.election.term
         if not term:
             return False
+        # a WAITING request (one put back) carries no term: only a matcher's own
+        # moves do, and a WAITING request signed with a term is refused everywhere
+        ops: list[Put | Delete] = [
+            Put(key, self.trust.seal(key, encode(obj), term=_term_of(obj, term), prev=prev))
+            for key, obj, prev in writes
+        ]
         compares = [Compare(self.election.key, term), *(Compare(k, m) for k, m in reads)]
         if await self.kv.txn(compares, ops) is None:
             self.refused += 1
             return False
         return True
+
+
+def _term_of(obj: Request | Worker, term: int) -> int:
+    return 0 if isinstance(obj, Request) and obj.state == model.WAITING else term

@@ -5,6 +5,11 @@ servers (or a server and the leader's matcher) never both win a race.
 
 World layout:
 
+Every request and worker record is a signed envelope (`farm.signed`): written by
+an API server (signed by it, after the token check), by the elected matcher
+(signed with its term) or by a worker registering itself; a record whose signer
+is not trusted here is treated as absent, and logged once.
+
 - `farm/seq`: the last request id handed out (requests are numbered 1, 2, ...,
   with no gaps);
 - `farm/queued`: the last queue position handed out (a new request, or one whose
@@ -34,10 +39,11 @@ import msgspec
 from evergraph._util.clock import SYSTEM, Clock
 from evergraph.farm import model
 from evergraph.farm.model import Refused, Request, Worker
+from evergraph.farm.signed import Envelope, FarmTrust, UnknownSigner, Untrusted, open_envelope
 from evergraph.farm.tokens import User
 from evergraph.world.exports import Collector
 from evergraph.world.follow import Tombstone, watch_one
-from evergraph.world.kv import KV, Compare, Delete, Put, WorldError
+from evergraph.world.kv import KV, Compare, Delete, KeyValue, Put, WorldError
 
 log = logging.getLogger("evergraph.farm")
 
@@ -52,6 +58,8 @@ DEMAND = "farm/demand/"
 ACCESS = "farm.access"
 #: optimistic transactions retried this often before giving up
 ATTEMPTS = 50
+#: checked records remembered (then forgotten all at once)
+_CHECKED_MAX = 100_000
 
 
 class NotFound(Exception):
@@ -147,17 +155,56 @@ def decode_worker(value: bytes, where: str) -> Worker:
 
 
 def encode(obj: Request | Worker) -> bytes:
+    """A record's JSON (the body of its signed envelope)."""
     return msgspec.json.encode(obj)
 
 
+def open_request(trust: FarmTrust, item: KeyValue) -> tuple[Request, Envelope]:
+    """A request record signed by a farm server `trust` pins, stored under its own
+    id; Untrusted (the reason) otherwise."""
+    env = open_envelope(item.key, item.value)
+    if not trust.is_server(env):
+        raise Untrusted(f"signed by {env.signer!r}, not by a farm server this host pins")
+    try:
+        req = decode_request(env.body.encode(), item.key)
+    except ValueError as e:
+        raise Untrusted(str(e)) from None
+    if req_key(req.id) != item.key:
+        raise Untrusted(f"it holds request {req.id}, not the one of its key")
+    if req.state == model.WAITING and env.term != 0:
+        # only API servers write a WAITING request; the matcher never does
+        raise Untrusted(f"a WAITING request signed with a matcher's term ({env.term})")
+    return req, env
+
+
+def open_worker(trust: FarmTrust, item: KeyValue) -> tuple[Worker, Envelope]:
+    """A worker record signed by a farm server `trust` pins, or by the worker's own
+    host (its pinned key), stored under its own uuid; Untrusted otherwise."""
+    env = open_envelope(item.key, item.value)
+    try:
+        w = decode_worker(env.body.encode(), item.key)
+    except ValueError as e:
+        raise Untrusted(str(e)) from None
+    if worker_key(w.uuid) != item.key:
+        raise Untrusted(f"it holds worker {w.uuid}, not the one of its key")
+    if not (trust.is_server(env) or trust.is_host(env, w.caps.get("hostname", ""))):
+        raise Untrusted(
+            f"signed by {env.signer!r}, neither a farm server this host pins nor the "
+            "worker's own host"
+        )
+    return w, env
+
+
 class Farm:
-    """The operations, for one serving agent (`host`). `collector` brings the keys
-    workers export to this host (None: acquire_worker is not served here)."""
+    """The operations, for one serving agent (`host`), which signs what it writes
+    and trusts what `trust` does. `collector` brings the keys workers export to
+    this host (None: acquire_worker is not served here)."""
 
     def __init__(
         self,
         kv: KV,
         *,
+        trust: FarmTrust,
         host: str = "",
         collector: Collector | None = None,
         settings: FarmSettings | None = None,
@@ -165,9 +212,12 @@ class Farm:
         local: LocalWorker | None = None,
     ) -> None:
         self.kv = kv
-        self.host = host
+        self.trust = trust
+        self.host = host or trust.me
         self.collector = collector
         self.local = local
+        #: key -> (mod revision, value, the checked record or None)
+        self._checked: dict[str, tuple[int, bytes, Request | Worker | None]] = {}
         self.settings = settings or FarmSettings()
         self.clock = clock
 
@@ -188,23 +238,62 @@ class Farm:
         (q, mod), (n, _) = await asyncio.gather(self._seq(QUEUED), self._seq(SEQ))
         return max(q, n), mod
 
-    async def _request(self, rid: int) -> tuple[Request, int]:
-        item = await self.kv.get(req_key(rid))
-        if item is None:
-            raise NotFound("request", rid)
+    def _sealed(self, key: str, obj: Request | Worker, prev: int) -> Put:
+        return Put(key, self.trust.seal(key, encode(obj), prev=prev))
+
+    def trusted_request(self, item: KeyValue) -> Request | None:
+        """The request record if trusted; None (logged once) otherwise."""
+        return self._open_request(item)
+
+    def trusted_worker(self, item: KeyValue) -> Worker | None:
+        """The worker record if trusted; None (logged once) otherwise."""
+        return self._open_worker(item)
+
+    def _opened(self, item: KeyValue, is_request: bool) -> Request | Worker | None:
+        """The trusted record, or None (refused, logged once). Checked once per
+        version: a list of many records verifies only what changed."""
+        hit = self._checked.get(item.key)
+        if hit is not None and hit[0] == item.mod_revision and hit[1] == item.value:
+            return hit[2]
+        rec: Request | Worker | None
         try:
-            return decode_request(item.value, item.key), item.mod_revision
-        except ValueError as e:
-            raise WorldError(str(e)) from None
+            if is_request:
+                rec = open_request(self.trust, item)[0]
+            else:
+                rec = open_worker(self.trust, item)[0]
+        except UnknownSigner as e:
+            self.trust.refuse(item, str(e))
+            return None  # not remembered: the signer's key may come in a moment
+        except Untrusted as e:
+            self.trust.refuse(item, str(e))
+            rec = None
+        if len(self._checked) >= _CHECKED_MAX:
+            self._checked.clear()
+        self._checked[item.key] = (item.mod_revision, item.value, rec)
+        return rec
+
+    def _open_request(self, item: KeyValue) -> Request | None:
+        rec = self._opened(item, True)
+        return rec if isinstance(rec, Request) else None
+
+    def _open_worker(self, item: KeyValue) -> Worker | None:
+        rec = self._opened(item, False)
+        return rec if isinstance(rec, Worker) else None
+
+    async def _request(self, rid: int) -> tuple[Request, int]:
+        """A trusted request record (one that is not is absent)."""
+        item = await self.kv.get(req_key(rid))
+        req = self._open_request(item) if item is not None else None
+        if item is None or req is None:
+            raise NotFound("request", rid)
+        return req, item.mod_revision
 
     async def _worker(self, uuid: str) -> tuple[Worker, int]:
         item = await self.kv.get(worker_key(uuid))
-        if item is None:
+        w = self._open_worker(item) if item is not None else None
+        if item is None or w is None:
             raise NotFound("worker", uuid)
-        try:
-            return decode_worker(item.value, item.key), item.mod_revision
-        except ValueError as e:
-            raise WorldError(str(e)) from None
+        return w, item.mod_revision
 
     @staticmethod
     def may_send_fragment(user: User) -> None:
@@ -230,10 +319,8 @@ class Farm:
         items, _ = await self.kv.range(REQS)
         out = []
         for item in items:
-            try:
-                req = decode_request(item.value, item.key)
-            except ValueError as e:
-                log.warning("farm: %s", e)
+            req = self._open_request(item)
+            if req is None:
                 continue
             if user.admin or req.owner == user.name:
                 out.append(req)
@@ -241,13 +328,7 @@ class Farm:
 
     async def workers(self) -> list[Worker]:
         items, _ = await self.kv.range(WORKERS)
-        out = []
-        for item in items:
-            try:
-                out.append(decode_worker(item.value, item.key))
-            except ValueError as e:
-                log.warning("farm: %s", e)
-        return out
+        return [w for item in items if (w := self._open_worker(item)) is not None]
 
     async def worker(self, uuid: str) -> Worker:
         return (await self._worker(uuid))[0]
@@ -285,7 +366,7 @@ class Farm:
             ops = [
                 Put(SEQ, str(n + 1).encode()),
                 Put(QUEUED, str(q + 1).encode()),
-                Put(req_key(n + 1), encode(req)),
+                self._sealed(req_key(n + 1), req, 0),
             ]
             compares = [Compare(SEQ, mod), Compare(QUEUED, qmod)]
             if await self.kv.txn(compares, ops) is not None:
@@ -317,7 +398,7 @@ class Farm:
             if new is req:
                 return
             compares = [Compare(req_key(rid), mod)]
-            ops: list[Put | Delete] = [Put(req_key(rid), encode(new))]
+            ops: list[Put | Delete] = [self._sealed(req_key(rid), new, mod)]
             if new.queued != req.queued:  # to the tail of its new priority
                 compares.append(Compare(QUEUED, qmod))
                 ops.append(Put(QUEUED, str(q + 1).encode()))
@@ -333,13 +414,13 @@ class Farm:
             self._may_see(user, req)
             new = model.close_request(req)
             compares = [Compare(req_key(rid), mod)]
-            ops: list[Put | Delete] = [Put(req_key(rid), encode(new))]
+            ops: list[Put | Delete] = [self._sealed(req_key(rid), new, mod)]
             if req.job is not None:
                 with contextlib.suppress(NotFound):
                     w, wmod = await self._worker(req.job.worker)
                     if w.job == rid and w.state == model.RUNNING:
                         compares.append(Compare(worker_key(w.uuid), wmod))
-                        ops.append(Put(worker_key(w.uuid), encode(model.release_worker(w))))
+                        ops.append(self._sealed(worker_key(w.uuid), model.release_worker(w), wmod))
             if await self.kv.txn(compares, ops) is not None:
                 log.info("farm: request %d closed by %s: %s", rid, user.name, new.state)
                 return
@@ -352,7 +433,7 @@ class Farm:
             new = model.prolong(
                 req, self.clock.time(), self.settings.job_period, self.settings.max_prolong
             )
-            ops: list[Put | Delete] = [Put(req_key(rid), encode(new))]
+            ops: list[Put | Delete] = [self._sealed(req_key(rid), new, mod)]
             if await self.kv.txn([Compare(req_key(rid), mod)], ops) is not None:
                 return
         raise WorldError(f"farm: request {rid} kept changing; try again")
@@ -368,7 +449,10 @@ class Farm:
                     async for snap in snaps:
                         if isinstance(snap, Tombstone):
                             raise NotFound("request", rid)
-                        req = decode_request(snap.value, snap.key)
+                        seen = self._open_request(snap)
+                        if seen is None:
+                            continue  # untrusted: as if absent; wait for a signed one
+                        req = seen
                         if req.state != model.WAITING:
                             break
         return req
@@ -469,7 +553,7 @@ class Farm:
         for _ in range(ATTEMPTS):
             w, mod = await self._worker(uuid)
             new = change(w)
-            ops: list[Put | Delete] = [Put(worker_key(uuid), encode(new))]
+            ops: list[Put | Delete] = [self._sealed(worker_key(uuid), new, mod)]
             if await self.kv.txn([Compare(worker_key(uuid), mod)], ops) is not None:
                 return new
         raise WorldError(f"farm: worker {uuid} kept changing; try again")

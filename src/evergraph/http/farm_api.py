@@ -7,7 +7,6 @@ events of request and worker changes, and an OpenAPI document.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,8 +23,6 @@ from evergraph.farm.service import (
     Farm,
     Forbidden,
     NotFound,
-    decode_request,
-    decode_worker,
 )
 from evergraph.farm.tokens import User
 from evergraph.http import boruta
@@ -64,7 +61,7 @@ class FarmApi:
             raise WireError(401, "unauthorized: give Authorization: Bearer TOKEN")
         if scheme.lower() != "bearer" or not token.strip():
             raise WireError(401, "unauthorized: give Authorization: Bearer TOKEN")
-        user = await tokens.lookup(self.farm.kv, token.strip())
+        user = await tokens.lookup(self.farm.kv, token.strip(), self.farm.trust)
         if user is None:
             raise WireError(401, "unauthorized: unknown token")
         return user
@@ -196,14 +193,14 @@ class FarmApi:
         queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue(maxsize=10000)
 
         def on_request(kv: KeyValue) -> None:
-            with contextlib.suppress(ValueError):
-                r = decode_request(kv.value, kv.key)
-                if user.admin or r.owner == user.name:
-                    queue.put_nowait(("request", boruta.req_info(r)))
+            r = farm.trusted_request(kv)  # an untrusted record is no event
+            if r is not None and (user.admin or r.owner == user.name):
+                queue.put_nowait(("request", boruta.req_info(r)))
 
         def on_worker(kv: KeyValue) -> None:
-            with contextlib.suppress(ValueError):
-                queue.put_nowait(("worker", boruta.worker_info(decode_worker(kv.value, kv.key))))
+            w = farm.trusted_worker(kv)
+            if w is not None:
+                queue.put_nowait(("worker", boruta.worker_info(w)))
 
         async def stream() -> AsyncIterator[bytes]:
             async with asyncio.TaskGroup() as tg:

@@ -19,7 +19,6 @@ the event (the engine turns the vertex `pending` then) to the change.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
@@ -37,7 +36,8 @@ from prometheus_client.registry import Collector
 from evergraph.agent.observe import Histogram
 from evergraph.engine.status import VertexStatus
 from evergraph.farm.model import WAITING
-from evergraph.farm.service import REQS, decode_request
+from evergraph.farm.service import REQS, open_request
+from evergraph.farm.signed import FarmTrust
 from evergraph.world.follow import SimpleFollower, follow
 from evergraph.world.kv import KV, KeyValue
 
@@ -131,8 +131,9 @@ class Metrics:
 class FarmQueue:
     """The farm's requests, followed (one watch): how many are WAITING."""
 
-    def __init__(self, kv: KV) -> None:
+    def __init__(self, kv: KV, trust: FarmTrust) -> None:
         self.kv = kv
+        self.trust = trust
         self._states: dict[str, str] = {}
 
     @property
@@ -140,8 +141,10 @@ class FarmQueue:
         return sum(1 for s in self._states.values() if s == WAITING)
 
     def _seen(self, item: KeyValue) -> None:
-        with contextlib.suppress(ValueError):  # a bad record is the matcher's to report
-            self._states[item.key] = decode_request(item.value, item.key).state
+        try:
+            self._states[item.key] = open_request(self.trust, item)[0].state
+        except ValueError:  # untrusted: not counted (the matcher reports it)
+            self._states.pop(item.key, None)
 
     def _gone(self, item: KeyValue) -> None:
         self._states.pop(item.key, None)

@@ -121,7 +121,11 @@ class AgentView:
         self.agent = agent
         self.metrics = Metrics()
         self.feed = GraphFeed(agent.status)
-        self.farm = FarmQueue(agent.kv) if farm and agent.kv is not None else None
+        self.farm = (
+            FarmQueue(agent.kv, agent.farm_trust)
+            if farm and agent.kv is not None and agent.farm_trust is not None
+            else None
+        )
         self.exposition = Exposition(self.metrics, lambda: agent.engine, self._world, self.farm)
         self._static: dict[str, bytes] = {}
 
@@ -198,7 +202,7 @@ class AgentView:
             )  # fmt: skip
         from evergraph.farm import tokens
 
-        user = await tokens.lookup(kv, token.strip())
+        user = await tokens.lookup(kv, token.strip(), self.agent.farm_trust)
         if user is None:
             return JSONResponse({"message": "unauthorized: unknown token"}, 401)
         if not user.admin:
