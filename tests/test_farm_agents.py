@@ -72,7 +72,18 @@ def test_a_job_authorizes_a_key_until_it_ends_and_a_dead_worker_fails_its_job(
     g = tmp_path / "g.yaml"
     g.write_text("graph: g\nresources:\n  noop:\n  - name: n\n")
     world = ("--world-db", str(db))
-    srv: Agent = agents(g, tmp_path / "srv", "--hostname", "srv", *world, "--http", "127.0.0.1:0")
+    # (no grace after the dead worker's lease: FAILED at its expiry)
+    srv: Agent = agents(
+        g,
+        tmp_path / "srv",
+        "--hostname",
+        "srv",
+        *world,
+        "--http",
+        "127.0.0.1:0",
+        "--farm-alive-grace",
+        "0",
+    )
     wstate = tmp_path / "wk1"
     wk: Agent = agents(
         g,

@@ -75,7 +75,8 @@ class Cluster:
 
         strust = FarmTrust(skeys, "srv", host_key=host_key)
         election = Election(self.kv(), "farm", "srv", ttl=5)
-        leader = FarmLeader(self.kv(), election, strust, settings)
+        # (no grace after an alive key is gone, unless a test asks: FAILED at once)
+        leader = FarmLeader(self.kv(), election, strust, settings or FarmSettings(alive_grace=0))
         self.tasks += [asyncio.create_task(election.run()), asyncio.create_task(leader.run())]
         farm = Farm(self.kv(), trust=strust, collector=col)
         worker = WorkerHost(
@@ -152,7 +153,10 @@ def test_request_matched_acquired_and_closed(tmp_path: Path) -> None:
 
 def test_unsatisfiable_is_invalid_and_a_dead_worker_fails_its_job(tmp_path: Path) -> None:
     async def main() -> None:
-        async with Cluster(tmp_path).running(FarmSettings(invalid_grace=0)) as (farm, worker):
+        async with Cluster(tmp_path).running(FarmSettings(invalid_grace=0, alive_grace=0)) as (
+            farm,
+            worker,
+        ):
             uuid = worker.uuid
             # (the worker in MAINTENANCE: nothing takes the request meanwhile)
             waiting = await farm.new_request(ALICE, priority=8)

@@ -336,6 +336,13 @@ def world_options(f: Callable[..., None]) -> Callable[..., None]:
     "could serve it for S seconds. [default: 60]",
 )
 @click.option(
+    "--farm-alive-grace",
+    type=click.FloatRange(0),
+    metavar="S",
+    help="With --http: a worker whose agent's lease expired becomes FAILED only after S "
+    "seconds more (a slow World fails no live worker). [default: 10]",
+)
+@click.option(
     "--farm-election-ttl",
     type=click.FloatRange(0.5),
     metavar="S",
@@ -396,6 +403,7 @@ def run(
     farm_job_period: float | None,
     farm_max_prolong: int | None,
     farm_invalid_grace: float | None,
+    farm_alive_grace: float | None,
     farm_election_ttl: float | None,
     verbose: int,
     deployers: tuple[str, ...],

@@ -59,6 +59,7 @@ DEFAULTS: dict[str, Any] = {
     "farm_job_period": None,
     "farm_max_prolong": None,
     "farm_invalid_grace": None,
+    "farm_alive_grace": None,
     "farm_election_ttl": None,
     "replace": False,
     "world_backend": "sqlite",
@@ -391,6 +392,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
         "job_period": params["farm_job_period"],
         "max_prolong": params["farm_max_prolong"],
         "invalid_grace": params["farm_invalid_grace"],
+        "alive_grace": params["farm_alive_grace"],
         "election_ttl": params["farm_election_ttl"],
     }
     verbose: int = params["verbose"]

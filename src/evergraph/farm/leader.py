@@ -129,6 +129,11 @@ class FarmLeader:
         #: WAITING request -> since when (clock.time) no registered worker could
         #: serve it: INVALID only after `settings.invalid_grace` of that
         self._unfit_since: dict[int, float] = {}
+        #: worker uuid -> since when (clock.time) its alive key is gone: FAILED only
+        #: after `settings.alive_grace` of that
+        self._missing_since: dict[str, float] = {}
+        #: the earliest time a grace of this pass ends (a pass is due then)
+        self._due_at: float | None = None
         #: key -> mod revision of the newest trusted version seen: a version whose
         #: `prev` is older was put back (a replay) and is refused
         self._high: dict[str, int] = {}
@@ -176,6 +181,7 @@ class FarmLeader:
 
     async def _lead(self) -> None:
         self._unfit_since = {}  # what a past term saw says nothing of the time between
+        self._missing_since = {}
         self._inherited = None  # found on the first pass of this term
         records = _Records()
         async with asyncio.TaskGroup() as tg:
@@ -206,6 +212,7 @@ class FarmLeader:
         self.passes += 1
         now = self.clock.time()
         self._unknown = False
+        self._due_at = None
         if gone:
             await self._put_back(gone)
         reqs: dict[int, tuple[Request, int]] = {}
@@ -323,10 +330,14 @@ class FarmLeader:
     def _next(self, wakeup: float | None, now: float) -> float | None:
         """When the next pass is due: `wakeup` (the plan's timers and graces), or soon
         if a record's signer was not known yet (its key may have come meanwhile)."""
-        if not self._unknown:
-            return wakeup
-        soon = now + _UNKNOWN_RETRY
-        return soon if wakeup is None else min(wakeup, soon)
+        due = [t for t in (wakeup, self._due_at) if t is not None]
+        if self._unknown:
+            due.append(now + _UNKNOWN_RETRY)
+        return min(due) if due else None
+
+    def _due(self, at: float) -> None:
+        """A pass is due at `at` (a grace ends)."""
+        self._due_at = at if self._due_at is None else min(self._due_at, at)
 
     async def _housekeeping(
         self,
@@ -336,14 +347,31 @@ class FarmLeader:
         now: float,
     ) -> None:
         """Liveness and the workers' own intermediate states. A worker whose alive key
-        (under its agent's lease) is gone becomes FAILED (the matcher then fails its
-        job's request); PREPARE -> IDLE; BUSY -> MAINTENANCE once its job's request is
-        no longer IN PROGRESS on it."""
+        (under its agent's lease) has been gone for `settings.alive_grace` becomes
+        FAILED (the matcher then fails its job's request): a World too slow to keep
+        its lease alive for a moment (a locked sqlite file) fails no live worker. One
+        FAILED that way whose key is back returns to its state by itself; PREPARE ->
+        IDLE; BUSY -> MAINTENANCE once its job's request is no longer IN PROGRESS."""
+        missing = self._missing_since
+        for uuid in list(missing):
+            if uuid in living or uuid not in workers:
+                del missing[uuid]
         for uuid, (w, mod) in list(workers.items()):
             new = None
             if uuid not in living and w.state != model.FAILED:
+                since = missing.setdefault(uuid, now)
+                if since + self.settings.alive_grace > now:
+                    self._due(since + self.settings.alive_grace)
+                    continue
                 new = model.heartbeat_lost(w, now, 0.0)
-                log.warning("farm: worker %s stopped heart-beating: FAILED", uuid)
+                log.warning(
+                    "farm: worker %s stopped heart-beating (its alive key gone for %gs): FAILED",
+                    uuid,
+                    now - since,
+                )
+            elif uuid in living and w.state == model.FAILED and w.lost_from is not None:
+                new = model.heartbeat_back(w)
+                log.info("farm: worker %s heart-beats again: back from FAILED", uuid)
             elif w.state == model.PREPARE:
                 new = model.complete_prepare(w)
             elif w.state == model.BUSY:

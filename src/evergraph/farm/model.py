@@ -107,6 +107,9 @@ class Worker(msgspec.Struct, frozen=True, kw_only=True):
     username: str
     heartbeat: float
     """When the worker's agent was last heard from."""
+    lost_from: str | None = None
+    """FAILED because its heartbeat was lost: the state it was in (it returns to it,
+    or IDLE for a job it lost, when heard from again); None otherwise."""
 
 
 # ---------------------------------------------------------------- helpers
@@ -156,6 +159,8 @@ def _replace_req(req: Request, **changes: object) -> Request:
 
 
 def _replace_worker(worker: Worker, **changes: object) -> Worker:
+    if worker.lost_from is not None and "lost_from" not in changes:
+        changes["lost_from"] = None  # any other move: no longer a lost heartbeat's
     return msgspec.structs.replace(worker, **changes)
 
 
@@ -455,7 +460,19 @@ def heartbeat_lost(worker: Worker, now: float, timeout: float) -> Worker:
         raise Refused(
             f"worker {worker.uuid} was heard from at {worker.heartbeat}: not lost at {now}"
         )
-    return _replace_worker(worker, state=FAILED, job=None)
+    return _replace_worker(worker, state=FAILED, job=None, lost_from=worker.state)
+
+
+def heartbeat_back(worker: Worker) -> Worker:
+    """FAILED by a lost heartbeat (`lost_from`), heard from again: back to the state
+    it was in (its job, if it had one, was failed meanwhile: IDLE; one going to
+    MAINTENANCE: MAINTENANCE). Any other worker: unchanged."""
+    if worker.state != FAILED or worker.lost_from is None:
+        return worker
+    back = MAINTENANCE if worker.lost_from in (MAINTENANCE, BUSY) else IDLE
+    if worker.lost_from == PREPARE:
+        back = IDLE
+    return _replace_worker(worker, state=back, job=None, lost_from=None)
 
 
 def assign_worker(worker: Worker, request_id: int) -> Worker:

@@ -90,13 +90,19 @@ class FarmSettings:
     invalid_grace: float = 60.0
     #: the farm election's lease: a dead leader's matcher is replaced within it
     election_ttl: float = 10.0
+    #: a worker becomes FAILED only once its alive key (under its agent's lease)
+    #: has been gone this long: a World too slow to keep leases alive for a while
+    #: (a locked sqlite file) fails no live worker
+    alive_grace: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("deadline_period", "job_period", "acquire_wait", "election_ttl"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"farm settings: {name} must be positive")
-        if self.max_prolong < 0 or not self.invalid_grace >= 0:
-            raise ValueError("farm settings: max_prolong and invalid_grace may not be negative")
+        if self.max_prolong < 0 or not self.invalid_grace >= 0 or not self.alive_grace >= 0:
+            raise ValueError(
+                "farm settings: max_prolong, invalid_grace and alive_grace may not be negative"
+            )
 
 
 @dataclass(frozen=True)
