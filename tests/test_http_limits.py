@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import resource
 import socket
 import time
@@ -147,3 +148,53 @@ def test_1500_idle_connections_take_neither_health_nor_repairs(tmp_path: Path, a
     assert "Traceback" not in log
     assert "too many open files" not in log.lower()
     assert log.count("connections at once: closing idle ones") == 1
+
+
+def _stalls_over(url: str, seconds: float) -> float:
+    """How many of the agent's loop stalls (its own metric) lasted `seconds` or more."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    count = re.search(r"^evergraph_event_loop_stall_seconds_count (\S+)", text, re.M)
+    under = re.search(
+        rf'^evergraph_event_loop_stall_seconds_bucket\{{le="{seconds}"\}} (\S+)', text, re.M
+    )
+    assert count is not None
+    assert under is not None
+    return float(count[1]) - float(under[1])
+
+
+def test_failed_token_attempts_are_slowed_and_logged_once(tmp_path: Path, agents: Any) -> None:
+    a, url, _ = _start(tmp_path, agents)
+    with httpx.Client(base_url=url, timeout=10) as c:
+        # one token guessed again and again: 401 five times, then 429
+        same = {"Authorization": "Bearer egt_" + "a" * 43}
+        codes = [c.get("/api/v1/reqs/1", headers=same).status_code for _ in range(7)]
+        assert codes == [401] * 5 + [429] * 2, codes
+        # many tokens from one address: 429 once it made 30 failed attempts
+        codes = [
+            c.get("/api/v1/reqs/1", headers={"Authorization": f"Bearer egt_{i:043d}"}).status_code
+            for i in range(40)
+        ]
+        assert codes.count(401) == 30 - 5, codes
+        assert codes[-1] == 429
+        r = c.get("/api/v1/reqs/1", headers=same)
+        wait = re.search(r"try again in (\d+) s", r.json()["message"])
+        assert wait is not None
+        assert 1 <= int(wait[1]) <= 60
+    wait_for(lambda: "failed token attempt from 127.0.0.1" in a.log.read_text())
+    log = a.log.read_text()
+    assert log.count("failed token attempt from 127.0.0.1") == 1  # once a minute
+    assert "egt_" not in log  # never the token
+
+
+def test_a_large_body_is_parsed_off_the_loop(tmp_path: Path, agents: Any) -> None:
+    a, url, target = _start(tmp_path, agents, "--farm-anonymous", "lab")
+    big = b'{"Priority": 4, "Caps": {"board": "' + b"x" * 900_000 + b'"}}'
+    with httpx.Client(base_url=url, timeout=30) as c:
+        for _ in range(3):
+            r = c.post("/api/v1/reqs/", content=big)
+            assert r.status_code in (201, 400), r.text
+        _healthz_within(url, 1.0)
+    assert _stalls_over(url, 0.1) == 0
+    target.write_text("drift\n")
+    wait_for(lambda: target.read_text() == "v=1\n", 5, "drift repaired")
+    assert "Traceback" not in a.log.read_text()

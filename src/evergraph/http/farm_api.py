@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
@@ -25,10 +25,12 @@ from evergraph.farm.service import (
     NotFound,
 )
 from evergraph.farm.tokens import User
-from evergraph.http import boruta
+from evergraph.http import boruta, limits
 from evergraph.http.boruta import WireError
 from evergraph.world.follow import SimpleFollower, follow
 from evergraph.world.kv import KeyValue, WorldError
+
+T = TypeVar("T")
 
 log = logging.getLogger("evergraph.http")
 
@@ -37,6 +39,15 @@ Handler = Callable[[HttpRequest], Awaitable[Response]]
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(boruta.dumps(obj), status, headers, media_type="application/json")
+
+
+async def _parsed(request: HttpRequest, parse: Callable[..., T], *args: Any) -> T:
+    """`parse(body, *args)`: in a thread for a large body (the pure-Python reader
+    takes ~1 s a MiB, and the loop must keep its turns: leases, watches, health)."""
+    body = await request.body()
+    if len(body) > limits.PARSE_IN_THREAD:
+        return await asyncio.to_thread(parse, body, *args)
+    return parse(body, *args)
 
 
 def _error(status: int, message: str) -> Response:
@@ -50,6 +61,7 @@ class FarmApi:
     def __init__(self, farm: Farm | None, anonymous: str | None = None) -> None:
         self.farm = farm
         self.anonymous = anonymous
+        self.failures = limits.AuthFailures()
 
     async def _user(self, request: HttpRequest) -> User:
         assert self.farm is not None
@@ -61,8 +73,13 @@ class FarmApi:
             raise WireError(401, "unauthorized: give Authorization: Bearer TOKEN")
         if scheme.lower() != "bearer" or not token.strip():
             raise WireError(401, "unauthorized: give Authorization: Bearer TOKEN")
+        address = request.client.host if request.client is not None else "?"
+        wait = self.failures.blocked(address, token.strip())
+        if wait:
+            raise WireError(429, f"too many failed token attempts: try again in {wait:.0f} s")
         user = await tokens.lookup(self.farm.kv, token.strip(), self.farm.trust)
         if user is None:
+            self.failures.failed(address, token.strip())
             raise WireError(401, "unauthorized: unknown token")
         return user
 
@@ -89,7 +106,7 @@ class FarmApi:
 
     # -- requests -------------------------------------------------------------------------
     async def new_request(self, request: HttpRequest, farm: Farm, user: User) -> Response:
-        spec = boruta.parse_new_request(await request.body(), farm.clock.time())
+        spec = await _parsed(request, boruta.parse_new_request, farm.clock.time())
         if spec.fragment:
             farm.may_send_fragment(user)  # 403 before anything of it is read
             _check_fragment(spec.fragment)
@@ -104,7 +121,7 @@ class FarmApi:
         return _json(boruta.req_id(rid), 201)
 
     async def list_requests(self, request: HttpRequest, farm: Farm, user: User) -> Response:
-        spec = boruta.parse_requests_list(await request.body())
+        spec = await _parsed(request, boruta.parse_requests_list)
         items = await farm.requests(user)
         page, total, remaining = boruta.list_requests(
             items, spec.filter, spec.sorter, spec.paginator
@@ -119,7 +136,7 @@ class FarmApi:
 
     async def update_request(self, request: HttpRequest, farm: Farm, user: User) -> Response:
         rid = boruta.parse_req_id(request.path_params["id"])
-        spec = boruta.parse_update_request(await request.body(), rid)
+        spec = await _parsed(request, boruta.parse_update_request, rid)
         if spec.empty:
             return Response(status_code=204)  # as Boruta: no change, no lookup
         # Boruta's checks and messages first, then the model's own
@@ -159,7 +176,7 @@ class FarmApi:
         return _json(body, 200, boruta.list_headers(total, remaining, len(page)))
 
     async def list_workers(self, request: HttpRequest, farm: Farm, user: User) -> Response:
-        spec = boruta.parse_workers_list(await request.body())
+        spec = await _parsed(request, boruta.parse_workers_list)
         page, total, remaining = boruta.list_workers(
             await farm.workers(), spec.filter, spec.sorter, spec.paginator
         )
@@ -172,13 +189,13 @@ class FarmApi:
 
     async def set_state(self, request: HttpRequest, farm: Farm, user: User) -> Response:
         uuid = boruta.parse_worker_uuid(request.path_params["uuid"])
-        state = boruta.parse_set_state(await request.body())
+        state = await _parsed(request, boruta.parse_set_state)
         await farm.set_state(user, uuid, state)
         return Response(boruta.SET_STATE_BODY, 202, media_type="application/json")
 
     async def set_groups(self, request: HttpRequest, farm: Farm, user: User) -> Response:
         uuid = boruta.parse_worker_uuid(request.path_params["uuid"])
-        groups = boruta.parse_set_groups(await request.body())
+        groups = await _parsed(request, boruta.parse_set_groups)
         await farm.set_groups(user, uuid, groups)
         return Response(status_code=204)
 

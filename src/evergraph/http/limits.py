@@ -126,6 +126,66 @@ class BoundedProtocol(H11Protocol):
         super().connection_lost(exc)
 
 
+class AuthFailures:
+    """Failed token attempts, per client address and per token presented: each is
+    counted over the last minute; past `per_address` (or `per_token`) failures a
+    source is answered 429 for the rest of that minute without its token being
+    looked up, and each source is logged once a minute (never the token itself)."""
+
+    WINDOW = 60.0
+
+    def __init__(self, per_address: int = 30, per_token: int = 5) -> None:
+        self.per_address = per_address
+        self.per_token = per_token
+        #: source -> failure times (monotonic), oldest first
+        self._seen: dict[str, list[float]] = {}
+
+    def _recent(self, source: str, now: float) -> list[float]:
+        times = self._seen.get(source)
+        if times is None:
+            return []
+        while times and times[0] <= now - self.WINDOW:
+            times.pop(0)
+        if not times:
+            del self._seen[source]
+        return times
+
+    def blocked(self, address: str, token: str) -> float:
+        """Seconds to wait before trying again (0: go on)."""
+        now = time.monotonic()
+        for source, limit in ((f"addr:{address}", self.per_address), (_tok(token), self.per_token)):
+            times = self._recent(source, now)
+            if len(times) >= limit:
+                return max(1.0, times[0] + self.WINDOW - now)
+        return 0.0
+
+    def failed(self, address: str, token: str) -> None:
+        now = time.monotonic()
+        if len(self._seen) > 10_000:  # a flood of sources: forget the oldest half
+            for key in list(self._seen)[: len(self._seen) // 2]:
+                del self._seen[key]
+        for source in (f"addr:{address}", _tok(token)):
+            self._seen.setdefault(source, []).append(now)
+        n = len(self._recent(f"addr:{address}", now))
+        warn_once(
+            f"auth:{address}",
+            "HTTP: a failed token attempt from %s (%d in the last minute)",
+            address,
+            n,
+        )
+
+
+def _tok(token: str) -> str:
+    """A token's source key: a hash prefix, never the token itself."""
+    import hashlib
+
+    return "tok:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+#: bodies larger than this are parsed in a thread (the loop keeps its turns)
+PARSE_IN_THREAD = 64 << 10
+
+
 class BodyLimit:
     """ASGI middleware: the request body read in full, at most `limit` bytes, before
     the app runs (413 `{"message": ...}` past it; the app never sees such a request)."""

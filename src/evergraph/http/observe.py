@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from evergraph.agent.observe import Histogram, TimedKV
 from evergraph.engine.status import VertexStatus
+from evergraph.http.limits import AuthFailures
 from evergraph.http.metrics import Exposition, FarmQueue, Metrics, watch_loop
 
 if TYPE_CHECKING:
@@ -128,6 +129,8 @@ class AgentView:
         )
         self.exposition = Exposition(self.metrics, lambda: agent.engine, self._world, self.farm)
         self._static: dict[str, bytes] = {}
+        #: failed token attempts on the parameter routes (http/limits.py)
+        self.auth_failures = AuthFailures()
 
     def _world(self) -> dict[str, Histogram]:
         kv = self.agent.kv
@@ -202,8 +205,14 @@ class AgentView:
             )  # fmt: skip
         from evergraph.farm import tokens
 
+        address = request.client.host if request.client is not None else "?"
+        wait = self.auth_failures.blocked(address, token.strip())
+        if wait:
+            message = f"too many failed token attempts: try again in {wait:.0f} s"
+            return JSONResponse({"message": message}, 429)
         user = await tokens.lookup(kv, token.strip(), self.agent.farm_trust)
         if user is None:
+            self.auth_failures.failed(address, token.strip())
             return JSONResponse({"message": "unauthorized: unknown token"}, 401)
         if not user.admin:
             return JSONResponse({"message": "forbidden: parameters are for admins"}, 403)
