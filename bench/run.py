@@ -32,6 +32,7 @@ BENCHMARKS = (
     "failover",
     "soak",
     "http",
+    "abuse",
     "cluster",
     "world10k",
 )

@@ -343,11 +343,19 @@ def test_the_matcher_resumes_soon_after_a_killed_leaders_lease_expires(
 
     async def main() -> tuple[float, float]:
         client = kv()
+
         # requests signed as m0 (a farm server both the other server and the worker pin),
         # read with m0's pins of the worker's key
-        farm = Farm(client, trust=srv_trust(tmp_path / "m0", "m0", servers=("m1",)))
+        def as_m0() -> Farm:
+            return Farm(client, trust=srv_trust(tmp_path / "m0", "m0", servers=("m1",)))
+
+        farm = as_m0()
         try:
-            [w] = await farm.workers()
+            async with asyncio.timeout(15):
+                # (until m0 has pinned the worker's key: its registration is signed by it)
+                while not (found := await as_m0().workers()):
+                    await asyncio.sleep(0.02)
+            [w] = found
             await farm.set_state(ADMIN, w.uuid, model.IDLE)
             async with asyncio.timeout(15):
                 while (await farm.worker(w.uuid)).state != model.IDLE:
