@@ -223,6 +223,7 @@ def test_one_change_among_100_costs_one_verification(tmp_path: Path) -> None:
             while len(b.collector.current()) < 100:
                 await b.next_change()
             before = b.collector.verified
+            indexes = b.collector.verified_indexes
             a.publisher.set(
                 [
                     ("hostb", "file", f"f{i}", _params("new\n" if i == 42 else f"{i}\n"))
@@ -233,6 +234,8 @@ def test_one_change_among_100_costs_one_verification(tmp_path: Path) -> None:
                 await b.next_change()
             await a.publisher.acknowledged.wait()
             assert b.collector.verified - before == 1
+            # and one index (written with the record, in the same txn)
+            assert b.collector.verified_indexes - indexes == 1
             assert [e.params["content"] for e in b.collector.current() if e.name == "f42"] == [
                 "new\n"
             ]

@@ -669,7 +669,7 @@ class Publisher:
             entries.setdefault(to, {})[entry_name(key)] = seq
         # each target whose records changed, or whose index is missing or stale,
         # gets a new index (or loses it: nothing exported there any more), in the
-        # same txn as its records' last ops
+        # same txn as its records (the first of a pass's txns, if it takes several)
         for to in sorted(set(ops) | set(entries) | in_world | set(self._indexes)):
             mine = entries.get(to, {})
             had = self._indexes.get(to)
@@ -678,12 +678,15 @@ class Publisher:
             if not mine and had is None and to not in in_world and to not in ops:
                 continue
             ikey = index_key(to, host)
-            op: Put | Delete
+            # a new index goes first (a collector applies each record as it arrives
+            # at the sequence the index names, whatever the txns a pass takes); a
+            # deleted one last (its records are gone by then: a withdrawal, not an
+            # index deleted under remaining records)
             if mine:
-                op = Put(ikey, make_index(self.keys, host, to, self.seq.next(), mine), lease)
+                index = make_index(self.keys, host, to, self.seq.next(), mine)
+                ops.setdefault(to, []).insert(0, Put(ikey, index, lease))
             else:
-                op = Delete(ikey)
-            ops.setdefault(to, []).append(op)
+                ops.setdefault(to, []).append(Delete(ikey))
         for to, tops in sorted(ops.items()):
             for at in range(0, len(tops), TXN_OPS):
                 chunk = tops[at : at + TXN_OPS]
@@ -757,8 +760,8 @@ class Collector(Follower[KeyValue]):
         #: records kept after a deletion the index does not explain (logged once)
         self._kept: set[str] = set()
         self._idx_kept: set[Pair] = set()
-        #: pairs changed in the batch being reported
-        self._touched: set[Pair] = set()
+        #: pairs changed in the batch being reported, with their changed records
+        self._touched: dict[Pair, set[str]] = {}
         self._listeners: list[Callable[[], None]] = []
         self._synced = 0
         self.ready = asyncio.Event()
@@ -803,22 +806,26 @@ class Collector(Follower[KeyValue]):
                 self._idx_raw.pop(pair, None)
             else:
                 self._idx_raw[pair] = kv
-        else:
+        touched = self._touched.setdefault(pair, set())
+        if not is_index:
             if kv is None:
                 self._raw.pop(key, None)
             else:
                 self._raw[key] = kv
                 self._kept.discard(key)
             self._keys.setdefault(pair, set()).add(key)
+            touched.add(key)
         self._by_src.setdefault(pair[1], set()).add(pair)
-        self._touched.add(pair)
 
     def _drop(self, key: str) -> None:
         if self._items.pop(key, None) is not None:
             self._dirty = True
 
-    def _settle(self, pair: Pair) -> None:
-        """Bring what is applied of `pair` in line with its records and index."""
+    def _settle(self, pair: Pair, changed: set[str] | None = None) -> None:
+        """Bring what is applied of `pair` in line with its records and index.
+        `changed`: the records that changed (None: look at all of them); with the
+        records whose entry the index changed, the only ones looked at, so that one
+        change among N costs O(1) records, not O(N)."""
         src = pair[1]
         keys = self._keys.get(pair, set())
         trusted = self.book.trusted(src)
@@ -841,11 +848,24 @@ class Collector(Follower[KeyValue]):
             if not held:
                 del self._pending[src]
         verify = trusted[1]
+        before = self._index.get(pair)
         self._judge_index(pair, verify, keys)
         idx = self._index.get(pair)
-        for key in sorted(keys):
+        todo: set[str]
+        if changed is None or (idx is None) != (before is None):
+            todo = keys
+        elif idx is before:
+            todo = changed
+        else:
+            assert idx is not None
+            assert before is not None
+            old, new = before.entries, idx.entries
+            head = f"{EXPORTED}{pair[0]}/{pair[1]}/"
+            todo = changed | {head + e for e, n in new.items() if old.get(e) != n}
+            todo |= {head + e for e in old.keys() - new.keys()}
+        for key in sorted(todo):
             self._settle_record(key, idx, verify)
-        gone = [k for k in keys if k not in self._raw and k not in self._items]
+        gone = [k for k in todo if k in keys and k not in self._raw and k not in self._items]
         for key in gone:
             keys.discard(key)
             self._checked.pop(key, None)
@@ -999,9 +1019,9 @@ class Collector(Follower[KeyValue]):
         self._touch(None, prev.key)
 
     async def batch_done(self) -> None:
-        touched, self._touched = self._touched, set()
-        for pair in sorted(touched):
-            self._settle(pair)
+        touched, self._touched = self._touched, {}
+        for pair, changed in sorted(touched.items()):
+            self._settle(pair, changed)
         self._notify()
 
     async def synced(self) -> None:
