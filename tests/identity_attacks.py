@@ -81,15 +81,22 @@ def host_key_record(host: str, keys: HostKeys) -> bytes:
 
 
 def forged_export(
-    mallory: HostKeys, src: str, to: str, path: Path, content: str, seq: int = 1 << 60
+    mallory: HostKeys,
+    src: str,
+    to: str,
+    path: Path,
+    content: str,
+    seq: int = 1 << 60,
+    public: str | None = None,
 ) -> list[Put]:
-    """A `file` export "from `src`" and its index, both signed by Mallory's key."""
+    """A `file` export "from `src`" and its index, both signed by Mallory's key
+    (`public`: the target's key, to seal a directed one)."""
     from evergraph.world.exports import entry_name, export_key, index_key, make_index, make_record
 
     name = str(path)
     key = export_key(to, src, "file", name)
     params: dict[str, Any] = {"path": name, "content": content}
-    rec = make_record(mallory, src, to, "file", name, params, None, seq)
+    rec = make_record(mallory, src, to, "file", name, params, public, seq)
     index = make_index(mallory, src, to, seq + 1, {entry_name(key): seq})
     return [Put(key, rec), Put(index_key(to, src), index)]
 

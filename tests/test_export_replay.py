@@ -82,6 +82,9 @@ def test_replayed_deleted_and_withdrawn_exports_are_refused(
     )
     assert "index still lists it" in log()
     assert swaps() == before
+    # ea saw it (a `*` export of its own, through its collector) and put it back
+    wait_for(lambda: world.get(key) is not None, what="ea putting its record back")
+    wait_for(lambda: f"ALARM: {key}" in ea.log.read_text(), what="ea's alarm")
 
     # 4. ea withdraws the export for real: eb drops it (a swap)
     ga.write_text("graph: a\nresources:\n  noop:\n  - name: a\n")

@@ -93,27 +93,33 @@ def test_an_overwritten_host_key_is_restored_and_a_later_joiner_is_not_fooled(
     assert took < 1.0, f"restored after {took:.2f}s"
     wait_for(lambda: "hostkeys/ea was deleted" in ea.log.read_text(), what="the deletion alarm")
 
-    # 3. Mallory forges a `*` export "from ea" signed by her key (its index would name
-    # it, but ea's index is there: an index she overwrites keeps new collectors from
-    # ea's records until ea's next check, it does not get hers applied); eb joins now,
-    # while ea is up: it pins ea's real key and applies only ea's export
+    # 3. Mallory forges a `*` export "from ea" signed by her key: ea sees it among
+    # its own and deletes it, with an alarm
     ops = forged_export(mallory, "ea", "*", evil, "pwned\n")[:1]
     world.call(lambda kv: kv.txn([], ops))
+    wait_for(lambda: world.get(ops[0].key) is None, what="ea deleting the forged record")
+    wait_for(lambda: f"ALARM: {ops[0].key}" in ea.log.read_text(), what="ea's alarm")
+
+    # 4. eb joins now, while ea is up: it pins ea's real key and applies ea's export
     eb = agents(gb, tmp_path / "sb", "--hostname", "eb", *world.args)
     eb.wait_converged()
     wait_for(lambda: legit.exists() and legit.read_text() == "legit\n", what="ea's export on eb")
     pin = Pins(tmp_path / "sb").get("ea")
     assert pin is not None
     assert (pin.public, pin.verify) == real_keys.pair()
+
+    # 5. a record "from ea" sealed to eb, signed by Mallory: eb refuses it, and the
+    # listing (with eb's pins) marks it FORGED, ea's own ok, and exits 1
+    eb_keys = HostKeys(tmp_path / "sb")
+    ops = forged_export(mallory, "ea", "eb", evil, "pwned\n", public=eb_keys.public)[:1]
+    world.call(lambda kv: kv.txn([], ops))
     wait_for(lambda: "bad signature: not signed by 'ea'" in eb.log.read_text(), what="refusal")
     assert not evil.exists()
-
-    # 4. the listing says which is which (eb's pins), and exits 1
     r = run_cli("exports", "--state-dir", tmp_path / "sb", *world.args)
     assert r.returncode == 1, r.stderr
-    rows = {tuple(line.split("\t")[2:]) for line in r.stdout.splitlines()}
-    assert (f"file[{legit}]", "signed", "ok") in rows
-    assert (f"file[{evil}]", "signed", "FORGED") in rows
+    rows = {tuple(line.split("\t")) for line in r.stdout.splitlines()}
+    assert ("*", "ea", f"file[{legit}]", "signed", "ok") in rows
+    assert ("eb", "ea", f"file[{evil}]", "sealed", "FORGED") in rows
     assert ea.stop() == 0
     assert eb.stop() == 0
 

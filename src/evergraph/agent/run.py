@@ -342,7 +342,7 @@ class Agent:
         self.publisher = Publisher(
             kv, keys, host, book, lambda: membership.lease, SeqCounter(self.settings.state_dir)
         )
-        self.collector = Collector(kv, keys, host, book)
+        self.collector = Collector(kv, keys, host, book, own=self.publisher.noticed)
         membership.on_regrant(self.publisher.resync)
         self._service(membership.run(), "membership")
         self._service(self._on_replaced(membership), "replaced-watch")

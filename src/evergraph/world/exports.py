@@ -38,7 +38,7 @@ import base64
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableSet
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -203,18 +203,30 @@ def open_record_seq(
 
 class ExportIndex(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`exported/<to>/<src>/index`: the records `src` exports to `to` now, each
-    `<kind>/<quoted name>` with the sequence of its current record."""
+    `<kind>/<quoted name>` with the sequence of its current record (`entries`, a
+    JSON object kept as its exporter wrote it: the signature covers those bytes,
+    so checking it needs no re-encoding)."""
 
     v: int = 1
     src: str
     to: str
     seq: int
-    entries: dict[str, int]
+    entries: msgspec.Raw
     #: base64 Ed25519 signature by `src` over `_index_bytes(...)`
     sig: str
 
 
+class Index(msgspec.Struct, frozen=True):
+    """A verified index."""
+
+    src: str
+    to: str
+    seq: int
+    entries: dict[str, int]
+
+
 _index_decoder = msgspec.json.Decoder(ExportIndex)
+_entries_decoder = msgspec.json.Decoder(dict[str, int])
 
 
 def index_key(to: str, src: str) -> str:
@@ -234,17 +246,20 @@ def entry_name(key: str) -> str:
     return key.split("/", 3)[3]
 
 
-def _index_bytes(src: str, to: str, seq: int, entries: dict[str, int]) -> bytes:
-    return msgspec.json.encode(["index", src, to, seq, sorted(entries.items())])
+def _index_bytes(src: str, to: str, seq: int, entries: bytes) -> bytes:
+    return msgspec.json.encode(["index", src, to, seq]) + b"\n" + entries
 
 
 def make_index(keys: HostKeys, src: str, to: str, seq: int, entries: dict[str, int]) -> bytes:
-    sig = keys.sign(_index_bytes(src, to, seq, entries))
-    rec = ExportIndex(src=src, to=to, seq=seq, entries=entries, sig=base64.b64encode(sig).decode())
+    raw = msgspec.json.encode(entries)
+    sig = keys.sign(_index_bytes(src, to, seq, raw))
+    rec = ExportIndex(
+        src=src, to=to, seq=seq, entries=msgspec.Raw(raw), sig=base64.b64encode(sig).decode()
+    )
     return msgspec.json.encode(rec)
 
 
-def open_index(item: KeyValue, verify_key: str) -> ExportIndex:
+def open_index(item: KeyValue, verify_key: str) -> Index:
     """Check an index record against its exporter's key; ValueError otherwise."""
     where = parse_index_key(item.key)
     if where is None:
@@ -259,11 +274,14 @@ def open_index(item: KeyValue, verify_key: str) -> ExportIndex:
         sig = base64.b64decode(rec.sig, validate=True)
     except ValueError:
         raise ValueError(f"{item.key}: signature is not base64") from None
-    if not HostKeys.check_signature(
-        verify_key, _index_bytes(rec.src, rec.to, rec.seq, rec.entries), sig
-    ):
+    raw = bytes(rec.entries)
+    if not HostKeys.check_signature(verify_key, _index_bytes(rec.src, rec.to, rec.seq, raw), sig):
         raise ValueError(f"{item.key}: bad signature: not signed by {rec.src!r}")
-    return rec
+    try:
+        entries = _entries_decoder.decode(raw)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"{item.key}: entries are not sequences by record: {e}") from None
+    return Index(rec.src, rec.to, rec.seq, entries)
 
 
 class SeqCounter:
@@ -532,7 +550,26 @@ class Publisher:
         self.acknowledged = asyncio.Event()
         #: targets whose key is missing or refused: waiting for the book
         self._waiting: set[str] = set()
+        #: our keys someone else may have changed: read back on the next pass
+        self._suspects: set[str] = set()
         book.listen(self._key_changed)
+
+    def noticed(self, key: str, kv: KeyValue | None) -> None:
+        """A record or index of ours changed in the World (seen by this host's
+        collector): unless it is our own write, read it back on the next pass and put
+        it right at once, not at the next periodic check."""
+        if kv is not None:
+            where = parse_key(key)
+            if where is not None:
+                mine = self._written.get(key)
+                if mine is not None and mine[2] == kv.mod_revision:
+                    return
+            elif (pair := parse_index_key(key)) is not None:
+                idx = self._indexes.get(pair[0])
+                if idx is not None and idx[2] == kv.mod_revision:
+                    return
+        self._suspects.add(key)
+        self._wake.set()
 
     def set(self, exports: list[ExportItem], source: str = "graph") -> None:
         """What `source` (the graph; the farm's job keys) wants exported now."""
@@ -600,6 +637,47 @@ class Publisher:
                 out[key] = item
         return out
 
+    async def _check_suspect(
+        self,
+        key: str,
+        want: dict[str, ExportItem],
+        lease: int,
+        stale: MutableSet[str],
+        in_world: MutableSet[str],
+    ) -> None:
+        """Read one of our keys back: what someone else changed is written again this
+        pass (a record or index of ours that is not ours any more: deleted)."""
+        item = await self.kv.get(key)
+        where = parse_key(key)
+        if where is not None:
+            mine = self._written.get(key)
+            if mine is not None and (
+                item is None or item.mod_revision != mine[2] or item.lease != lease
+            ):
+                del self._written[key]
+            elif mine is None and item is not None and key not in want:
+                stale.add(key)
+            else:
+                return
+        elif (pair := parse_index_key(key)) is not None:
+            idx = self._indexes.get(pair[0])
+            if idx is not None and (
+                item is None or item.mod_revision != idx[2] or item.lease != lease
+            ):
+                del self._indexes[pair[0]]
+            elif idx is None and item is not None:
+                in_world.add(pair[0])
+            else:
+                return
+        else:
+            return
+        log.error(
+            "ALARM: %s, this host's export %s, was %s by someone else: putting it right",
+            key,
+            "record" if where is not None else "index",
+            "deleted" if item is None else "changed",
+        )
+
     async def _reconcile(self) -> None:
         want = self._want
         lease = self.lease()
@@ -630,6 +708,9 @@ class Publisher:
         else:
             stale = set(self._written) - want.keys()
             in_world = set(self._indexes)
+        suspects, self._suspects = self._suspects, set()
+        for key in sorted(suspects):
+            await self._check_suspect(key, want, lease, stale, in_world)
         ops: dict[str, list[Put | Delete]] = {}
         for key in sorted(stale):
             where = parse_key(key)
@@ -733,11 +814,21 @@ class Collector(Follower[KeyValue]):
     `current()` is the checked set, by World key; listeners are called after each
     batch that changed it."""
 
-    def __init__(self, kv: KV, keys: HostKeys, host: str, book: HostKeyBook) -> None:
+    def __init__(
+        self,
+        kv: KV,
+        keys: HostKeys,
+        host: str,
+        book: HostKeyBook,
+        own: Callable[[str, KeyValue | None], None] | None = None,
+    ) -> None:
         self.kv = kv
         self.keys = keys
         self.host = host
         self.book = book
+        #: told of every change to a record or index of this host's that the
+        #: collector sees (its `*` exports): the publisher puts them right
+        self._own = own
         #: what is applied: key -> (export, its sequence)
         self._items: dict[str, tuple[Exported, int]] = {}
         #: records waiting for their exporter's key (by exporter)
@@ -751,7 +842,7 @@ class Collector(Follower[KeyValue]):
         self._idx_raw: dict[Pair, KeyValue] = {}
         self._idx_judged: dict[Pair, bytes] = {}
         #: the index in effect per pair, and the highest sequence verified
-        self._index: dict[Pair, ExportIndex] = {}
+        self._index: dict[Pair, Index] = {}
         self._high: dict[Pair, int] = {}
         #: record keys (in the World or applied) by pair, and pairs by exporter (a
         #: key that arrives re-verifies its exporter's records: O(theirs), not O(all))
@@ -800,6 +891,8 @@ class Collector(Follower[KeyValue]):
             return
         pair, is_index = found
         if pair[1] == self.host:
+            if self._own is not None:
+                self._own(key, kv)
             return
         if is_index:
             if kv is None:
@@ -921,7 +1014,7 @@ class Collector(Follower[KeyValue]):
         self._index[pair] = idx
         self._high[pair] = idx.seq
 
-    def _settle_record(self, key: str, idx: ExportIndex | None, verify: str) -> None:
+    def _settle_record(self, key: str, idx: Index | None, verify: str) -> None:
         kv = self._raw.get(key)
         checked: tuple[bytes, Exported | None, int] | None = None
         fresh = False
