@@ -177,6 +177,7 @@ async def _export_trials(
         index_key,
         make_index,
         make_record,
+        record_digest,
     )
     from evergraph.world.hostkeys import HostKeys
     from evergraph.world.kv import Put
@@ -184,10 +185,10 @@ async def _export_trials(
     seq = SeqCounter()
     #: what host A's index names (an agent's publisher writes the record and its
     #: index in one txn: no replay)
-    entries: dict[str, int] = {}
+    entries: dict[str, tuple[int, str]] = {}
 
     async def write(key: str, value: bytes, n: int) -> None:
-        entries[entry_name(key)] = n
+        entries[entry_name(key)] = (n, record_digest(value))
         index = make_index(keys, "hosta", "hostb", seq.next(), dict(entries))
         await kv.txn([], [Put(key, value), Put(index_key("hostb", "hosta"), index)])
 

@@ -153,12 +153,13 @@ def export_ops(
 ) -> list[Any]:
     """What an agent writes in one txn for its one export: the record and its index
     (which names the record's sequence: no replay)."""
-    from evergraph.world.exports import entry_name, index_key, make_index
+    from evergraph.world.exports import entry_name, index_key, make_index, record_digest
     from evergraph.world.kv import Put
 
     key, record = export_of(base, name, keys, to_public, version)
     seq = json.loads(record)["seq"]
-    index = make_index(keys, name, COLLECTOR, seq + 1, {entry_name(key): seq})
+    entry = (seq, record_digest(record))
+    index = make_index(keys, name, COLLECTOR, seq + 1, {entry_name(key): entry})
     return [Put(key, record, lease), Put(index_key(COLLECTOR, name), index, lease)]
 
 

@@ -91,13 +91,20 @@ def forged_export(
 ) -> list[Put]:
     """A `file` export "from `src`" and its index, both signed by Mallory's key
     (`public`: the target's key, to seal a directed one)."""
-    from evergraph.world.exports import entry_name, export_key, index_key, make_index, make_record
+    from evergraph.world.exports import (
+        entry_name,
+        export_key,
+        index_key,
+        make_index,
+        make_record,
+        record_digest,
+    )
 
     name = str(path)
     key = export_key(to, src, "file", name)
     params: dict[str, Any] = {"path": name, "content": content}
     rec = make_record(mallory, src, to, "file", name, params, public, seq)
-    index = make_index(mallory, src, to, seq + 1, {entry_name(key): seq})
+    index = make_index(mallory, src, to, seq + 1, {entry_name(key): (seq, record_digest(rec))})
     return [Put(key, rec), Put(index_key(to, src), index)]
 
 

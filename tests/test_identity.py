@@ -25,6 +25,7 @@ from evergraph.world.exports import (
     make_index,
     make_record,
     publish_hostkeys,
+    record_digest,
 )
 from evergraph.world.hostkeys import HostKeys, KeyError_, identity
 from evergraph.world.kv import KV, KeyValue, Put
@@ -168,7 +169,7 @@ async def put_export(
     seq = 1000
     key = export_key(to, src, "file", name)
     rec = make_record(keys, src, to, "file", name, params, public, seq)
-    index = make_index(keys, src, to, seq + 1, {entry_name(key): seq})
+    index = make_index(keys, src, to, seq + 1, {entry_name(key): (seq, record_digest(rec))})
     await kv.txn([], [Put(key, rec), Put(index_key(to, src), index)])
 
 

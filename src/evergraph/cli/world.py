@@ -226,6 +226,7 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
             open_record_seq,
             parse_index_key,
             parse_key,
+            record_digest,
         )
         from evergraph.world.hostkeys import HostKeys, KeyError_
         from evergraph.world.pins import Pins, PinsError
@@ -258,7 +259,7 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
                     return None
                 return seen, "ok" if seen == own else "ok-unpinned"
 
-            indexes: dict[tuple[str, str], dict[str, int] | None] = {}
+            indexes: dict[tuple[str, str], dict[str, tuple[int, str]] | None] = {}
             for item in items:
                 pair = parse_index_key(item.key)
                 if pair is None:
@@ -294,7 +295,8 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
                         status = "FORGED" if forged else "bad-record"
                     else:
                         listed = (indexes.get((to, src)) or {}).get(entry_name(item.key))
-                        status = found[1] if listed == seq else "STALE"
+                        current = listed == (seq, record_digest(item.value))
+                        status = found[1] if current else "STALE"
                 if status in ("FORGED", "STALE", "bad-record"):
                     bad += 1
                 click.echo(f"{to}\t{src}\t{kind}[{name}]\t{how}\t{status}")

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Callable, MutableSet
@@ -153,11 +154,17 @@ def open_record(keys: HostKeys, me: str, item: KeyValue, verify_key: str | None)
 
 
 def open_record_seq(
-    keys: HostKeys | None, me: str | None, item: KeyValue, verify_key: str | None
+    keys: HostKeys | None,
+    me: str | None,
+    item: KeyValue,
+    verify_key: str | None,
+    vouched: bool = False,
 ) -> tuple[Exported, int]:
     """`open_record` and the record's sequence number. Without `keys` (a listing
     that cannot unseal) a sealed record is checked but its parameters are empty;
-    without `me` a record for any target is accepted."""
+    without `me` a record for any target is accepted. `vouched`: the record's
+    bytes have the digest a verified index of its exporter names (its signature
+    is not checked again)."""
     where = parse_key(item.key)
     if where is None:
         raise ValueError(f"{item.key}: not an export key")
@@ -171,16 +178,18 @@ def open_record_seq(
         raise ValueError(f"{item.key}: meant for {rec.to!r}, not this host")
     if rec.sealed != (rec.to != EVERYONE):
         raise ValueError(f"{item.key}: a directed export must be sealed")
-    if not verify_key:
+    if not verify_key and not vouched:
         raise ValueError(f"{item.key}: no key known for exporter {rec.src!r}")
     try:
         body = base64.b64decode(rec.payload, validate=True)
         sig = base64.b64decode(rec.sig, validate=True)
     except ValueError:
         raise ValueError(f"{item.key}: payload or signature is not base64") from None
-    signed = _signed_bytes(rec.src, rec.to, rec.kind, rec.name, rec.seq, body)
-    if not HostKeys.check_signature(verify_key, signed, sig):
-        raise ValueError(f"{item.key}: bad signature: not signed by {rec.src!r}")
+    if not vouched:
+        assert verify_key is not None
+        signed = _signed_bytes(rec.src, rec.to, rec.kind, rec.name, rec.seq, body)
+        if not HostKeys.check_signature(verify_key, signed, sig):
+            raise ValueError(f"{item.key}: bad signature: not signed by {rec.src!r}")
     if rec.sealed and keys is None:
         return Exported(rec.src, rec.to, rec.kind, rec.name, {}), rec.seq
     if rec.sealed:
@@ -203,9 +212,11 @@ def open_record_seq(
 
 class ExportIndex(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`exported/<to>/<src>/index`: the records `src` exports to `to` now, each
-    `<kind>/<quoted name>` with the sequence of its current record (`entries`, a
-    JSON object kept as its exporter wrote it: the signature covers those bytes,
-    so checking it needs no re-encoding)."""
+    `<kind>/<quoted name>` with the sequence and digest of its current record
+    (`entries`, a JSON object kept as its exporter wrote it: the signature covers
+    those bytes, so checking it needs no re-encoding). A record whose bytes have
+    the digest a verified index names is the exporter's: its own signature need
+    not be checked again (one signature check per change, as before indexes)."""
 
     v: int = 1
     src: str
@@ -216,17 +227,27 @@ class ExportIndex(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     sig: str
 
 
+#: an index entry: (the record's sequence, `record_digest` of its bytes)
+Entry = tuple[int, str]
+
+
+def record_digest(value: bytes) -> str:
+    """What an index names a record's bytes by (BLAKE2b, 128 bits, base64)."""
+    return base64.b64encode(hashlib.blake2b(value, digest_size=16).digest()).decode()
+
+
 class Index(msgspec.Struct, frozen=True):
     """A verified index."""
 
     src: str
     to: str
     seq: int
-    entries: dict[str, int]
+    #: entry -> (sequence, digest of the record's bytes)
+    entries: dict[str, Entry]
 
 
 _index_decoder = msgspec.json.Decoder(ExportIndex)
-_entries_decoder = msgspec.json.Decoder(dict[str, int])
+_entries_decoder = msgspec.json.Decoder(dict[str, tuple[int, str]])
 
 
 def index_key(to: str, src: str) -> str:
@@ -250,7 +271,7 @@ def _index_bytes(src: str, to: str, seq: int, entries: bytes) -> bytes:
     return msgspec.json.encode(["index", src, to, seq]) + b"\n" + entries
 
 
-def make_index(keys: HostKeys, src: str, to: str, seq: int, entries: dict[str, int]) -> bytes:
+def make_index(keys: HostKeys, src: str, to: str, seq: int, entries: dict[str, Entry]) -> bytes:
     raw = msgspec.json.encode(entries)
     sig = keys.sign(_index_bytes(src, to, seq, raw))
     rec = ExportIndex(
@@ -280,7 +301,7 @@ def open_index(item: KeyValue, verify_key: str) -> Index:
     try:
         entries = _entries_decoder.decode(raw)
     except msgspec.DecodeError as e:
-        raise ValueError(f"{item.key}: entries are not sequences by record: {e}") from None
+        raise ValueError(f"{item.key}: entries are not [sequence, digest] by record: {e}") from None
     return Index(rec.src, rec.to, rec.seq, entries)
 
 
@@ -537,10 +558,10 @@ class Publisher:
         self.seq = seq if seq is not None else SeqCounter()
         self._want: dict[str, ExportItem] = {}
         self._sources: dict[str, list[ExportItem]] = {}
-        #: key -> (params, lease, mod revision, seq) as written by us
-        self._written: dict[str, tuple[dict[str, Any], int, int, int]] = {}
+        #: key -> (params, lease, mod revision, index entry) as written by us
+        self._written: dict[str, tuple[dict[str, Any], int, int, Entry]] = {}
         #: target -> (entries, lease, mod revision) of the index written by us
-        self._indexes: dict[str, tuple[dict[str, int], int, int]] = {}
+        self._indexes: dict[str, tuple[dict[str, Entry], int, int]] = {}
         self._full = True  # the next pass reads the World (start, errors, regrant)
         #: the next pass reads our own records back by key (the periodic check: a
         #: read of all of exported/ every 30 s by every agent does not scale)
@@ -717,10 +738,10 @@ class Publisher:
             assert where is not None
             ops.setdefault(where[0], []).append(Delete(key))
         #: what this pass writes: key -> (params, seq)
-        puts: dict[str, tuple[dict[str, Any], int]] = {}
+        puts: dict[str, tuple[dict[str, Any], Entry]] = {}
         waiting: set[str] = set()
         #: target -> {entry: seq}: the index each target should have
-        entries: dict[str, dict[str, int]] = {}
+        entries: dict[str, dict[str, Entry]] = {}
         for key, (to, kind, name, params) in sorted(want.items()):
             done = self._written.get(key)
             if done is not None and done[0] == params and done[1] == lease:
@@ -746,8 +767,9 @@ class Publisher:
                     entries.setdefault(to, {})[entry_name(key)] = done[3]
                 continue
             ops.setdefault(to, []).append(Put(key, value, lease))
-            puts[key] = (params, seq)
-            entries.setdefault(to, {})[entry_name(key)] = seq
+            entry = (seq, record_digest(value))
+            puts[key] = (params, entry)
+            entries.setdefault(to, {})[entry_name(key)] = entry
         # each target whose records changed, or whose index is missing or stale,
         # gets a new index (or loses it: nothing exported there any more), in the
         # same txn as its records (the first of a pass's txns, if it takes several)
@@ -783,8 +805,8 @@ class Publisher:
                     elif parse_index_key(o.key) is not None:
                         self._indexes[to] = (entries.get(to, {}), o.lease, rev)
                     else:
-                        params, seq = puts[o.key]
-                        self._written[o.key] = (params, o.lease, rev, seq)
+                        params, entry = puts[o.key]
+                        self._written[o.key] = (params, o.lease, rev, entry)
                         _to, kind, name, _params = want[o.key]
                         log.info("exported %s[%s] to %s", kind, name, to)  # never the parameters
         self._waiting = waiting
@@ -1016,6 +1038,7 @@ class Collector(Follower[KeyValue]):
 
     def _settle_record(self, key: str, idx: Index | None, verify: str) -> None:
         kv = self._raw.get(key)
+        entry = idx.entries.get(entry_name(key)) if idx is not None else None
         checked: tuple[bytes, Exported | None, int] | None = None
         fresh = False
         if kv is not None:
@@ -1023,8 +1046,10 @@ class Collector(Follower[KeyValue]):
             if checked is None or checked[0] != kv.value:
                 fresh = True
                 self.verified += 1
+                # the bytes a verified index names need no second signature check
+                vouched = entry is not None and entry[1] == record_digest(kv.value)
                 try:
-                    exp, seq = open_record_seq(self.keys, self.host, kv, verify)
+                    exp, seq = open_record_seq(self.keys, self.host, kv, verify, vouched)
                     checked = (kv.value, exp, seq)
                 except ValueError as e:
                     log.error("rejected export: %s", e)
@@ -1035,9 +1060,8 @@ class Collector(Follower[KeyValue]):
             if fresh and checked is not None and checked[1] is not None:
                 log.warning("export %s waits for its exporter's index", key)
             return
-        want = idx.entries.get(entry_name(key))
         valid = checked is not None and checked[1] is not None
-        if want is None:
+        if entry is None:
             self._drop(key)
             if fresh and valid:
                 self.refused += 1
@@ -1047,6 +1071,7 @@ class Collector(Follower[KeyValue]):
                     key,
                 )
             return
+        want = entry[0]
         if fresh and valid and checked is not None and checked[2] < want:
             self.refused += 1
             log.error(
