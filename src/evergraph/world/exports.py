@@ -22,9 +22,11 @@ record is missed between the first read and the watch.
 No replay: every record carries its exporter's sequence number (`seq`, from a
 counter that only grows, kept in the state dir), covered by its signature, and
 each exporter keeps a signed index per target, `exported/<to>/<from>/index`,
-naming the sequence of every record it exports there now (written in the same
-transaction as the records, under the same lease). A collector applies a record
-only when its sequence is the one the newest index it verified names: an older
+naming the sequence and digest of every record it exports there now (written in
+the same transaction as the records, under the same lease; a record whose bytes
+have the digest a verified index names needs no signature check of its own).
+A collector applies a record only when its sequence is the one the newest index
+it verified names: an older
 record put back, a withdrawn one put back without a lease, or an older index put
 back is refused (logged once); a record an attacker deletes while the index still
 lists it keeps its last verified value until its exporter withdraws it (a new
