@@ -26,11 +26,11 @@ naming the sequence and digest of every record it exports there now (written in
 the same transaction as the records, under the same lease; a record whose bytes
 have the digest a verified index names needs no signature check of its own).
 A collector applies a record only when its sequence is the one the newest index
-it verified names: an older
-record put back, a withdrawn one put back without a lease, or an older index put
-back is refused (logged once); a record an attacker deletes while the index still
-lists it keeps its last verified value until its exporter withdraws it (a new
-index without it, or the lease ending, which takes the index and the records).
+it verified names: an older record put back, a withdrawn one put back without a
+lease, or an older index put back is refused (logged once); a record an attacker
+deletes while the index still lists it keeps its last verified value until its
+exporter withdraws it (a new index without it, or the lease ending, which takes
+the index and the records).
 """
 
 from __future__ import annotations
