@@ -186,3 +186,14 @@ def test_pins_tell_listeners_what_another_process_changed(tmp_path: Path) -> Non
     pins.poll()
     assert pins.get("web1") is not None
     assert len(heard) == 2
+
+
+def test_hosts_marks_a_garbled_key_record(tmp_path: Path) -> None:
+    """`evergraph hosts` lists what fails verification instead of skipping it."""
+    me = tmp_path / "me"
+    r = run_cli("world", "put", "hostkeys/web1", "not a key record {", "--state-dir", me)
+    assert r.returncode == 0, r.stderr
+    r = run_cli("hosts", "--state-dir", me)
+    assert r.returncode == 1
+    assert r.stdout.splitlines() == ["web1\t-\t-\tbad-record"]
+    assert "hostkeys/web1: not a host key record" in r.stderr
