@@ -169,8 +169,28 @@ async def _export_trials(
     which changes per trial (the others stay: a change among N must cost one)."""
     from asyncinotify import Inotify, Mask
 
-    from evergraph.world.exports import decode_hostkeys, export_key, make_record
+    from evergraph.world.exports import (
+        SeqCounter,
+        decode_hostkeys,
+        entry_name,
+        export_key,
+        index_key,
+        make_index,
+        make_record,
+        record_digest,
+    )
     from evergraph.world.hostkeys import HostKeys
+    from evergraph.world.kv import Put
+
+    seq = SeqCounter()
+    #: what host A's index names (an agent's publisher writes the record and its
+    #: index in one txn: no replay)
+    entries: dict[str, tuple[int, str]] = {}
+
+    async def write(key: str, value: bytes, n: int) -> None:
+        entries[entry_name(key)] = (n, record_digest(value))
+        index = make_index(keys, "hosta", "hostb", seq.next(), dict(entries))
+        await kv.txn([], [Put(key, value), Put(index_key("hostb", "hosta"), index)])
 
     keys = HostKeys(state_a)
     kv = make_kv()
@@ -189,10 +209,11 @@ async def _export_trials(
     target.parent.mkdir(parents=True, exist_ok=True)
     for n in range(1, exports):  # the ones that do not change
         path = target.parent / f"still-{n}"
+        s = seq.next()
         value = make_record(
-            keys, "hosta", "hostb", "file", str(path), {"content": f"{n}\n"}, rec.public
+            keys, "hosta", "hostb", "file", str(path), {"content": f"{n}\n"}, rec.public, s
         )
-        await kv.put(export_key("hostb", "hosta", "file", str(path)), value)
+        await write(export_key("hostb", "hosta", "file", str(path)), value, s)
     key = export_key("hostb", "hosta", "file", str(target))
     out = []
     cpu0 = 0.0
@@ -200,11 +221,12 @@ async def _export_trials(
         ino.add_watch(target.parent, Mask.MOVED_TO | Mask.CLOSE_WRITE)
         for i in range(trials + 1):
             want = f"trial {i}\n"
+            s = seq.next()
             value = make_record(
-                keys, "hosta", "hostb", "file", str(target), {"content": want}, rec.public
+                keys, "hosta", "hostb", "file", str(target), {"content": want}, rec.public, s
             )
             t0 = time.perf_counter()
-            await kv.put(key, value)
+            await write(key, value, s)
             while True:
                 try:
                     if target.read_text() == want:

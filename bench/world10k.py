@@ -143,8 +143,24 @@ def export_of(base: Path, name: str, keys: Any, to_public: str, version: str) ->
 
     path = str(base / "in" / f"{name}.txt")
     params = {"name": path, "content": f"{name} {version}\n"}
-    record = make_record(keys, name, COLLECTOR, "file", path, params, to_public)
+    seq = time.time_ns() // 1000
+    record = make_record(keys, name, COLLECTOR, "file", path, params, to_public, seq)
     return export_key(COLLECTOR, name, "file", path), record
+
+
+def export_ops(
+    base: Path, name: str, keys: Any, to_public: str, version: str, lease: int
+) -> list[Any]:
+    """What an agent writes in one txn for its one export: the record and its index
+    (which names the record's sequence: no replay)."""
+    from evergraph.world.exports import entry_name, index_key, make_index, record_digest
+    from evergraph.world.kv import Put
+
+    key, record = export_of(base, name, keys, to_public, version)
+    seq = json.loads(record)["seq"]
+    entry = (seq, record_digest(record))
+    index = make_index(keys, name, COLLECTOR, seq + 1, {entry_name(key): entry})
+    return [Put(key, record, lease), Put(index_key(COLLECTOR, name), index, lease)]
 
 
 # -- the simulator (a child process) ---------------------------------------------------
@@ -279,8 +295,7 @@ class Sim:
         await h.kv.put(member_key(h.name), msgspec.json.encode(m), lease=h.lease)
         if not rejoin:
             await publish_hostkeys(h.kv, h.keys, h.name)
-        key, record = export_of(self.base, h.name, h.keys, self.to_public, "v1")
-        await h.kv.put(key, record, lease=h.lease)
+        await h.kv.txn([], export_ops(self.base, h.name, h.keys, self.to_public, "v1", h.lease))
         h.last_ok = time.monotonic()
 
     async def pool(self, hosts: list[SimHost], fn: Callable[[SimHost], Any], width: int) -> None:
@@ -496,14 +511,16 @@ class World:
         async def fn(kv: Any) -> tuple[float, int]:
             todo = []
             for name in names:
-                key, record = export_of(self.base, name, host_keys(name), self.to_public, version)
+                key, _ = export_of(self.base, name, host_keys(name), self.to_public, version)
                 cur = await kv.get(key)
                 lease = cur.lease if cur is not None else 0
-                todo.append((key, record, lease))
+                todo.append(
+                    export_ops(self.base, name, host_keys(name), self.to_public, version, lease)
+                )
             t0 = time.perf_counter()
             rev = 0
-            for key, record, lease in todo:
-                rev = await kv.put(key, record, lease=lease)
+            for ops in todo:
+                rev = await kv.txn([], ops)
             return t0, rev
 
         t0, rev = self.kv_call(fn)

@@ -14,10 +14,12 @@ from .conftest import Agent, run_cli, wait_for
 
 
 def world_value(db: Path, prefix: str) -> list[tuple[str, bytes]]:
+    """The records under `prefix` (not the exporters' indexes)."""
     with sqlite3.connect(db) as c:
         return [
             (k, bytes(v))
             for k, v in c.execute("SELECT key, value FROM kv WHERE key LIKE ?", (prefix + "%",))
+            if not k.endswith("/index")
         ]
 
 

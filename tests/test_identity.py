@@ -19,12 +19,16 @@ from evergraph.world.exports import (
     Collector,
     HostKeyBook,
     Publisher,
+    entry_name,
     export_key,
+    index_key,
+    make_index,
     make_record,
     publish_hostkeys,
+    record_digest,
 )
 from evergraph.world.hostkeys import HostKeys, KeyError_, identity
-from evergraph.world.kv import KV, KeyValue
+from evergraph.world.kv import KV, KeyValue, Put
 from evergraph.world.memory import MemoryKV, MemoryStore
 from evergraph.world.pins import IdentityMismatch, Pins, PinsError, fingerprint_of
 
@@ -157,6 +161,18 @@ def _params(content: str) -> dict[str, Any]:
     return {"path": "/nonexistent/x", "content": content}
 
 
+async def put_export(
+    kv: KV, keys: HostKeys, src: str, to: str, name: str, params: dict[str, Any], public: str
+) -> None:
+    """Write one export as an exporter's publisher does: the record and the index
+    naming its sequence, in one txn."""
+    seq = 1000
+    key = export_key(to, src, "file", name)
+    rec = make_record(keys, src, to, "file", name, params, public, seq)
+    index = make_index(keys, src, to, seq + 1, {entry_name(key): (seq, record_digest(rec))})
+    await kv.txn([], [Put(key, rec), Put(index_key(to, src), index)])
+
+
 def test_collector_sees_a_record_written_between_its_read_and_its_watch(tmp_path: Path) -> None:
     """Driven deterministically: the World writes a new export right after the
     collector's first read of its prefix returns, before any watch exists."""
@@ -173,8 +189,7 @@ def test_collector_sees_a_record_written_between_its_read_and_its_watch(tmp_path
             return got
 
     async def a_keys_publish() -> None:
-        rec = make_record(a_keys, "hosta", "hostb", "file", "gap", _params("gap\n"), b_public)
-        await other.put(export_key("hostb", "hosta", "file", "gap"), rec)
+        await put_export(other, a_keys, "hosta", "hostb", "gap", _params("gap\n"), b_public)
 
     a_keys = HostKeys(tmp_path / "a")
     b_public = ""
@@ -209,6 +224,7 @@ def test_one_change_among_100_costs_one_verification(tmp_path: Path) -> None:
             while len(b.collector.current()) < 100:
                 await b.next_change()
             before = b.collector.verified
+            indexes = b.collector.verified_indexes
             a.publisher.set(
                 [
                     ("hostb", "file", f"f{i}", _params("new\n" if i == 42 else f"{i}\n"))
@@ -219,6 +235,8 @@ def test_one_change_among_100_costs_one_verification(tmp_path: Path) -> None:
                 await b.next_change()
             await a.publisher.acknowledged.wait()
             assert b.collector.verified - before == 1
+            # and one index (written with the record, in the same txn)
+            assert b.collector.verified_indexes - indexes == 1
             assert [e.params["content"] for e in b.collector.current() if e.name == "f42"] == [
                 "new\n"
             ]
@@ -249,10 +267,9 @@ def test_a_host_joining_reverifies_its_own_records_only(tmp_path: Path) -> None:
                 # a record whose exporter's key is not there yet waits, and is
                 # verified (once) when the key arrives
                 d_keys = HostKeys(tmp_path / "d")
-                rec = make_record(
-                    d_keys, "hostd", "hostb", "file", "late", _params("x\n"), b.keys.public
+                await put_export(
+                    c.kv, d_keys, "hostd", "hostb", "late", _params("x\n"), b.keys.public
                 )
-                await c.kv.put(export_key("hostb", "hostd", "file", "late"), rec)
                 while b.collector._pending.get("hostd") is None:
                     await asyncio.sleep(0)
                 assert b.collector.verified == before
@@ -295,7 +312,7 @@ def test_a_key_swap_in_the_world_changes_nothing_sealed_or_applied(
                 mallory.unseal(base64.b64decode(sealed))
             # Mallory forges a record "from hosta", signed with her key: refused
             forged = make_record(
-                mallory, "hosta", "hostb", "file", "evil", _params("pwn\n"), b.keys.public
+                mallory, "hosta", "hostb", "file", "evil", _params("pwn\n"), b.keys.public, 1
             )
             await kv.put(export_key("hostb", "hosta", "file", "evil"), forged)
             # and a record "to hostb" is sealed to her key by nobody; collect stays as it was

@@ -556,7 +556,8 @@ def test_an_at_at_name_is_exported_to_every_host_and_hidden_here(
     agent.wait_converged()
     r = run_cli("exports", "--state-dir", state)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines() == ["*\th1\tfile[shared]\tsigned"]  # its name without @@
+    # its name without @@; verified against this host's own key and its index
+    assert r.stdout.splitlines() == ["*\th1\tfile[shared]\tsigned\tok"]
     assert not shared.exists()  # hidden: not applied on the exporting host
     assert agent.stop() == 0
 

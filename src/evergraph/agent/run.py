@@ -44,6 +44,7 @@ from evergraph.world.exports import (
     Collector,
     HostKeyBook,
     Publisher,
+    SeqCounter,
     publish_hostkeys,
 )
 from evergraph.world.hostkeys import HostKeys, KeyError_
@@ -259,6 +260,10 @@ class Agent:
         self.kv: KV | None = None
         self.publisher: Publisher | None = None
         self.collector: Collector | None = None
+        #: this host's pins (with a World): `pins.listen(fn)` hears `hosts trust`,
+        #: `hosts forget` and deployer changes made while the agent runs
+        self.pins: Pins | None = None
+        self._hub: InotifyHub | None = None
         #: the engine's observer: services (the HTTP view) subscribe to it
         self.observers = ObserverHub()
 
@@ -292,6 +297,7 @@ class Agent:
             lazy = self.settings.one_shot
             async with InotifyHub(lazy=lazy) as hub, asyncio.TaskGroup() as tg:
                 self._tg = tg
+                self._hub = hub
                 self._service(hub.run(), "inotify")
                 if flush is not None:
                     # from the start: a deploy follower may wait long for its first graph
@@ -335,7 +341,9 @@ class Agent:
         if why:
             raise InputError(why, "--hostname")
         keys = self.keys()
-        pins = Pins(self.settings.state_dir)
+        self.pins = pins = Pins(self.settings.state_dir)
+        if self._hub is not None:  # pins are live: edits reach us within a second
+            self._hub.subscribe(str(pins.path), lambda _mask: pins.poll())
         servers = self._farm_servers(pins, host)  # pinned before any key is read
         caps, groups = self._worker_caps(host)
         membership = Membership(
@@ -352,9 +360,11 @@ class Agent:
         )
         previous = await membership.claim(replace=self.replace)
         await publish_hostkeys(kv, keys, host)
-        book = HostKeyBook(kv, pins, host)
-        self.publisher = Publisher(kv, keys, host, book, lambda: membership.lease)
-        self.collector = Collector(kv, keys, host, book)
+        book = HostKeyBook(kv, pins, host, own=keys)  # restores hostkeys/<me>
+        self.publisher = Publisher(
+            kv, keys, host, book, lambda: membership.lease, SeqCounter(self.settings.state_dir)
+        )
+        self.collector = Collector(kv, keys, host, book, own=self.publisher.noticed)
         membership.on_regrant(self.publisher.resync)
 
         def rebuild(why: str) -> None:

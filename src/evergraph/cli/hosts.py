@@ -44,8 +44,11 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
 
         The first key seen for a host is pinned; exports signed by, or sealed for,
         any other key are refused. Without a subcommand, list every host:
-        `NAME  PINNED  SEEN  STATUS` (fingerprints; STATUS ok, MISMATCH, unpinned,
-        not-seen).
+        `NAME  PINNED  SEEN  STATUS` (fingerprints; STATUS ok, MISMATCH: the World
+        names another key than the pinned one, unpinned, not-seen, bad-record: the
+        World's record is not a host key record). Exit 1 if any is MISMATCH or
+        bad-record. `trust` and `forget` reach a running agent of this state dir
+        within a second.
 
         \b
         Examples:
@@ -64,18 +67,22 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
         async def body(kv: KV) -> int:
             items, _ = await kv.range(HOSTKEYS)
             seen: dict[str, str] = {}
+            bad: set[str] = set()
             for item in items:
                 try:
                     rec = decode_hostkeys(item)
                 except ValueError as e:
                     click.echo(f"evergraph: {e}", err=True)
+                    bad.add(item.key[len(HOSTKEYS) :])
                     continue
                 seen[rec.host] = f"{rec.public}:{rec.verify}"
             mismatch = 0
-            for host in sorted(set(seen) | set(pins.hosts)):
+            for host in sorted(set(seen) | set(pins.hosts) | bad):
                 pin = pins.hosts.get(host)
                 shown = seen.get(host)
-                if pin is None:
+                if host in bad:
+                    status, mismatch = "bad-record", mismatch + 1
+                elif pin is None:
                     status = "unpinned"
                 elif shown is None:
                     status = "not-seen"

@@ -206,12 +206,76 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
     @state_dir_option
     @world_options
     def exports(state_dir: Path | None, **opts: object) -> None:
-        """List exported resources: `to  from  kind[name]  sealed|signed` (never the content)."""
-        from evergraph.world.exports import EXPORTED, parse_key
+        """List exported resources: `to  from  kind[name]  sealed|signed  STATUS` (never
+        the content).
+
+        Each record is verified as a collector would: its signature against the
+        exporter's key pinned in this state dir (or, not pinned here, the key the
+        World names, or this host's own), and its sequence against the exporter's
+        signed index. STATUS: `ok`; `ok-unpinned` (checked only against the key the
+        World names); `unverified` (no key known for the exporter); `FORGED` (not
+        signed by the exporter's key, or moved); `STALE` (a replayed or withdrawn
+        record: its exporter's index names another sequence, or not it);
+        `bad-record`. Exit 1 if any record is FORGED, STALE or bad.
+        """
+        from evergraph.engine.settings import default_state_dir
+        from evergraph.world.exports import (
+            EXPORTED,
+            HOSTKEYS,
+            decode_hostkeys,
+            entry_name,
+            open_index,
+            open_record_seq,
+            parse_index_key,
+            parse_key,
+            record_digest,
+        )
+        from evergraph.world.hostkeys import HostKeys, KeyError_
+        from evergraph.world.pins import Pins, PinsError
+
+        sd = state_dir or default_state_dir()
+        try:
+            pins = Pins(sd)
+            own = HostKeys(sd).verify if (sd / "keys" / "sign.key").is_file() else None
+        except (PinsError, KeyError_) as e:
+            click.echo(f"evergraph: {e}", err=True)
+            sys.exit(2)
 
         async def body(kv: KV) -> int:
             items, _ = await kv.range(EXPORTED)
+            keyrecs, _ = await kv.range(HOSTKEYS)
+            world_keys: dict[str, str] = {}
+            for k in keyrecs:
+                try:
+                    rec = decode_hostkeys(k)
+                except ValueError:
+                    continue
+                world_keys[rec.host] = rec.verify
+
+            def key_of(src: str) -> tuple[str, str] | None:
+                pin = pins.hosts.get(src)
+                if pin is not None:
+                    return pin.verify, "ok"
+                seen = world_keys.get(src)
+                if seen is None:
+                    return None
+                return seen, "ok" if seen == own else "ok-unpinned"
+
+            indexes: dict[tuple[str, str], dict[str, tuple[int, str]] | None] = {}
             for item in items:
+                pair = parse_index_key(item.key)
+                if pair is None:
+                    continue
+                found = key_of(pair[1])
+                try:
+                    idx = open_index(item, found[0]) if found else None
+                    indexes[pair] = idx.entries if idx is not None else None
+                except ValueError:
+                    indexes[pair] = None
+            bad = 0
+            for item in items:
+                if parse_index_key(item.key) is not None:
+                    continue
                 where = parse_key(item.key)
                 if where is None:
                     click.echo(f"?\t?\t{item.key}\tnot an export key", err=True)
@@ -221,8 +285,23 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
                     sealed = bool(json.loads(item.value).get("sealed"))
                     how = "sealed" if sealed else "signed"
                 except (ValueError, AttributeError):
-                    how = "bad record"
-                click.echo(f"{to}\t{src}\t{kind}[{name}]\t{how}")
-            return 0
+                    how = "?"
+                found = key_of(src)
+                if found is None:
+                    status = "unverified"
+                else:
+                    try:
+                        _exp, seq = open_record_seq(None, None, item, found[0])
+                    except ValueError as e:
+                        forged = "signature" in str(e) or "does not match" in str(e)
+                        status = "FORGED" if forged else "bad-record"
+                    else:
+                        listed = (indexes.get((to, src)) or {}).get(entry_name(item.key))
+                        current = listed == (seq, record_digest(item.value))
+                        status = found[1] if current else "STALE"
+                if status in ("FORGED", "STALE", "bad-record"):
+                    bad += 1
+                click.echo(f"{to}\t{src}\t{kind}[{name}]\t{how}\t{status}")
+            return 1 if bad else 0
 
         sys.exit(with_world(state_dir, opts, body, read_only=True))

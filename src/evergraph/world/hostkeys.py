@@ -125,6 +125,10 @@ class HostKeys:
         except nacl.exceptions.CryptoError:
             raise KeyError_("not sealed to this host") from None
 
+    def pair(self) -> tuple[str, str]:
+        """(public, verify): what `hostkeys/<host>` names."""
+        return self.public, self.verify
+
     def sign(self, data: bytes) -> bytes:
         return self.sign_key.sign(data).signature
 

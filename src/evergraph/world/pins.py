@@ -10,19 +10,31 @@ The same file holds the trusted deployers (verify keys whose signed deploys an
 agent without FILE runs). Written with the one atomic write, mode 0600; a file
 that does not parse is an error naming it, never silently replaced (that would
 re-open trust on first use to whoever writes the World next).
+
+Pins are live: a running agent watches the file (its inotify hub calls `poll()`),
+so `hosts trust`, `hosts forget` and a new deployer reach it within a second.
+Whoever depends on them registers with `listen(fn)`: `fn(hosts, deployers)` is
+called with the hosts whose pin changed and whether the deployers did.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from evergraph._util.atomic import atomic_write
 from evergraph.world.hostkeys import check_verify_key, fingerprint, identity, parse_identity
 
 FILE = "pins.json"
+
+log = logging.getLogger("evergraph.pins")
+
+#: a "pins changed" listener: (hosts whose pin changed, did the deployers change)
+PinsListener = Callable[[frozenset[str], bool], None]
 
 
 class PinsError(Exception):
@@ -88,7 +100,11 @@ class Pins:
 
     def __init__(self, state_dir: Path) -> None:
         self.path = state_dir / FILE
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._listeners: list[PinsListener] = []
+        #: changes read from the file (another process's) not yet told to listeners
+        self._unsaid_hosts: set[str] = set()
+        self._unsaid_deployers = False
         self._mtime: int | None = None
         self.hosts: dict[str, HostPin] = {}
         self.deployers: list[str] = []
@@ -96,17 +112,49 @@ class Pins:
         #: write it once, not N times: benchmarks and tests count)
         self.saves = 0
         self.reload()
+        self._unsaid_hosts.clear()  # the first read: nothing changed for anyone
+        self._unsaid_deployers = False
 
     def reload(self) -> None:
         """Read the file again (raises PinsError for a bad one)."""
         with self._lock:
             self._load()
 
+    def listen(self, fn: PinsListener) -> Callable[[], None]:
+        """Call `fn(hosts, deployers)` when `poll()` finds the file changed by someone
+        else; returns the unsubscribe function."""
+        self._listeners.append(fn)
+        return lambda: self._listeners.remove(fn)
+
+    def poll(self) -> None:
+        """Pick up a change of the file (the agent calls this on every inotify event
+        for it) and tell the listeners what changed. A file that no longer parses is
+        logged once per change and the pins in memory stay in force."""
+        with self._lock:
+            try:
+                self._refresh()
+            except PinsError as e:
+                log.error("%s: keeping the pins read before", e)
+                with contextlib.suppress(OSError):
+                    self._mtime = self.path.stat().st_mtime_ns
+            hosts, self._unsaid_hosts = frozenset(self._unsaid_hosts), set()
+            deployers, self._unsaid_deployers = self._unsaid_deployers, False
+        if not hosts and not deployers:
+            return
+        log.info(
+            "pins changed: %s%s",
+            ", ".join(sorted(hosts)) or "no host",
+            "; trusted deployers changed" if deployers else "",
+        )
+        for fn in list(self._listeners):
+            fn(hosts, deployers)
+
     def _load(self) -> None:
         try:
             st = self.path.stat()
             raw = self.path.read_bytes()
         except FileNotFoundError:
+            self._note(self.hosts, {}, self.deployers, [])
             self.hosts, self.deployers, self._mtime = {}, [], None
             return
         except OSError as e:
@@ -128,7 +176,19 @@ class Pins:
                 f"{self.path}: not a pins file ({e}); fix or remove it "
                 "(removing it re-trusts the next keys seen)"
             ) from None
+        self._note(self.hosts, hosts, self.deployers, deployers)
         self.hosts, self.deployers, self._mtime = hosts, deployers, st.st_mtime_ns
+
+    def _note(
+        self,
+        old: dict[str, HostPin],
+        new: dict[str, HostPin],
+        old_deployers: list[str],
+        new_deployers: list[str],
+    ) -> None:
+        self._unsaid_hosts |= {h for h in old.keys() | new.keys() if old.get(h) != new.get(h)}
+        if old_deployers != new_deployers:
+            self._unsaid_deployers = True
 
     def _refresh(self) -> None:
         """Pick up another process's change (cheap: one stat)."""
