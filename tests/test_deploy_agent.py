@@ -472,3 +472,36 @@ def test_spam_deploys_cannot_hide_the_trusted_one(tmp_path: Path, agents) -> Non
     assert (out / "a").read_text() == "trusted\n"
     assert "running deploy 1 " in a.log.read_text()
     assert a.stop() == 0
+
+
+def test_a_deployer_pinned_by_another_process_reaches_a_running_follower(  # type: ignore[no-untyped-def]
+    tmp_path: Path, agents
+) -> None:
+    """pins.json is live for deploys too: its trusted deployers edited by another
+    process (the operator) reach a running follower within a second; the newly
+    trusted deployer's newest deploy runs without a restart (issue 22 item 8)."""
+    from evergraph.world.pins import Pins
+
+    state, out = tmp_path / "st", tmp_path / "out"
+    key_a, key_b = tmp_path / "a.key", tmp_path / "b.key"
+    mine, theirs = new_key(key_a), new_key(key_b)
+    a: Agent = agents(None, state)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "main.yaml").write_text(yaml_graph(out, "f", "one\n"))
+    assert deploy(state, src / "main.yaml", "--key", key_a).startswith("deploy 1 ")
+    wait_for(lambda: (out / "f").exists() and (out / "f").read_text() == "one\n", what="deploy 1")
+    (src / "main.yaml").write_text(yaml_graph(out, "f", "two\n"))
+    assert deploy(state, src / "main.yaml", "--key", key_b).startswith("deploy 2 ")
+    wait_for(log_has(a, f"deploy 2 is signed by {fingerprint(theirs)}"), what="refused")
+    # the operator trusts B instead of A (pins.json, edited by other processes)
+    r = run_cli("hosts", "trust-deployer", theirs, "--state-dir", state)
+    assert r.returncode == 0, r.stderr
+    r = run_cli("hosts", "forget-deployer", mine, "--state-dir", state)
+    assert r.returncode == 0, r.stderr
+    assert Pins(state).trusted_deployers() == [theirs]
+    wait_for(
+        lambda: (out / "f").read_text() == "two\n", timeout=5, what="deploy 2 runs, no restart"
+    )
+    wait_for(log_has(a, "the trusted deployers changed (pins.json)"), what="logged")
+    assert a.proc.poll() is None

@@ -137,6 +137,47 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
         click.echo(f"pinned {name}: {fingerprint_of(pin.identity)}")
 
     @hosts.command(context_settings=ctx)
+    @state_dir_option
+    def deployers(state_dir: Path | None) -> None:
+        """List the deployers whose signed deploys this host runs (pinned in pins.json)."""
+        from evergraph.world.hostkeys import fingerprint
+
+        for k in _pins(state_dir).trusted_deployers():
+            click.echo(f"{k}\t{fingerprint(k)}")
+
+    @hosts.command("trust-deployer", context_settings=ctx)
+    @click.argument("key")
+    @state_dir_option
+    def trust_deployer(key: str, state_dir: Path | None) -> None:
+        """Trust the deploys signed by KEY (a verify key, as `evergraph deploy` prints it);
+        a running agent follows them within a second."""
+        from evergraph.cli.main import _die
+        from evergraph.world.hostkeys import fingerprint
+
+        try:
+            _pins(state_dir, create=True).add_deployer(key)
+        except ValueError as e:
+            _die(InputError(f"not a verify key: {e}", "KEY"))
+        click.echo(f"trusted deployer {fingerprint(key.strip())}")
+
+    @hosts.command("forget-deployer", context_settings=ctx)
+    @click.argument("key")
+    @state_dir_option
+    def forget_deployer(key: str, state_dir: Path | None) -> None:
+        """Stop trusting KEY's deploys (exit 1 if it was not trusted); a running agent
+        stops following them within a second."""
+        from evergraph.cli.main import _die
+
+        try:
+            removed = _pins(state_dir).remove_deployer(key)
+        except ValueError as e:
+            _die(InputError(f"not a verify key: {e}", "KEY"))
+        if not removed:
+            click.echo("evergraph: hosts: that deployer is not trusted", err=True)
+            sys.exit(1)
+        click.echo("forgot the deployer")
+
+    @hosts.command(context_settings=ctx)
     @click.argument("name")
     @state_dir_option
     def forget(name: str, state_dir: Path | None) -> None:

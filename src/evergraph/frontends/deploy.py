@@ -65,6 +65,11 @@ class DeployFrontend(Frontend):
         self._inner: Frontend | None = None
         #: the deploy running now
         self.current: deploys.Deploy | None = None
+        #: what `follow` is given: the trust, and the high-water mark it started from
+        self._trust_now: deploys.Trust | None = None
+        self._after: deploys.Deploy | None = None
+        #: set when pins.json's trusted deployers changed (the follow starts again)
+        self._retrust: asyncio.Event | None = None
 
     def load(self) -> GraphModel:
         raise InputError("give a graph FILE: without one, `run` follows deploys from the World")
@@ -83,6 +88,35 @@ class DeployFrontend(Frontend):
         _prune(root, keep=d.n)
         return inner, model
 
+    async def _next_live(self, ctx: Context) -> tuple[Frontend, GraphModel]:
+        """`_next`, started again whenever the trusted deployers change in pins.json
+        (another process edited it: a deployer pinned or dropped reaches a running
+        follower within a second, and its newest deploy is looked for at once)."""
+        while True:
+            retrust = self._retrust
+            if retrust is None:
+                return await self._next(ctx)
+            retrust.clear()
+            nxt = asyncio.ensure_future(self._next(ctx))
+            changed = asyncio.ensure_future(retrust.wait())
+            try:
+                await asyncio.wait({nxt, changed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                changed.cancel()
+                if not nxt.done():
+                    nxt.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await nxt
+            if not nxt.cancelled():
+                return nxt.result()
+            assert ctx.kv is not None
+            assert self._trust_now is not None
+            old, self._stream = self._stream, None
+            if old is not None and hasattr(old, "aclose"):
+                await old.aclose()
+            log.info("the trusted deployers changed (pins.json): following their deploys")
+            self._stream = deploys.follow(ctx.kv, self._trust_now, after=self._after)
+
     async def _next(self, ctx: Context) -> tuple[Frontend, GraphModel]:
         """The next deploy that loads (waiting for one to be published)."""
         assert self._stream is not None
@@ -98,7 +132,7 @@ class DeployFrontend(Frontend):
 
     def _ran(self, ctx: Context, d: deploys.Deploy) -> None:
         """`d` runs now: it is the high-water mark (on disk before anything else runs)."""
-        self.current = d
+        self.current = self._after = d
         try:
             atomic_write(ctx.state_dir / MARK, msgspec.json.encode(d))
         except OSError as e:
@@ -155,17 +189,17 @@ class DeployFrontend(Frontend):
     async def first(self, ctx: Context) -> GraphModel:
         if ctx.kv is None:
             raise InputError("without FILE, `run` follows deploys, and that needs a World")
-        trust = self._trust(ctx)
-        mark = self._mark(ctx)
+        trust = self._trust_now = self._trust(ctx)
+        mark = self._after = self._mark(ctx)
         resumed = await self._resume(ctx, trust, mark) if mark is not None else None
-        self._stream = deploys.follow(ctx.kv, trust, after=mark)
+        self._stream = deploys.follow(ctx.kv, trust, after=self._after)
         if resumed is not None:
             self._inner, model = resumed
             return model
         with contextlib.suppress(deploys.DeployError):  # follow() skips a bad one, warning
             if await deploys.latest(ctx.kv) is None:
                 log.info("no deploy in the World yet: waiting for `evergraph deploy FILE`")
-        self._inner, model = await self._next(ctx)
+        self._inner, model = await self._next_live(ctx)
         return model
 
     def _trust(self, ctx: Context) -> deploys.Trust:
@@ -178,6 +212,15 @@ class DeployFrontend(Frontend):
             pinned = pins.trusted_deployers()
         except PinsError as e:
             raise InputError(str(e)) from None
+        if ctx.watcher is not None:  # pins are live: an edit of the deployers reaches us
+            retrust = self._retrust = asyncio.Event()
+
+            def changed(_hosts: frozenset[str], deployers: bool) -> None:
+                if deployers:
+                    retrust.set()
+
+            pins.listen(changed)
+            ctx.watcher.subscribe(str(pins.path), lambda _mask: pins.poll())
         if pinned:
             names = ", ".join(fingerprint(k) for k in pinned)
             log.info("following deploys signed by %s (pinned in %s)", names, pins.path)
@@ -203,7 +246,7 @@ class DeployFrontend(Frontend):
         async def pump_deploys() -> None:
             try:
                 while True:
-                    await queue.put((-1, "deploy", await self._next(ctx)))
+                    await queue.put((-1, "deploy", await self._next_live(ctx)))
             except Exception as e:
                 await queue.put((-1, "error", e))
 

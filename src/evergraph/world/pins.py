@@ -284,3 +284,14 @@ class Pins:
             if key not in self.deployers:
                 self.deployers.append(key)
                 self._save()
+
+    def remove_deployer(self, verify_b64: str) -> bool:
+        """Stop trusting a deployer; False if it was not trusted."""
+        key = check_verify_key(verify_b64)
+        with self._lock:
+            self._refresh()
+            if key not in self.deployers:
+                return False
+            self.deployers.remove(key)
+            self._save()
+            return True
