@@ -471,3 +471,34 @@ def test_a_group_holds_the_semaphores_of_all_its_members(tmp_path: Path) -> None
         return await asyncio.wait_for(task, 5)
 
     assert asyncio.run(main()) == 0
+
+
+def test_a_stop_during_a_swap_still_ends_the_run(tmp_path: Path) -> None:
+    """A stop that comes while a new graph is being swapped in (the swap waiting for
+    a removed vertex's apply to finish) still ends the run: the swap's wait must not
+    swallow the cancellation of the graph-update follower (it did, and the agent
+    waited for the next graph forever: a farm worker stopped as its job ended)."""
+    j = Journal()
+    first = make(j, ["slow", "steady"], [])
+    second = make(j, ["steady"], [])
+    second.resources["probe[steady]"] = first.resources["probe[steady]"]
+
+    async def main() -> int:
+        j.gates["slow"] = asyncio.Event()
+        j.started["slow"] = asyncio.Event()
+        models: asyncio.Queue[object] = asyncio.Queue()
+
+        async def updates():  # type: ignore[no-untyped-def]
+            while True:
+                yield await models.get()
+
+        eng = Engine(settings(tmp_path, converged_exit=False, converged_timeout=None))
+        task = asyncio.create_task(eng.run(first, updates()))
+        await asyncio.wait_for(j.started["slow"].wait(), 5)
+        models.put_nowait(second)  # the swap waits for slow's apply to end
+        await until(lambda: "probe[slow]" not in eng.vertices)
+        eng.request_stop()  # graceful: slow may finish, then the run must end
+        j.gates["slow"].set()
+        return await asyncio.wait_for(task, 5)
+
+    assert asyncio.run(main()) == 0

@@ -38,6 +38,15 @@ ADMIN = User(name="root", admin=True)
 GRAPH = "graph: g\nresources:\n  noop:\n  - name: n\n"
 
 
+def _setup(tmp_path: Path) -> tuple[Path, Path, Path, tuple[str, str]]:
+    """The World file, the job keys' authorized_keys, the agents' graph, the World
+    flags."""
+    db = tmp_path / "world.sqlite"
+    g = tmp_path / "g.yaml"
+    g.write_text(GRAPH)
+    return db, tmp_path / "home" / "authorized_keys", g, ("--world-db", str(db))
+
+
 def _leader(db: Path) -> str:
     """Who leads the farm's matcher now ("" if nobody)."""
 
@@ -87,11 +96,7 @@ def _state(c: httpx.Client, who: dict[str, str], rid: int) -> str:
 def test_fragments_are_a_right_limited_by_kind_and_reversed_at_job_end(
     tmp_path: Path, agents: Any
 ) -> None:
-    db = tmp_path / "world.sqlite"
-    keys = tmp_path / "home" / "authorized_keys"
-    g = tmp_path / "g.yaml"
-    g.write_text(GRAPH)
-    world = ("--world-db", str(db))
+    _db, keys, g, world = _setup(tmp_path)
     srv: Agent = agents(g, tmp_path / "srv", "--hostname", "srv", *world, "--http", "127.0.0.1:0")
     wk: Agent = agents(
         g,
@@ -164,11 +169,7 @@ def test_a_worker_serving_the_api_answers_acquire_for_its_own_job(
     tmp_path: Path, agents: Any
 ) -> None:
     """The one-host farm a new user tries first: one agent, `--http --worker`."""
-    db = tmp_path / "world.sqlite"
-    keys = tmp_path / "home" / "authorized_keys"
-    g = tmp_path / "g.yaml"
-    g.write_text(GRAPH)
-    world = ("--world-db", str(db))
+    _db, keys, g, world = _setup(tmp_path)
     solo: Agent = agents(
         g,
         tmp_path / "solo",
@@ -203,11 +204,7 @@ def test_a_worker_serving_the_api_answers_acquire_for_its_own_job(
 def test_acquire_elsewhere_is_refused_at_once_and_the_periods_hold_over_http(
     tmp_path: Path, agents: Any
 ) -> None:
-    db = tmp_path / "world.sqlite"
-    keys = tmp_path / "home" / "authorized_keys"
-    g = tmp_path / "g.yaml"
-    g.write_text(GRAPH)
-    world = ("--world-db", str(db))
+    db, keys, g, world = _setup(tmp_path)
     periods = ("--farm-job-period", "100", "--farm-max-prolong", "1")
     # the API servers trust each other (either may lead the matcher, and a token or a
     # request signed by one is acted on by the other)

@@ -33,7 +33,7 @@ def _run(cwd: Path, *args: str, graph: Path = HELLO) -> subprocess.CompletedProc
         (["--state-dir", "/tmp/" + "a" * 6000], "--state-dir", "at most 4095"),
         (["--state-dir", "/tmp/" + "b" * 300], "--state-dir", "at most 255"),
         (["--converged-status-file", "{tmp}/missing/s"], "--converged-status-file", "create"),
-        (["--graphviz", "{tmp}/missing/g.dot"], "--graphviz", "create"),
+        (["--graphviz", "/tmp/" + "d" * 300 + "/g.dot"], "--graphviz", "at most 255"),
         (["--etcd", "embedded", "--world", "memory"], "--world", "not a memory World"),
         (["--world-db", "/tmp/" + "c" * 6000], "--world-db", "at most 4095"),
         (["--sema", "99999999999"], "--sema", "1000000"),

@@ -342,7 +342,9 @@ class Agent:
             raise InputError(why, "--hostname")
         keys = self.keys()
         self.pins = pins = Pins(self.settings.state_dir)
-        if self._hub is not None:  # pins are live: edits reach us within a second
+        if self._hub is not None and not self.settings.one_shot:
+            # pins are live: edits reach us within a second (a one-shot run ends at
+            # once, and makes no inotify instance it need not)
             self._hub.subscribe(str(pins.path), lambda _mask: pins.poll())
         servers = self._farm_servers(pins, host)  # pinned before any key is read
         caps, groups = self._worker_caps(host)

@@ -416,8 +416,8 @@ def run_command(params: dict[str, Any]) -> NoReturn:
             state_dir = Path(state_dir)
         if converged_status_file is not None:
             check_path(converged_status_file, "--converged-status-file", parent_exists=True)
-        if graphviz is not None:
-            check_path(graphviz, "--graphviz", parent_exists=True)
+        if graphviz is not None:  # (its directory is made, as for managed files)
+            check_path(graphviz, "--graphviz")
         if file is not None:
             check_path(file, "FILE")
         frontend = frontend_for(file)

@@ -433,8 +433,7 @@ class Engine:
         self._unsubscribe(v)
         if v.watch_task is not None:
             v.watch_task.cancel()
-            with contextlib.suppress(BaseException):
-                await v.watch_task
+            await _ended(v.watch_task)
             v.watch_task = None
             if not v.watch_ready:
                 v.watch_ready = True
@@ -540,12 +539,10 @@ class Engine:
             repair.cancel()
         if v.watch_task is not None:
             v.watch_task.cancel()
-            with contextlib.suppress(BaseException):
-                await v.watch_task
+            await _ended(v.watch_task)
         if v.apply_task is not None:
             # The old graph's work in flight is allowed to finish.
-            with contextlib.suppress(BaseException):
-                await v.apply_task
+            await _ended(v.apply_task)
         if not v.watch_ready:
             v.watch_ready = True
             self._unready -= 1
@@ -1399,6 +1396,16 @@ def _wait(fut: Any) -> Generator[Any, None, None]:
     while not fut.done():
         fut._asyncio_future_blocking = True
         yield fut
+
+
+async def _ended(task: asyncio.Task[Any]) -> None:
+    """Wait for `task` to end, whatever its outcome (its own to report). Our own
+    cancellation still propagates: `suppress(BaseException)` around `await task`
+    swallowed it, and a swap cancelled by a stop (the graph-update follower, mid-swap)
+    went on to wait for the next graph, holding the agent's exit forever."""
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()  # retrieved: its outcome was reported where it happened
 
 
 def _members(res: Resource) -> list[Resource]:
