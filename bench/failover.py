@@ -64,8 +64,22 @@ class _Farm:
         )
         log.close()
 
+    def identity(self, name: str) -> str:
+        """`name`'s host key (`PUBLIC:VERIFY`), made in its state dir if none yet."""
+        from evergraph.world.hostkeys import HostKeys, identity
+
+        keys = HostKeys(self.d / name)
+        return identity(keys.public, keys.verify)
+
+    def pins(self, *names: str) -> list[str]:
+        """`--farm-server NAME=KEY` for each of `names` (the farm's records are signed:
+        servers pin each other, the worker pins them all)."""
+        return [a for n in names for a in ("--farm-server", f"{n}={self.identity(n)}")]
+
     def server(self, name: str) -> None:
-        self.start(name, "--http", "127.0.0.1:0", "--farm-election-ttl", str(TTL), "--replace")
+        others = self.pins(*(n for n in SERVERS if n != name))
+        flags = ("--http", "127.0.0.1:0", "--farm-election-ttl", str(TTL), "--replace")
+        self.start(name, *flags, *others)
 
     def wait_up(self, name: str, timeout: float = 60) -> None:
         status = self.d / f"{name}.status"
@@ -84,14 +98,26 @@ class _Farm:
 async def _trials(f: _Farm, n: int) -> dict[str, Any]:
     from evergraph.farm import model
     from evergraph.farm.service import Farm
+    from evergraph.farm.signed import FarmTrust
     from evergraph.farm.tokens import User
     from evergraph.world.election import election_key
     from evergraph.world.follow import Tombstone, watch_one
+    from evergraph.world.hostkeys import HostKeys
+    from evergraph.world.pins import Pins
     from evergraph.world.sqlite import SQLiteKV
 
     admin = User(name="bench", admin=True)
     kv = SQLiteKV(f.db)
-    farm = Farm(kv)
+    # this client writes as m0 would (its key), trusting the other servers as m0 does
+    # and the worker's key as m0 pinned it
+    pins = Pins(f.d / "m0")
+
+    def host_key(host: str) -> str | None:
+        pin = pins.get(host)
+        return pin.verify if pin is not None else None
+
+    servers = {n: f.identity(n).split(":")[1] for n in SERVERS if n != "m0"}
+    farm = Farm(kv, trust=FarmTrust(HostKeys(f.d / "m0"), "m0", servers, host_key))
     try:
         [w] = await _workers(farm)
         await farm.set_state(admin, w, model.IDLE)
@@ -156,7 +182,7 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
     try:
         for name in SERVERS:
             f.server(name)
-        f.start("wk", "--worker")
+        f.start("wk", "--worker", *f.pins(*SERVERS))
         for name in (*SERVERS, "wk"):
             f.wait_up(name)
         res = asyncio.run(_trials(f, 5 if quick else TRIALS))
