@@ -119,14 +119,27 @@ def is_well_formed(value: str) -> bool:
     return wanted_error(value) is None
 
 
+#: what a request's caps may hold (each is kept, signed and matched on every pass)
+MAX_CAPS = 64
+MAX_CAP_NAME = 64
+MAX_CAP_VALUE = 256
+
+
 def caps_error(wanted: Mapping[str, str]) -> str | None:
     """The first problem in a request's caps, naming the key, or None.
 
     E.g. `capability 'cpus': bad value '>=x': expected a number after '>='`.
     """
+    if len(wanted) > MAX_CAPS:
+        return f"{len(wanted)} capabilities: at most {MAX_CAPS}"
     for key in sorted(wanted):
         if not key.strip():
             return "an empty capability name"
+        if len(key) > MAX_CAP_NAME or len(wanted[key]) > MAX_CAP_VALUE:
+            return (
+                f"capability {key[:40]!r}: a name is at most {MAX_CAP_NAME} characters and a "
+                f"value at most {MAX_CAP_VALUE}"
+            )
         reason = wanted_error(wanted[key])
         if reason is not None:
             return f"capability {key!r}: {reason}"

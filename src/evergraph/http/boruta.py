@@ -574,6 +574,14 @@ class _Abort(Exception):
 
 
 _SPACE = frozenset(b" \t\r\n")
+#: a run of JSON white space; the next byte a string literal must look at (its end,
+#: an escape, a control character): runs between are skipped at C speed, so a
+#: body of a megabyte of spaces or of one long string costs milliseconds
+_SPACES = re.compile(rb"[ \t\r\n]*")
+_STRING_STOP = re.compile(rb'["\\\x00-\x1f]')
+#: values (of any kind) one body may hold: Boruta's hold a few dozen; past this a
+#: body is refused (a 400) before its reading costs the agent's loop anything
+MAX_VALUES = 10_000
 _NAMED_ESCAPES = {7: "\\a", 8: "\\b", 9: "\\t", 10: "\\n", 11: "\\v", 12: "\\f", 13: "\\r"}
 _STRING_ESCAPES = {
     ord('"'): '"',
@@ -632,6 +640,8 @@ class _Scanner:
         self.pos = 0
         #: arrays and objects open around the value being read
         self.depth = 0
+        #: values read so far (see MAX_VALUES)
+        self.values = 0
 
     def fail(self, context: str) -> _Abort:
         if self.pos >= len(self.data):
@@ -639,10 +649,9 @@ class _Scanner:
         return _Abort(f"invalid character {_quote_char(self.data[self.pos])} {context}")
 
     def skip_space(self) -> None:
-        data, pos = self.data, self.pos
-        while pos < len(data) and data[pos] in _SPACE:
-            pos += 1
-        self.pos = pos
+        m = _SPACES.match(self.data, self.pos)
+        assert m is not None  # (`*`: it always matches)
+        self.pos = m.end()
 
     def peek(self) -> int:
         return self.data[self.pos] if self.pos < len(self.data) else -1
@@ -655,6 +664,9 @@ class _Scanner:
 
     def value(self) -> _Node:
         self.skip_space()
+        self.values += 1
+        if self.values > MAX_VALUES:
+            raise _Abort(f"more than {MAX_VALUES} values in one body")
         c = self.peek()
         if c == ord("{") or c == ord("["):
             # Go stops at 10,000 levels; this reader recurses, so it stops sooner
@@ -723,8 +735,11 @@ class _Scanner:
         parts: list[str] = []
         run = start
         while True:
-            if self.pos >= len(data):
+            stop = _STRING_STOP.search(data, self.pos)
+            if stop is None:
+                self.pos = len(data)
                 raise _Abort("unexpected EOF")
+            self.pos = stop.start()
             c = data[self.pos]
             if c == ord('"'):
                 parts.append(data[run : self.pos].decode("utf-8", "replace"))
@@ -733,9 +748,6 @@ class _Scanner:
                 return "".join(parts), raw
             if c < 0x20:
                 raise self.fail("in string literal")
-            if c != ord("\\"):
-                self.pos += 1
-                continue
             parts.append(data[run : self.pos].decode("utf-8", "replace"))
             self.pos += 1
             c = self.peek()
