@@ -515,3 +515,70 @@ def test_a_volunteer_never_keeps_a_lease_of_another_world(tmp_path: Path) -> Non
             await kv.close()
 
     asyncio.run(body())
+
+
+@etcd_only
+@pytest.mark.slow
+def test_etcd_wiped_under_a_running_farm_its_worker_is_served_again(
+    tmp_path: Path, shm: Path, servers: list[EtcdServer], agents: AgentFactory
+) -> None:
+    """The farm after a wiped World: the worker's record and alive key come back
+    (signed, as it last trusted them), the API server lists it again, and a new
+    request is matched to it."""
+    from evergraph.farm import model
+    from evergraph.farm.tokens import User
+
+    from .conftest import host_key
+    from .test_farm_agents import farm_call, worker_uuid
+
+    admin = User(name="root", admin=True)
+    data = shm / "etcd"
+    server = EtcdServer.single(data)
+    servers.append(server)
+    server.start()
+    url = server.client_url
+    world = ("--seeds", url)
+    g = _noop_graph(tmp_path)
+    srv = agents(g, tmp_path / "srv", "--hostname", "srv", *world, "--http", "127.0.0.1:0")
+    wk = agents(
+        g,
+        tmp_path / "wk1",
+        *("--hostname", "wk1", *world, "--worker"),
+        *("--farm-server", f"srv={host_key(tmp_path / 'srv')}"),
+    )
+    srv.wait_converged()
+    wk.wait_converged()
+    uuid = worker_uuid(tmp_path / "wk1")
+    db = tmp_path / "world.sqlite"  # (farm_call names srv's state dir beside it)
+
+    def call(fn: Callable[[Any], Any]) -> Any:
+        return farm_call(db, fn, lambda: EtcdKV([url]))
+
+    def state() -> str:
+        try:
+            return str(call(lambda f: f.worker(uuid)).state)
+        except Exception:  # not (yet) there, or the World down: ask again
+            return ""
+
+    wait_for(lambda: state() == model.MAINTENANCE, timeout=20, what="the worker registered")
+    call(lambda f: f.set_state(admin, uuid, model.IDLE))
+    wait_for(lambda: state() == model.IDLE, timeout=20, what="the worker IDLE")
+    server.stop()
+    shutil.rmtree(data)  # wiped: a new, empty World on the same port
+    server.start()
+    wait_for(lambda: state() == model.IDLE, timeout=30, what="the worker listed again, IDLE")
+    wait_for(
+        lambda: f"farm/alive/{uuid}" in etcd_raw(url, "farm/alive/"),
+        timeout=20,
+        what="its alive key back, under a lease of the new World",
+    )
+    rid = call(lambda f: f.new_request(admin, priority=1))
+    wait_for(
+        lambda: call(lambda f: f.request(admin, rid)).state == model.IN_PROGRESS,
+        timeout=20,
+        what="a new request matched to the worker",
+    )
+    for a in (srv, wk):
+        assert not exited(a)
+    assert wk.stop() == 0
+    assert srv.stop() == 0
