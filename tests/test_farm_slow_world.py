@@ -5,6 +5,8 @@ World file locked by a real sqlite transaction."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sqlite3
 import threading
 import time
@@ -26,7 +28,7 @@ GRAPH = "graph: g\nresources:\n  noop:\n  - name: n\n"
 LOCKED_FOR = 11.0  # more than the lease TTL (10 s)
 
 
-def _farm(tmp_path: Path, agents: Any, *srv_flags: str) -> tuple[Path, str, Agent]:
+def _farm(tmp_path: Path, agents: Any, *srv_flags: str) -> tuple[Path, str, Agent, Agent]:
     db = tmp_path / "world.sqlite"
     g = tmp_path / "g.yaml"
     g.write_text(GRAPH)
@@ -46,7 +48,7 @@ def _farm(tmp_path: Path, agents: Any, *srv_flags: str) -> tuple[Path, str, Agen
     wait_for(lambda: _state(db, uuid) == model.MAINTENANCE, what="the worker registered")
     farm_call(db, lambda f: f.set_state(ADMIN, uuid, model.IDLE))
     wait_for(lambda: _state(db, uuid) == model.IDLE, what="the worker IDLE")
-    return db, uuid, srv
+    return db, uuid, srv, wk
 
 
 def _state(db: Path, uuid: str) -> str:
@@ -87,7 +89,7 @@ def _lock(db: Path, seconds: float) -> None:
 def test_a_world_locked_longer_than_the_ttl_leaves_live_workers_as_they_were(
     tmp_path: Path, agents: Any
 ) -> None:
-    db, uuid, srv = _farm(tmp_path, agents)
+    db, uuid, srv, _wk = _farm(tmp_path, agents)
     before = _alive(db, uuid)
     assert before is not None
     _lock(db, LOCKED_FOR)
@@ -108,14 +110,15 @@ def test_a_world_locked_longer_than_the_ttl_leaves_live_workers_as_they_were(
 def test_a_worker_failed_by_an_outage_it_survived_returns_by_itself(
     tmp_path: Path, agents: Any
 ) -> None:
-    db, uuid, srv = _farm(tmp_path, agents, "--farm-alive-grace", "0")
-    locker = threading.Thread(target=_lock, args=(db, LOCKED_FOR))
-    locker.start()
+    """The worker's agent cannot reach the World for longer than its lease (stopped:
+    the outage, from its side) and there is no grace: it is FAILED while away, and
+    back to IDLE by itself once it is heard from again."""
+    db, uuid, srv, wk = _farm(tmp_path, agents, "--farm-alive-grace", "0")
+    os.kill(wk.proc.pid, signal.SIGSTOP)
     try:
-        # no grace: once the lease is found expired the worker is FAILED...
+        # (the API server's own World calls expire the worker's lease after its TTL)
         wait_for(lambda: _state(db, uuid) == model.FAILED, 40, "the worker FAILED")
     finally:
-        locker.join()
-    # ...and back to IDLE by itself once its agent is heard from again
+        os.kill(wk.proc.pid, signal.SIGCONT)
     wait_for(lambda: _state(db, uuid) == model.IDLE, 20, "the worker IDLE again")
     wait_for(lambda: "heart-beats again: back from FAILED" in srv.log.read_text())
