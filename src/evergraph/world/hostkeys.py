@@ -47,7 +47,16 @@ def _load_or_create(path: Path) -> bytes:
             raw = path.read_bytes()
         except FileNotFoundError:
             # exclusive: if another process created it first, theirs wins
-            atomic_write(path, base64.b64encode(nacl.utils.random(32)) + b"\n", exclusive=True)
+            for attempt in range(3):
+                try:
+                    seed = base64.b64encode(nacl.utils.random(32)) + b"\n"
+                    atomic_write(path, seed, exclusive=True)
+                    break
+                except FileNotFoundError:
+                    # an agent starting on this state dir swept our temporary file
+                    # (it removes what an interrupted write left): write it again
+                    if attempt == 2:
+                        raise
             raw = path.read_bytes()
     except OSError as e:
         raise KeyError_(
