@@ -13,7 +13,7 @@ hub's CPU per changed export, churn (kill -9 and restart 10 %), one signed
 deploy reaching all N, and an etcd member killed during a fan-out change.
 
 `python -m bench.cluster N` runs it alone; `scripts/bench --only cluster` runs
-N = 10, 30, 100 (`--quick`: 10). `tests/test_cluster_scale.py` runs N = 5 and
+N = 10, 30, 100 (`--quick`: 10). `tests/cluster/test_cluster_scale.py` runs N = 5 and
 asserts the correctness flags only.
 """
 

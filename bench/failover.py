@@ -66,7 +66,7 @@ class _Farm:
 
     def identity(self, name: str) -> str:
         """`name`'s host key (`PUBLIC:VERIFY`), made in its state dir if none yet."""
-        from evergraph.world.hostkeys import HostKeys, identity
+        from evergraph.cluster.hostkeys import HostKeys, identity
 
         keys = HostKeys(self.d / name)
         return identity(keys.public, keys.verify)
@@ -96,14 +96,14 @@ class _Farm:
 
 
 async def _trials(f: _Farm, n: int) -> dict[str, Any]:
+    from evergraph.cluster.election import election_key
+    from evergraph.cluster.hostkeys import HostKeys
+    from evergraph.cluster.pins import Pins
     from evergraph.farm import model
     from evergraph.farm.service import Farm
     from evergraph.farm.signed import FarmTrust
     from evergraph.farm.tokens import User
-    from evergraph.world.election import election_key
     from evergraph.world.follow import Tombstone, watch_one
-    from evergraph.world.hostkeys import HostKeys
-    from evergraph.world.pins import Pins
     from evergraph.world.sqlite import SQLiteKV
 
     admin = User(name="bench", admin=True)

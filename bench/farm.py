@@ -45,13 +45,13 @@ async def _matching(kv_factory: Any, n: int) -> dict[str, Any]:
     import tempfile
     from pathlib import Path
 
+    from evergraph.cluster.election import Election, election_key
+    from evergraph.cluster.hostkeys import HostKeys
     from evergraph.farm import model
     from evergraph.farm.leader import FarmLeader
     from evergraph.farm.service import ALIVE, Farm, encode, worker_key
     from evergraph.farm.signed import FarmTrust
     from evergraph.farm.tokens import User
-    from evergraph.world.election import Election, election_key
-    from evergraph.world.hostkeys import HostKeys
 
     # the farm servers (candidates, the users' API server) pin one another's key
     keys = HostKeys(Path(tempfile.mkdtemp(prefix="farm-bench-")))

@@ -169,7 +169,7 @@ async def _export_trials(
     which changes per trial (the others stay: a change among N must cost one)."""
     from asyncinotify import Inotify, Mask
 
-    from evergraph.world.exports import (
+    from evergraph.cluster.exports import (
         SeqCounter,
         decode_hostkeys,
         entry_name,
@@ -179,7 +179,7 @@ async def _export_trials(
         make_record,
         record_digest,
     )
-    from evergraph.world.hostkeys import HostKeys
+    from evergraph.cluster.hostkeys import HostKeys
     from evergraph.world.kv import Put
 
     seq = SeqCounter()

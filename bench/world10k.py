@@ -50,7 +50,7 @@ from bench.common import EVERGRAPH, PYTHON, REPO, percentile, spawn, stop, table
 
 TICK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
-TTL = 10.0  # the agents' member lease (world/members.py DEFAULT_TTL)
+TTL = 10.0  # the agents' member lease (cluster/members.py DEFAULT_TTL)
 COLLECTOR = "collector"
 #: the simulator's shared etcd clients (writes; keep-alives in "calls" mode), its
 #: keep-alive streams ("stream" mode), and how many calls it has in flight: writes
@@ -128,7 +128,7 @@ def host_keys(name: str) -> Any:
     import nacl.public
     import nacl.signing
 
-    from evergraph.world.hostkeys import HostKeys
+    from evergraph.cluster.hostkeys import HostKeys
 
     keys = HostKeys.__new__(HostKeys)
     seed = hashlib.sha256(f"world10k/{name}".encode()).digest()
@@ -139,7 +139,7 @@ def host_keys(name: str) -> Any:
 
 def export_of(base: Path, name: str, keys: Any, to_public: str, version: str) -> tuple[str, bytes]:
     """(key, record) of host `name`'s one file export to the collector."""
-    from evergraph.world.exports import export_key, make_record
+    from evergraph.cluster.exports import export_key, make_record
 
     path = str(base / "in" / f"{name}.txt")
     params = {"name": path, "content": f"{name} {version}\n"}
@@ -153,7 +153,7 @@ def export_ops(
 ) -> list[Any]:
     """What an agent writes in one txn for its one export: the record and its index
     (which names the record's sequence: no replay)."""
-    from evergraph.world.exports import entry_name, index_key, make_index, record_digest
+    from evergraph.cluster.exports import entry_name, index_key, make_index, record_digest
     from evergraph.world.kv import Put
 
     key, record = export_of(base, name, keys, to_public, version)
@@ -278,8 +278,8 @@ class Sim:
         lease expired (as Membership re-grants and re-puts; the keys stay)."""
         import msgspec
 
-        from evergraph.world.exports import publish_hostkeys
-        from evergraph.world.members import Member, member_key
+        from evergraph.cluster.exports import publish_hostkeys
+        from evergraph.cluster.members import Member, member_key
 
         h.lease = await h.kv.grant(TTL)
         m = Member(
@@ -459,7 +459,7 @@ class World:
             return {}
 
     def start_sim(self) -> None:
-        from evergraph.world.hostkeys import HostKeys
+        from evergraph.cluster.hostkeys import HostKeys
 
         # the collector's keys, made now in its state dir: the exports are sealed to them
         self.to_public = HostKeys(self.state).public

@@ -41,10 +41,10 @@ __all__ = [
 
 if TYPE_CHECKING:
     from evergraph.agent.api import run
+    from evergraph.cluster.members import Member
     from evergraph.engine.contract import Meta, Resource, doc, register
     from evergraph.errors import InputError
     from evergraph.frontends.python import Collected, Graph, Ref, World
-    from evergraph.world.members import Member
     from evergraph.world.open import WorldOptions
 
 _WHERE = {
@@ -58,7 +58,7 @@ _WHERE = {
     "Graph": "evergraph.frontends.python",
     "Ref": "evergraph.frontends.python",
     "World": "evergraph.frontends.python",
-    "Member": "evergraph.world.members",
+    "Member": "evergraph.cluster.members",
     "WorldOptions": "evergraph.world.open",
 }
 

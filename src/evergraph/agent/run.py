@@ -28,6 +28,16 @@ import msgspec
 from evergraph._util.atomic import sweep_temps
 from evergraph._version import __version__
 from evergraph.agent.observe import ObserverHub, TimedKV
+from evergraph.cluster.exports import (
+    Collector,
+    HostKeyBook,
+    Publisher,
+    SeqCounter,
+    publish_hostkeys,
+)
+from evergraph.cluster.hostkeys import HostKeys, KeyError_
+from evergraph.cluster.members import HostnameTaken, Member, Membership
+from evergraph.cluster.pins import Pins, PinsError
 from evergraph.engine.build import build
 from evergraph.engine.engine import Engine
 from evergraph.engine.model import GraphModel
@@ -40,19 +50,9 @@ from evergraph.frontends.collect import exports_of, merge
 from evergraph.frontends.open import builtin_registry
 from evergraph.frontends.yaml import parse_yaml
 from evergraph.watch import InotifyHub
-from evergraph.world.exports import (
-    Collector,
-    HostKeyBook,
-    Publisher,
-    SeqCounter,
-    publish_hostkeys,
-)
-from evergraph.world.hostkeys import HostKeys, KeyError_
 from evergraph.world.kv import KV, WorldError
-from evergraph.world.members import HostnameTaken, Member, Membership
 from evergraph.world.names import hostname_problem
 from evergraph.world.open import OpenWorld, WorldOptions, open_world
-from evergraph.world.pins import Pins, PinsError
 
 if TYPE_CHECKING:
     from evergraph.farm.host import WorkerHost
@@ -433,9 +433,9 @@ class Agent:
 
             self.farm_trust = FarmTrust(self.keys(), host, servers, host_key)
         if opts.matcher:
+            from evergraph.cluster.election import Election
             from evergraph.farm.leader import FarmLeader
             from evergraph.farm.service import FarmSettings
-            from evergraph.world.election import Election
 
             assert self.farm_trust is not None
             farm_settings = opts.settings or FarmSettings()

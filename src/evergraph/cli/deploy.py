@@ -96,9 +96,9 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
           evergraph deploy /tmp/try/graph.yaml --no-git --key ~/deployer.key
           evergraph deploy site/main.yaml --force            # after a rebase
         """
+        from evergraph.cluster import deploys as dp
+        from evergraph.cluster.hostkeys import fingerprint
         from evergraph.frontends import bundle as bd
-        from evergraph.world import deploys as dp
-        from evergraph.world.hostkeys import fingerprint
 
         limit = _size(max_file_size)
         try:
@@ -156,8 +156,8 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
 
         import msgspec
 
-        from evergraph.world import deploys as dp
-        from evergraph.world.hostkeys import fingerprint
+        from evergraph.cluster import deploys as dp
+        from evergraph.cluster.hostkeys import fingerprint
 
         # bad records are reported by warnings: show them on stderr
         logging.basicConfig(format="evergraph: %(message)s", level=logging.WARNING)
@@ -195,7 +195,7 @@ def _size(text: str) -> int:
 
 def _signing_key(key_file: Path | None, state_dir: Path | None) -> nacl.signing.SigningKey:
     """The key to sign with: --key's file, or this host's (created on first use)."""
-    from evergraph.world import deploys as dp
+    from evergraph.cluster import deploys as dp
 
     if key_file is not None:
         try:
@@ -205,8 +205,8 @@ def _signing_key(key_file: Path | None, state_dir: Path | None) -> nacl.signing.
             sys.exit(2)
     from evergraph.agent.run import prepare_state_dir
     from evergraph.cli.main import _die
+    from evergraph.cluster.hostkeys import HostKeys, KeyError_
     from evergraph.errors import InputError
-    from evergraph.world.hostkeys import HostKeys, KeyError_
 
     try:
         return HostKeys(prepare_state_dir(state_dir)).sign_key

@@ -72,9 +72,9 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
         The token's record is signed with this state dir's host key: API servers
         accept it if that key is their own or one they pin (`--farm-server
         NAME=KEY`), so run it on an API server's host, with its --state-dir."""
+        from evergraph.cluster.hostkeys import HostKeys, KeyError_
         from evergraph.engine.settings import default_state_dir
         from evergraph.farm import tokens
-        from evergraph.world.hostkeys import HostKeys, KeyError_
 
         try:
             tokens.check_names(name, list(groups))

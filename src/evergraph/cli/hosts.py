@@ -14,13 +14,13 @@ from evergraph.errors import InputError
 from evergraph.world.kv import KV
 
 if TYPE_CHECKING:
-    from evergraph.world.pins import Pins
+    from evergraph.cluster.pins import Pins
 
 
 def _pins(state_dir: Path | None, create: bool = False) -> Pins:
     from evergraph.agent.run import existing_state_dir, prepare_state_dir
     from evergraph.cli.main import _die
-    from evergraph.world.pins import Pins, PinsError
+    from evergraph.cluster.pins import Pins, PinsError
 
     try:
         sd = prepare_state_dir(state_dir) if create else existing_state_dir(state_dir)
@@ -59,8 +59,8 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
         """
         if click_ctx.invoked_subcommand is not None:
             return
-        from evergraph.world.exports import HOSTKEYS, decode_hostkeys
-        from evergraph.world.pins import fingerprint_of
+        from evergraph.cluster.exports import HOSTKEYS, decode_hostkeys
+        from evergraph.cluster.pins import fingerprint_of
 
         pins = _pins(state_dir)
 
@@ -102,8 +102,8 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
         """Print this host's key (`PUBLIC:VERIFY`) and its fingerprint."""
         from evergraph.agent.run import prepare_state_dir
         from evergraph.cli.main import _die
-        from evergraph.world.hostkeys import HostKeys, KeyError_, identity
-        from evergraph.world.pins import fingerprint_of
+        from evergraph.cluster.hostkeys import HostKeys, KeyError_, identity
+        from evergraph.cluster.pins import fingerprint_of
 
         try:
             keys = HostKeys(prepare_state_dir(state_dir))
@@ -123,8 +123,8 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
     def trust(name: str, key: str, state_dir: Path | None) -> None:
         """Pin KEY (`PUBLIC:VERIFY`, from `evergraph hosts key` on NAME) for host NAME."""
         from evergraph.cli.main import _die
+        from evergraph.cluster.pins import fingerprint_of
         from evergraph.world.names import hostname_problem
-        from evergraph.world.pins import fingerprint_of
 
         why = hostname_problem(name)
         if why:
@@ -140,7 +140,7 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
     @state_dir_option
     def deployers(state_dir: Path | None) -> None:
         """List the deployers whose signed deploys this host runs (pinned in pins.json)."""
-        from evergraph.world.hostkeys import fingerprint
+        from evergraph.cluster.hostkeys import fingerprint
 
         for k in _pins(state_dir).trusted_deployers():
             click.echo(f"{k}\t{fingerprint(k)}")
@@ -152,7 +152,7 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
         """Trust the deploys signed by KEY (a verify key, as `evergraph deploy` prints it);
         a running agent follows them within a second."""
         from evergraph.cli.main import _die
-        from evergraph.world.hostkeys import fingerprint
+        from evergraph.cluster.hostkeys import fingerprint
 
         try:
             _pins(state_dir, create=True).add_deployer(key)

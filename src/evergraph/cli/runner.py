@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 #: where the etcd password may come from, rather than a command line
 ETCD_PASSWORD_ENV = "EVERGRAPH_ETCD_PASSWORD"
 
-#: every parameter of `run` with click's default (tests/test_startup.py checks them
+#: every parameter of `run` with click's default (tests/agent/test_startup.py checks them
 #: against the click command's)
 DEFAULTS: dict[str, Any] = {
     "file": None,
@@ -157,7 +157,7 @@ def farm_options(
         parsed = parse_caps(caps)
     except ValueError as e:
         raise InputError(str(e), "--cap") from None
-    from evergraph.world.hostkeys import parse_identity
+    from evergraph.cluster.hostkeys import parse_identity
 
     names: list[str] = []
     server_keys: dict[str, str] = {}

@@ -37,7 +37,7 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
           evergraph schedule web --watch --world-db /srv/world.sqlite
         """
         from evergraph.cli.main import _die
-        from evergraph.world.scheduler import namespace_problem, read_chosen, watch_chosen
+        from evergraph.cluster.scheduler import namespace_problem, read_chosen, watch_chosen
 
         why = namespace_problem(namespace)
         if why is not None:

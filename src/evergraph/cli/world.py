@@ -184,7 +184,7 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
     def members(as_json: bool, state_dir: Path | None, **opts: object) -> None:
         """List the live cluster members (agents whose lease is alive): host, state,
         version, groups, address, capabilities (a farm worker's)."""
-        from evergraph.world.members import members as list_members
+        from evergraph.cluster.members import members as list_members
 
         async def body(kv: KV) -> int:
             import msgspec
@@ -218,8 +218,7 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
         record: its exporter's index names another sequence, or not it);
         `bad-record`. Exit 1 if any record is FORGED, STALE or bad.
         """
-        from evergraph.engine.settings import default_state_dir
-        from evergraph.world.exports import (
+        from evergraph.cluster.exports import (
             EXPORTED,
             HOSTKEYS,
             decode_hostkeys,
@@ -230,8 +229,9 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
             parse_key,
             record_digest,
         )
-        from evergraph.world.hostkeys import HostKeys, KeyError_
-        from evergraph.world.pins import Pins, PinsError
+        from evergraph.cluster.hostkeys import HostKeys, KeyError_
+        from evergraph.cluster.pins import Pins, PinsError
+        from evergraph.engine.settings import default_state_dir
 
         sd = state_dir or default_state_dir()
         try:

@@ -32,7 +32,7 @@ from evergraph.errors import InputError
 from evergraph.world.names import hostname_problem
 
 if TYPE_CHECKING:
-    from evergraph.world.hostkeys import HostKeys
+    from evergraph.cluster.hostkeys import HostKeys
     from evergraph.world.kv import KV
 
 

@@ -70,8 +70,8 @@ REPAIR_FIRST = 1.0
 
 
 if TYPE_CHECKING:
+    from evergraph.cluster.hostkeys import HostKeys
     from evergraph.engine.contract import PathWatcher
-    from evergraph.world.hostkeys import HostKeys
     from evergraph.world.kv import KV
 
 

@@ -23,8 +23,8 @@ from evergraph.engine.status import Change, State, VertexStatus
 from evergraph.errors import ResourceError
 
 if TYPE_CHECKING:
+    from evergraph.cluster.hostkeys import HostKeys
     from evergraph.engine.engine import Engine
-    from evergraph.world.hostkeys import HostKeys
     from evergraph.world.kv import KV
 
 _loggers: dict[str, logging.Logger] = {}

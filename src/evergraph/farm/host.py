@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import msgspec
 
 from evergraph._util.clock import SYSTEM, Clock
+from evergraph.cluster.election import election_key
+from evergraph.cluster.exports import Publisher
 from evergraph.farm import model
 from evergraph.farm.access import new_key_pair
 from evergraph.farm.model import Worker
@@ -44,8 +46,6 @@ from evergraph.farm.service import (
     worker_key,
 )
 from evergraph.farm.signed import Envelope, FarmTrust, Untrusted
-from evergraph.world.election import election_key
-from evergraph.world.exports import Publisher
 from evergraph.world.follow import SimpleFollower, Tombstone, follow, watch_one
 from evergraph.world.kv import KV, Compare, KeyValue, Put, WorldError
 

@@ -26,6 +26,7 @@ from typing import Any, TypeVar, cast
 import msgspec
 
 from evergraph._util.clock import SYSTEM, Clock
+from evergraph.cluster.election import Election
 from evergraph.farm import matcher, model
 from evergraph.farm.model import Refused, Request, Worker
 from evergraph.farm.service import (
@@ -41,7 +42,6 @@ from evergraph.farm.service import (
     worker_key,
 )
 from evergraph.farm.signed import Envelope, FarmTrust, UnknownSigner, Untrusted
-from evergraph.world.election import Election
 from evergraph.world.follow import Follower, follow
 from evergraph.world.kv import KV, Compare, Delete, KeyValue, Put, WorldError
 

@@ -37,11 +37,11 @@ from typing import Protocol
 import msgspec
 
 from evergraph._util.clock import SYSTEM, Clock
+from evergraph.cluster.exports import Collector
 from evergraph.farm import model
 from evergraph.farm.model import Refused, Request, Worker
 from evergraph.farm.signed import Envelope, FarmTrust, UnknownSigner, Untrusted, open_envelope
 from evergraph.farm.tokens import User
-from evergraph.world.exports import Collector
 from evergraph.world.follow import Tombstone, watch_one
 from evergraph.world.kv import KV, Compare, Delete, KeyValue, Put, WorldError
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 
 import msgspec
 
-from evergraph.world.hostkeys import HostKeys
+from evergraph.cluster.hostkeys import HostKeys
 from evergraph.world.kv import KeyValue
 
 log = logging.getLogger("evergraph.farm")

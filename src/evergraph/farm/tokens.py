@@ -23,8 +23,8 @@ import time
 
 import msgspec
 
+from evergraph.cluster.hostkeys import HostKeys
 from evergraph.farm.signed import FarmTrust, Untrusted, open_envelope, seal
-from evergraph.world.hostkeys import HostKeys
 from evergraph.world.kv import KV, KeyValue
 
 PREFIX = "farm/tokens/"

@@ -27,7 +27,7 @@ from evergraph.engine.model import GraphModel
 from evergraph.errors import InputError
 
 if TYPE_CHECKING:
-    from evergraph.world.exports import Collector, Exported
+    from evergraph.cluster.exports import Collector, Exported
     from evergraph.world.kv import KV
 
 log = logging.getLogger("evergraph.frontend")

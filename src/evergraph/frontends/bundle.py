@@ -36,8 +36,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from evergraph.world import deploys as dp
-from evergraph.world.deploys import Content, Deploy, DeployError
+from evergraph.cluster import deploys as dp
+from evergraph.cluster.deploys import Content, Deploy, DeployError
 
 MAX_FILE_SIZE = 10 << 20
 IGNORE_FILE = ".evergraphignore"

@@ -1,6 +1,6 @@
 """Exports and collected resources, on the frontends' side: what a graph exports
-(published by the agent through `world.exports.Publisher`), and the collected
-exports (checked records from `world.exports.Collector`) turned into resources
+(published by the agent through `cluster.exports.Publisher`), and the collected
+exports (checked records from `cluster.exports.Collector`) turned into resources
 of this host's graph and merged into it."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from evergraph.errors import InputError
 if TYPE_CHECKING:  # the World's modules load with the agent, not for `check`
     from collections.abc import Iterable
 
-    from evergraph.world.exports import Exported, ExportItem
+    from evergraph.cluster.exports import Exported, ExportItem
 
 log = logging.getLogger("evergraph.collect")
 

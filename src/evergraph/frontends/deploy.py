@@ -35,15 +35,15 @@ from typing import Any
 import msgspec
 
 from evergraph._util.atomic import atomic_write
+from evergraph.cluster import deploys
+from evergraph.cluster.hostkeys import fingerprint
+from evergraph.cluster.pins import Pins, PinsError
 from evergraph.engine.contract import Registry
 from evergraph.engine.model import GraphModel
 from evergraph.errors import InputError
 from evergraph.frontends.base import Context, Frontend
 from evergraph.frontends.open import open_frontend
-from evergraph.world import deploys
-from evergraph.world.hostkeys import fingerprint
 from evergraph.world.kv import WorldError
-from evergraph.world.pins import Pins, PinsError
 
 log = logging.getLogger("evergraph.frontend.deploy")
 

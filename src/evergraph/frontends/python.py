@@ -32,6 +32,10 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from evergraph.cluster.exports import Exported
+from evergraph.cluster.members import MEMBERS, Member
+from evergraph.cluster.members import members as read_members
+from evergraph.cluster.scheduler import chosen, chosen_key, namespace_problem
 from evergraph.engine.build import build_resource, known_kinds_hint
 from evergraph.engine.contract import Registry, Resource, default_registry
 from evergraph.engine.model import Edge, GraphCycleError, GraphModel
@@ -45,12 +49,8 @@ from evergraph.frontends.base import (
     read_graph_file,
 )
 from evergraph.frontends.collect import Built, merge, to_resources
-from evergraph.world.exports import Exported
 from evergraph.world.follow import SimpleFollower, follow
 from evergraph.world.kv import WorldError
-from evergraph.world.members import MEMBERS, Member
-from evergraph.world.members import members as read_members
-from evergraph.world.scheduler import chosen, chosen_key, namespace_problem
 
 log = logging.getLogger("evergraph.frontend.python")
 

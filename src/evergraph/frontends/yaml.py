@@ -79,7 +79,7 @@ _INT_FOR_TEXT = re.compile(r"^Expected `(?P<types>[^`]*)`, got `int`$")
 _INT_SOURCE = re.compile(r"[-+]?[0-9][0-9a-fA-FoObBxX_]*")
 
 if TYPE_CHECKING:
-    from evergraph.world.exports import Exported
+    from evergraph.cluster.exports import Exported
 
 
 class _Locator:

@@ -4,7 +4,7 @@ Importing this package declares every built-in kind in the default registry by n
 only: a kind's module (and what it imports: httpx, D-Bus, ...) is imported on the
 first lookup of that kind, so `evergraph check` on a one-file graph imports the file
 kind alone. `load_all()` imports them all (for code that wants every class).
-A new kind module must be listed in KINDS (tests/test_startup.py checks it)."""
+A new kind module must be listed in KINDS (tests/agent/test_startup.py checks it)."""
 
 from __future__ import annotations
 

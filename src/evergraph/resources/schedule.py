@@ -5,7 +5,7 @@ name, or `namespace`); the volunteers elect a leader, which chooses up to
 `max` of them (`strategy`) and publishes the choice. `world.schedule(NS)` in a
 Python graph and `evergraph schedule NS` read it; this resource sends it as
 `hosts` (one per line). Semantics of ttl, persist and withdraw:
-world/scheduler.py.
+cluster/scheduler.py.
 
 The watch volunteers (as soon as the first check_apply applies: never under
 noop), runs the election and, while this host leads, the decisions; it stops
@@ -19,10 +19,7 @@ import asyncio
 import contextlib
 from typing import Annotated, Any, ClassVar
 
-from evergraph.engine.contract import Handle, Resource, doc, register, watch_snapshots
-from evergraph.errors import ResourceError
-from evergraph.world.kv import WorldError
-from evergraph.world.scheduler import (
+from evergraph.cluster.scheduler import (
     DEFAULT_MAX,
     DEFAULT_TTL,
     Options,
@@ -31,6 +28,9 @@ from evergraph.world.scheduler import (
     namespace_problem,
     watch_chosen,
 )
+from evergraph.engine.contract import Handle, Resource, doc, register, watch_snapshots
+from evergraph.errors import ResourceError
+from evergraph.world.kv import WorldError
 
 #: how long check_apply waits for our volunteer record to be written (seconds)
 _VOLUNTEER_TIMEOUT = 30.0

@@ -8,7 +8,7 @@ strict subsets of its behaviour:
 - `txn` applies several puts and deletes in one revision, only if every
   compare holds (each names a key's mod revision; 0: the key must not exist);
   `cas` is a txn of one compare and one write — the building blocks of
-  elections and fenced writes (world/election.py);
+  elections and fenced writes (cluster/election.py);
 - a lease expires `ttl` seconds after its last keep-alive and takes its keys
   with it (deletions that watchers see);
 - `watch(prefix, start)` yields batches of events, one batch per revision, from

@@ -1,0 +1,313 @@
+"""file: source, fragments, owner/group, recurse, force, purge; their watches and bad inputs."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Agent, run_cli, wait_for
+
+NOBODY, NOGROUP = 65534, 65534
+
+
+def graph(tmp_path: Path, body: str, edges: str = "") -> Path:
+    g = tmp_path / "g.yaml"
+    g.write_text("graph: f\nresources:\n  file:\n" + body + edges)
+    return g
+
+
+def converge(tmp_path: Path, g: Path) -> str:
+    r = run_cli("run", g, "--state-dir", tmp_path / "s", "--converged-exit")
+    assert r.returncode == 0, r.stderr
+    return r.stderr
+
+
+def test_source_file_fragments_and_owner(tmp_path: Path) -> None:
+    src = tmp_path / "src.conf"
+    src.write_text("from source\n")
+    frags = tmp_path / "conf.d"
+    frags.mkdir()
+    (frags / "20-b").write_text("b\n")
+    (frags / "10-a").write_text("a\n")
+    head = tmp_path / "head"
+    head.write_text("head\n")
+    copy, joined = tmp_path / "out" / "copy", tmp_path / "out" / "joined"
+    g = graph(
+        tmp_path,
+        f"  - {{name: {copy}, source: {src}, owner: nobody, group: '{NOGROUP}', mode: '0640'}}\n"
+        f"  - {{name: {joined}, fragments: [{head}, {frags}]}}\n",
+    )
+    err = converge(tmp_path, g)
+    assert err.count(": applied") == 2
+    assert copy.read_text() == "from source\n"
+    st = copy.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (NOBODY, NOGROUP, 0o640)
+    assert joined.read_text() == "head\na\nb\n"  # a directory gives its files in name order
+    assert ": applied" not in converge(tmp_path, g)  # second run clean
+    os.chown(copy, 0, 0)
+    assert converge(tmp_path, g).count(": applied") == 1
+    assert copy.stat().st_uid == NOBODY
+
+
+def test_watch_follows_source_and_fragments(tmp_path: Path, agents) -> None:  # type: ignore[no-untyped-def]
+    src = tmp_path / "src"
+    src.write_text("v1\n")
+    frags = tmp_path / "frags"
+    frags.mkdir()
+    (frags / "a").write_text("a\n")
+    copy, joined = tmp_path / "copy", tmp_path / "joined"
+    g = graph(
+        tmp_path,
+        f"  - {{name: {copy}, source: {src}}}\n  - {{name: {joined}, fragments: [{frags}]}}\n",
+    )
+    agent: Agent = agents(g, tmp_path / "s")
+    agent.wait_converged()
+    src.write_text("v2\n")
+    wait_for(lambda: copy.read_text() == "v2\n", what="copy follows its source")
+    (frags / "b").write_text("b\n")  # a new fragment in the directory
+    wait_for(lambda: joined.read_text() == "a\nb\n", what="new fragment joined")
+    (frags / "a").unlink()
+    wait_for(lambda: joined.read_text() == "b\n", what="removed fragment dropped")
+    copy.write_text("drift\n")
+    wait_for(lambda: copy.read_text() == "v2\n", what="copy repaired")
+    assert agent.stop() == 0
+
+
+def test_missing_source_is_a_runtime_failure_naming_it(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    g = graph(tmp_path, f"  - {{name: {out}, source: {tmp_path}/nope}}\n")
+    r = run_cli("run", g, "--state-dir", tmp_path / "s", "--converged-exit")
+    assert r.returncode == 1
+    assert f"file[{out}]: source {tmp_path}/nope: no such file" in r.stderr
+    assert not out.exists()
+
+
+def make_tree(root: Path) -> None:
+    (root / "sub" / "deep").mkdir(parents=True)
+    (root / "top.txt").write_text("top\n")
+    (root / "sub" / "mid.txt").write_text("mid\n")
+    (root / "sub" / "deep" / "low.txt").write_text("low\n")
+    (root / "link").symlink_to("top.txt")
+
+
+def listing(root: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        try:
+            if p.is_symlink():
+                out[rel] = "->" + os.readlink(p)
+            elif p.is_dir():
+                out[rel] = "dir"
+            else:
+                out[rel] = p.read_text()
+        except FileNotFoundError:
+            out[rel] = "(vanished while listing)"  # the agent is purging it right now
+    return out
+
+
+def test_recursive_copy_purge_keeps_other_resources_files(tmp_path: Path, agents) -> None:  # type: ignore[no-untyped-def]
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_tree(src)
+    dst.mkdir()
+    (dst / "stale.txt").write_text("old\n")
+    (dst / "olddir").mkdir()
+    (dst / "olddir" / "x").write_text("x\n")
+    g = graph(
+        tmp_path,
+        f"  - {{name: tree, path: {dst}/, source: {src}/, recurse: true, purge: true}}\n"
+        f'  - {{name: extra, path: {dst}/keep/me.conf, content: "mine\\n"}}\n',
+    )
+    converge(tmp_path, g)
+    want = listing(src) | {"keep": "dir", "keep/me.conf": "mine\n"}
+    assert listing(dst) == want  # stale entries purged, the other resource's file kept
+    assert ": applied" not in converge(tmp_path, g)
+
+    agent: Agent = agents(g, tmp_path / "s")
+    agent.wait_converged()
+    (dst / "sub" / "deep" / "low.txt").write_text("drift\n")  # deep drift: seen with recurse
+    (dst / "intruder").write_text("x\n")  # an unmanaged entry: purged
+    wait_for(lambda: listing(dst) == want, what="tree repaired and purged")
+    (src / "sub" / "new.txt").write_text("new\n")  # the source tree grows
+    want["sub/new.txt"] = "new\n"
+    wait_for(lambda: listing(dst) == want, what="new source file copied")
+    assert agent.stop() == 0
+
+
+def test_recurse_applies_owner_and_mode_to_the_tree(tmp_path: Path) -> None:
+    d = tmp_path / "d"
+    make_tree(d)
+    g = graph(tmp_path, f"  - {{name: {d}/, recurse: true, owner: nobody, mode: '0640'}}\n")
+    converge(tmp_path, g)
+    for p in [d / "top.txt", d / "sub", d / "sub" / "deep" / "low.txt"]:
+        st = p.lstat()
+        want = 0o750 if p.is_dir() else 0o640  # directories get x where r is given
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (NOBODY, want), p
+    assert ": applied" not in converge(tmp_path, g)
+
+
+def test_force_replaces_what_is_in_the_way(tmp_path: Path) -> None:
+    f, d = tmp_path / "was-a-dir", tmp_path / "was-a-file"
+    (f / "inner").mkdir(parents=True)
+    d.write_text("x")
+    body = f'  - {{name: {f}, content: "now a file\\n"}}\n  - {{name: {d}/}}\n'
+    r = run_cli("run", graph(tmp_path, body), "--state-dir", tmp_path / "s", "--converged-exit")
+    assert r.returncode == 1
+    assert f"{f} exists and is a directory (force: true replaces it)" in r.stderr
+    assert (f / "inner").is_dir()
+    assert d.is_file()
+    body = body.replace('file\\n"}', 'file\\n", force: true}').replace(
+        f"{d}/}}", f"{d}/, force: true}}"
+    )
+    converge(tmp_path, graph(tmp_path, body))
+    assert f.read_text() == "now a file\n"
+    assert d.is_dir()
+
+
+def test_reverse_restores_owner(tmp_path: Path) -> None:
+    f = tmp_path / "owned"
+    f.write_text("x\n")
+    g = graph(tmp_path, f"  - {{name: {f}, owner: nobody, meta: {{reverse: true}}}}\n")
+    converge(tmp_path, g)
+    assert f.stat().st_uid == NOBODY
+    g.write_text("graph: f\nresources: {}\n")
+    converge(tmp_path, g)
+    assert f.stat().st_uid == 0
+    assert f.read_text() == "x\n"
+
+
+@pytest.mark.parametrize(
+    ("params", "field", "why"),
+    [
+        ("content: a, source: /etc/hostname", "source", "cannot be combined with content"),
+        ("source: relative/x", "source", "is not an absolute path"),
+        ("fragments: [/a, b]", "fragments", "'b' is not an absolute path"),
+        ("purge: true", "purge", "only a directory"),
+        ("recurse: true", "recurse", "only a directory"),
+        ("owner: ''", "owner", "is not a name or a numeric id"),
+        ("group: 'a:b'", "group", "is not a name or a numeric id"),
+        ("owner: 5.5", "owner", "quote it"),  # (an integer is its source text, as in mgmt)
+        ("state: absent, source: /etc/hostname", "state", "absent cannot be combined"),
+    ],
+)
+def test_bad_params_are_rejected_at_load(tmp_path: Path, params: str, field: str, why: str) -> None:
+    out = tmp_path / "out"
+    g = graph(tmp_path, f"  - {{name: {out}, {params}}}\n")
+    r = run_cli("run", g, "--state-dir", tmp_path / "s", "--converged-exit")
+    assert r.returncode == 2, r.stderr
+    assert f"file[{out}].{field}" in r.stderr
+    assert why in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_directory_source_needs_recurse(tmp_path: Path) -> None:
+    g = graph(tmp_path, f"  - {{name: {tmp_path}/d/, source: /etc/}}\n")
+    r = run_cli("check", g)
+    assert r.returncode == 2
+    assert f"file[{tmp_path}/d/].source: copying a directory needs recurse: true" in r.stderr
+
+
+def test_leftovers_of_killed_writes_are_swept_at_each_start_in_one_process(
+    tmp_path: Path,
+) -> None:
+    # many files of one directory share its listing within a start; a second run in
+    # the same process (another event loop) lists it again and finds new leftovers
+    import evergraph
+
+    d = tmp_path / "d"
+    d.mkdir()
+    names = [f"f{i}" for i in range(30)] + ["L" * 210]  # a long name: its temp name is cut
+    g = graph(tmp_path, "".join(f"  - {{name: {d / n}, content: x}}\n" for n in names))
+    common = {"state_dir": tmp_path / "s", "converged_exit": True, "world": "memory"}
+    common["handle_signals"] = False
+
+    def leave() -> list[Path]:
+        left = [d / f".{n[:200]}.0123456789ab.tmp" for n in names]
+        left.append(d / f".{names[3]}.evergraph-4242")  # an earlier version's name
+        for p in left:
+            p.write_text("half")
+        return left
+
+    for _ in range(2):
+        left = leave()
+        (d / ".unmanaged.0123456789ab.tmp").write_text("not ours to sweep")
+        assert evergraph.run(g, **common) == 0  # type: ignore[arg-type]
+        assert [p.name for p in left if p.exists()] == []
+        assert (d / ".unmanaged.0123456789ab.tmp").exists()
+        assert all((d / n).read_text() == "x" for n in names)
+
+
+def test_a_vertex_started_again_in_one_run_does_not_list_its_directory_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Leftovers come from a kill, so a run sweeps each path once: a changed resource
+    (a collector's changed export, next to 10k others) does not re-list the directory."""
+    import asyncio
+    import contextlib
+    from collections.abc import Callable
+
+    import evergraph.resources.file as file_kind
+    from evergraph.engine.build import build
+    from evergraph.engine.contract import default_registry
+    from evergraph.engine.engine import Engine
+    from evergraph.engine.model import GraphModel
+    from evergraph.engine.settings import Settings
+    from evergraph.watch import InotifyHub
+
+    d = tmp_path / "d"
+    d.mkdir()
+    listed: list[str] = []
+    real = file_kind.sweep_leftovers_of  # type: ignore[attr-defined]
+
+    def spy(path: str, listed_now: object = None) -> list[str]:
+        listed.append(path)
+        return real(path, listed_now)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(file_kind, "sweep_leftovers_of", spy)
+
+    def model(content: str) -> GraphModel:
+        m = GraphModel(name="g")
+        for name in ("a", "b"):
+            m.add(build(default_registry, "file", {"name": f"{d}/{name}", "content": content}))
+        m.check()
+        return m
+
+    async def main(plant: bool) -> None:
+        s = Settings(state_dir=tmp_path / "s", hostname="t", converged_timeout=None)
+        async with InotifyHub() as hub:
+            pump = asyncio.create_task(hub.run())
+            eng = Engine(s, watcher=hub)
+            task = asyncio.create_task(eng.run(model("1\n")))
+            await wait_for(lambda: all(read(d / n) == "1\n" for n in "ab"))
+            if plant:
+                (d / ".a.0123456789ab.tmp").write_text("planted after the start")
+            await eng.swap(model("2\n"))  # both vertices replaced
+            await wait_for(lambda: all(read(d / n) == "2\n" for n in "ab"))
+            eng.request_stop()
+            await asyncio.wait_for(task, 10)
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
+
+    def read(p: Path) -> str | None:
+        try:
+            return p.read_text()
+        except FileNotFoundError:
+            return None
+
+    async def wait_for(cond: Callable[[], bool]) -> None:
+        async with asyncio.timeout(20):
+            while not cond():
+                await asyncio.sleep(0.01)  # (the engine writes in this loop: polled)
+
+    asyncio.run(main(plant=True))
+    assert sorted(listed) == [f"{d}/a", f"{d}/b"]  # once each, at the first start
+    assert (d / ".a.0123456789ab.tmp").exists()  # not ours to find within the run
+    listed.clear()
+    asyncio.run(main(plant=False))  # a new run sweeps again
+    assert sorted(listed) == [f"{d}/a", f"{d}/b"]
+    assert not (d / ".a.0123456789ab.tmp").exists()
