@@ -1,4 +1,4 @@
-"""http/boruta.py: Boruta's API v1 wire format, byte for byte against Boruta's golden
+"""http/boruta/: Boruta's API v1 wire format, byte for byte against Boruta's golden
 responses (`shared/boruta-ref/testdata/`), plus its JSON reading (Go's decoder and
 messages), RFC 3339 times, and keyset paging of requests and workers."""
 
@@ -19,7 +19,7 @@ from evergraph.farm.model import (
     Job,
     Request,
 )
-from evergraph.http import boruta as b
+from evergraph.http.boruta import bodies, encode, gojson, gotime, listing, wire
 from tests.kit import boruta_cases as cases
 from tests.kit.boruta_cases import GOLDEN, NOW, REQS, WORKERS, request, worker
 
@@ -57,14 +57,15 @@ def test_golden_case(name: str) -> None:
     # newline added by an editor (Content-Length says the body has none).
     assert expected_body[:length] == got.body
     assert expected_body[length:] in (b"", b"\n")
-    headers = {"Content-Type": b.CONTENT_TYPE, "Content-Length": str(len(got.body))}
+    headers = {"Content-Type": wire.CONTENT_TYPE, "Content-Length": str(len(got.body))}
     assert {**headers, **got.headers} == expected_headers
 
 
 def test_stale_list_file_is_the_same_list() -> None:
     """list-reqs-all-GET.json (no test uses it any more) is the four requests."""
     assert (
-        b.dumps([b.req_info(r) for r in REQS]) == (GOLDEN / "list-reqs-all-GET.json").read_bytes()
+        gojson.dumps([encode.req_info(r) for r in REQS])
+        == (GOLDEN / "list-reqs-all-GET.json").read_bytes()
     )
 
 
@@ -90,8 +91,10 @@ def test_stale_list_file_is_the_same_list() -> None:
     ],
 )
 def test_list_requests_of_the_cases(name: str, ids: list[int], total: int, remaining: int) -> None:
-    spec = b.parse_requests_list(cases.LIST_BODIES[name])
-    page, got_total, got_remaining = b.list_requests(REQS, spec.filter, spec.sorter, spec.paginator)
+    spec = listing.parse_requests_list(cases.LIST_BODIES[name])
+    page, got_total, got_remaining = listing.list_requests(
+        REQS, spec.filter, spec.sorter, spec.paginator
+    )
     assert ([r.id for r in page], got_total, got_remaining) == (ids, total, remaining)
 
 
@@ -114,50 +117,52 @@ def test_list_requests_of_the_cases(name: str, ids: list[int], total: int, remai
     ],
 )
 def test_list_workers_of_the_cases(name: str, uuids: list[str], total: int, remaining: int) -> None:
-    spec = b.parse_workers_list(cases.LIST_BODIES[name])
-    page, got_total, got_remaining = b.list_workers(
+    spec = listing.parse_workers_list(cases.LIST_BODIES[name])
+    page, got_total, got_remaining = listing.list_workers(
         WORKERS, spec.filter, spec.sorter, spec.paginator
     )
     assert ([w.uuid for w in page], got_total, got_remaining) == (uuids, total, remaining)
 
 
 def test_worker_paginator_naming_no_worker_is_404() -> None:
-    spec = b.parse_workers_list(cases.LIST_BODIES["filter-workers-paginator-back1"])
-    with pytest.raises(b.WireError) as caught:
-        b.list_workers(WORKERS, spec.filter, spec.sorter, spec.paginator)
-    assert caught.value == b.WireError(404, "worker not found")
+    spec = listing.parse_workers_list(cases.LIST_BODIES["filter-workers-paginator-back1"])
+    with pytest.raises(wire.WireError) as caught:
+        listing.list_workers(WORKERS, spec.filter, spec.sorter, spec.paginator)
+    assert caught.value == wire.WireError(404, "worker not found")
     assert caught.value.body() == b'{"message":"worker not found"}'
 
 
 def test_list_bodies_parse_as_boruta_reads_them() -> None:
-    parse = b.parse_requests_list
-    assert parse(cases.LIST_BODIES["filter-reqs-valid-filter"]) == b.RequestsListSpec(
-        filter=b.RequestsFilter(states=(WAITING,)), sorter=b.Sorter()
+    parse = listing.parse_requests_list
+    assert parse(cases.LIST_BODIES["filter-reqs-valid-filter"]) == listing.RequestsListSpec(
+        filter=listing.RequestsFilter(states=(WAITING,)), sorter=listing.Sorter()
     )
-    assert parse(b"") == parse(b"null") == parse(b"  \n") == b.RequestsListSpec()
+    assert parse(b"") == parse(b"null") == parse(b"  \n") == listing.RequestsListSpec()
     assert parse(cases.LIST_BODIES["filter-reqs-paginator-back1"]).paginator == (
-        b.RequestsPaginator(id=4, backward=True, limit=2)
+        listing.RequestsPaginator(id=4, backward=True, limit=2)
     )
-    assert parse(cases.LIST_BODIES["filter-reqs-bad-filter"]).filter == b.RequestsFilter(
+    assert parse(cases.LIST_BODIES["filter-reqs-bad-filter"]).filter == listing.RequestsFilter(
         priorities=(99,), states=("NOSUCHSTATE",)
     )
     assert parse(
         b'{"filter":{"priorities":[1,2],"states":[" waiting "]},"sorter":{"item":"ID",'
         b'"order":"DESCENDING"},"paginator":{"limit":0}}'
-    ) == b.RequestsListSpec(
-        filter=b.RequestsFilter(priorities=(1, 2), states=(WAITING,)),
-        sorter=b.Sorter(item="id", descending=True),
-        paginator=b.RequestsPaginator(limit=b.MAX_PAGE_LIMIT),
+    ) == listing.RequestsListSpec(
+        filter=listing.RequestsFilter(priorities=(1, 2), states=(WAITING,)),
+        sorter=listing.Sorter(item="id", descending=True),
+        paginator=listing.RequestsPaginator(limit=wire.MAX_PAGE_LIMIT),
     )
-    workers = b.parse_workers_list
-    assert workers(cases.LIST_BODIES["filter-workers-valid-filter"]).filter == b.WorkersFilter(
+    workers = listing.parse_workers_list
+    assert workers(
+        cases.LIST_BODIES["filter-workers-valid-filter"]
+    ).filter == listing.WorkersFilter(
         groups=("Malinowy Chruśniak",), caps={"architecture": "RISC-V"}
     )
-    assert workers(cases.LIST_BODIES["filter-workers-empty3-filter"]) == b.WorkersListSpec(
-        filter=b.WorkersFilter()
+    assert workers(cases.LIST_BODIES["filter-workers-empty3-filter"]) == listing.WorkersListSpec(
+        filter=listing.WorkersFilter()
     )
     assert workers(cases.LIST_BODIES["filter-workers-paginator-fwd1"]).paginator == (
-        b.WorkersPaginator(id="0", limit=2)
+        listing.WorkersPaginator(id="0", limit=2)
     )
 
 
@@ -173,42 +178,42 @@ def _sixteen() -> list[Request]:
     ]
 
 
-DESC = b.Sorter(item="id", descending=True)
-LOWER = b.RequestsFilter(priorities=(9,))
+DESC = listing.Sorter(item="id", descending=True)
+LOWER = listing.RequestsFilter(priorities=(9,))
 
 
 @pytest.mark.parametrize(
     ("flt", "sorter", "pag", "ids", "total", "remaining"),
     [
-        (LOWER, DESC, b.RequestsPaginator(5, True, 3), [10, 8, 6], 8, 3),
-        (LOWER, DESC, b.RequestsPaginator(4, True, 3), [10, 8, 6], 8, 3),
-        (LOWER, DESC, b.RequestsPaginator(5, False, 3), [4, 2], 8, 0),
-        (None, DESC, b.RequestsPaginator(5, False, 3), [4, 3, 2], 16, 1),
-        (None, DESC, b.RequestsPaginator(5, True, 3), [8, 7, 6], 16, 8),
-        (None, None, b.RequestsPaginator(5, True, 32), [1, 2, 3, 4], 16, 0),
-        (None, None, b.RequestsPaginator(5, False, 32), list(range(6, 17)), 16, 0),
-        (None, None, b.RequestsPaginator(5, False, 0), list(range(6, 17)), 16, 0),
-        (None, DESC, b.RequestsPaginator(1, False, 32), [], 16, 0),
-        (None, DESC, b.RequestsPaginator(16, True, 32), [], 16, 0),
-        (None, None, b.RequestsPaginator(0, True, 5), [12, 13, 14, 15, 16], 16, 11),
-        (b.RequestsFilter(states=(WAITING,)), DESC, None, [2, 1], 2, 0),
-        (b.RequestsFilter(ids=(0, 3, 6, 9, 12, 15)), None, None, [3, 6, 9, 12, 15], 5, 0),
+        (LOWER, DESC, listing.RequestsPaginator(5, True, 3), [10, 8, 6], 8, 3),
+        (LOWER, DESC, listing.RequestsPaginator(4, True, 3), [10, 8, 6], 8, 3),
+        (LOWER, DESC, listing.RequestsPaginator(5, False, 3), [4, 2], 8, 0),
+        (None, DESC, listing.RequestsPaginator(5, False, 3), [4, 3, 2], 16, 1),
+        (None, DESC, listing.RequestsPaginator(5, True, 3), [8, 7, 6], 16, 8),
+        (None, None, listing.RequestsPaginator(5, True, 32), [1, 2, 3, 4], 16, 0),
+        (None, None, listing.RequestsPaginator(5, False, 32), list(range(6, 17)), 16, 0),
+        (None, None, listing.RequestsPaginator(5, False, 0), list(range(6, 17)), 16, 0),
+        (None, DESC, listing.RequestsPaginator(1, False, 32), [], 16, 0),
+        (None, DESC, listing.RequestsPaginator(16, True, 32), [], 16, 0),
+        (None, None, listing.RequestsPaginator(0, True, 5), [12, 13, 14, 15, 16], 16, 11),
+        (listing.RequestsFilter(states=(WAITING,)), DESC, None, [2, 1], 2, 0),
+        (listing.RequestsFilter(ids=(0, 3, 6, 9, 12, 15)), None, None, [3, 6, 9, 12, 15], 5, 0),
         (
-            b.RequestsFilter(ids=(0, 3, 6, 9, 12, 15), priorities=(8,), states=(DONE,)),
+            listing.RequestsFilter(ids=(0, 3, 6, 9, 12, 15), priorities=(8,), states=(DONE,)),
             None,
             None,
             [3, 9, 15],
             3,
             0,
         ),
-        (b.RequestsFilter(), None, None, list(range(1, 17)), 16, 0),
-        (b.RequestsFilter(states=("INVALID",)), DESC, None, [], 0, 0),
+        (listing.RequestsFilter(), None, None, list(range(1, 17)), 16, 0),
+        (listing.RequestsFilter(states=("INVALID",)), DESC, None, [], 0, 0),
     ],
 )
 def test_keyset_paging_as_boruta_pages(
-    flt: b.RequestsFilter | None,
-    sorter: b.Sorter | None,
-    pag: b.RequestsPaginator | None,
+    flt: listing.RequestsFilter | None,
+    sorter: listing.Sorter | None,
+    pag: listing.RequestsPaginator | None,
     ids: list[int],
     total: int,
     remaining: int,
@@ -216,19 +221,19 @@ def test_keyset_paging_as_boruta_pages(
     """Boruta's own expectations (requests_test.go TestListRequests): the page is
     after/before the paginator's request in the sorted list, which need not match
     the filter."""
-    page, got_total, got_remaining = b.list_requests(_sixteen(), flt, sorter, pag)
+    page, got_total, got_remaining = listing.list_requests(_sixteen(), flt, sorter, pag)
     assert ([r.id for r in page], got_total, got_remaining) == (ids, total, remaining)
 
 
 def test_paging_walks_the_whole_list_both_ways() -> None:
     reqs = _sixteen()
-    for sorter in (None, DESC, b.Sorter("priority"), b.Sorter("state", True)):
-        everything = [r.id for r in b.list_requests(reqs, None, sorter)[0]]
+    for sorter in (None, DESC, listing.Sorter("priority"), listing.Sorter("state", True)):
+        everything = [r.id for r in listing.list_requests(reqs, None, sorter)[0]]
         seen: list[int] = []
         pid = 0
         while True:
-            page, total, remaining = b.list_requests(
-                reqs, None, sorter, b.RequestsPaginator(pid, False, 5)
+            page, total, remaining = listing.list_requests(
+                reqs, None, sorter, listing.RequestsPaginator(pid, False, 5)
             )
             seen += [r.id for r in page]
             assert (total, remaining) == (16, 16 - len(seen))
@@ -239,8 +244,8 @@ def test_paging_walks_the_whole_list_both_ways() -> None:
         back: list[int] = []
         pid = 0
         while True:
-            page, total, remaining = b.list_requests(
-                reqs, None, sorter, b.RequestsPaginator(pid, True, 5)
+            page, total, remaining = listing.list_requests(
+                reqs, None, sorter, listing.RequestsPaginator(pid, True, 5)
             )
             back = [r.id for r in page] + back
             assert remaining == 16 - len(back)
@@ -251,21 +256,21 @@ def test_paging_walks_the_whole_list_both_ways() -> None:
 
 
 def test_list_defaults_and_limits() -> None:
-    many = [request(i) for i in range(1, b.MAX_PAGE_LIMIT + 9)]
-    page, total, remaining = b.list_requests(many)
-    assert (len(page), total, remaining) == (b.MAX_PAGE_LIMIT, b.MAX_PAGE_LIMIT + 8, 8)
-    assert b.parse_requests_list(b'{"Paginator":{"Limit":65535}}').paginator == (
-        b.RequestsPaginator(limit=65535)
+    many = [request(i) for i in range(1, wire.MAX_PAGE_LIMIT + 9)]
+    page, total, remaining = listing.list_requests(many)
+    assert (len(page), total, remaining) == (wire.MAX_PAGE_LIMIT, wire.MAX_PAGE_LIMIT + 8, 8)
+    assert listing.parse_requests_list(b'{"Paginator":{"Limit":65535}}').paginator == (
+        listing.RequestsPaginator(limit=65535)
     )
-    with pytest.raises(b.WireError) as caught:
-        b.parse_requests_list(b'{"Paginator":{"Limit":65536}}')
+    with pytest.raises(wire.WireError) as caught:
+        listing.parse_requests_list(b'{"Paginator":{"Limit":65536}}')
     assert caught.value.message == (
         "invalid request: json: cannot unmarshal number 65536 into Go struct field "
         "RequestsPaginator.Paginator.Limit of type uint16"
     )
-    with pytest.raises(b.WireError) as caught:
-        b.list_requests(REQS, paginator=b.RequestsPaginator(id=99))
-    assert caught.value == b.WireError(404, "request not found")
+    with pytest.raises(wire.WireError) as caught:
+        listing.list_requests(REQS, paginator=listing.RequestsPaginator(id=99))
+    assert caught.value == wire.WireError(404, "request not found")
 
 
 def test_sort_items() -> None:
@@ -276,7 +281,7 @@ def test_sort_items() -> None:
     ]
 
     def ids(item: str, desc: bool = False) -> list[int]:
-        return [r.id for r in b.list_requests(reqs, sorter=b.Sorter(item, desc))[0]]
+        return [r.id for r in listing.list_requests(reqs, sorter=listing.Sorter(item, desc))[0]]
 
     assert ids("priority") == [2, 1, 3]
     assert ids("priority", True) == [3, 1, 2]
@@ -290,26 +295,26 @@ def test_sort_items() -> None:
     ]
 
     def uuids(item: str, desc: bool = False) -> list[str]:
-        return [w.uuid for w in b.list_workers(workers, sorter=b.Sorter(item, desc))[0]]
+        return [w.uuid for w in listing.list_workers(workers, sorter=listing.Sorter(item, desc))[0]]
 
     assert uuids("") == ["a", "b", "c"]
     assert uuids("groups") == ["c", "a", "b"]
     assert uuids("groups", True) == ["b", "a", "c"]
     assert uuids("state", True) == ["b", "c", "a"]
     for body, parse in (
-        (b'{"Sorter":{"Item":"uuid"}}', b.parse_requests_list),
-        (b'{"Sorter":{"Item":"priority"}}', b.parse_workers_list),
+        (b'{"Sorter":{"Item":"uuid"}}', listing.parse_requests_list),
+        (b'{"Sorter":{"Item":"priority"}}', listing.parse_workers_list),
     ):
-        with pytest.raises(b.WireError) as caught:
+        with pytest.raises(wire.WireError) as caught:
             parse(body)
-        assert caught.value == b.invalid_request(b.ERR_WRONG_SORT_ITEM)
+        assert caught.value == wire.invalid_request(wire.ERR_WRONG_SORT_ITEM)
 
 
 def test_workers_filter_matches_groups_any_and_caps_all() -> None:
-    flt = b.WorkersFilter(groups=("Lędzianie",), caps={"architecture": "AArch64"})
-    assert [w.uuid for w in b.list_workers(WORKERS, flt)[0]] == ["0"]
-    by_uuid = b.WorkersFilter(caps={"UUID": "3"})
-    assert [w.uuid for w in b.list_workers(WORKERS, by_uuid)[0]] == ["3"]
+    flt = listing.WorkersFilter(groups=("Lędzianie",), caps={"architecture": "AArch64"})
+    assert [w.uuid for w in listing.list_workers(WORKERS, flt)[0]] == ["0"]
+    by_uuid = listing.WorkersFilter(caps={"UUID": "3"})
+    assert [w.uuid for w in listing.list_workers(WORKERS, by_uuid)[0]] == ["3"]
 
 
 # ---------------------------------------------------------------- encoders
@@ -326,51 +331,55 @@ def test_req_info_shape() -> None:
         state=IN_PROGRESS,
         job=Job(worker="w", timeout=2.5),
     )
-    assert b.dumps(b.req_info(req)) == (
+    assert gojson.dumps(encode.req_info(req)) == (
         b'{"ID":7,"Priority":2,"Owner":{"Groups":["g"]},"Deadline":"0001-01-01T00:00:00Z",'
         b'"ValidAfter":"1970-01-01T00:00:01.25Z","State":"IN PROGRESS",'
         b'"Job":{"WorkerUUID":"w","Timeout":"1970-01-01T00:00:02.5Z"},"Caps":{"a":"1","b":"2"}}'
     )
-    assert b.request_headers(req) == {
+    assert encode.request_headers(req) == {
         "Boruta-Request-State": "IN PROGRESS",
         "Boruta-Job-Timeout": "1970-01-01T00:00:02Z",
     }
-    assert b.request_headers(request(1, state="IN_PROGRESS"))["Boruta-Request-State"] == (
+    assert encode.request_headers(request(1, state="IN_PROGRESS"))["Boruta-Request-State"] == (
         IN_PROGRESS
     )
 
 
 def test_worker_info_shape() -> None:
     w = worker("u", FAILED, ["g2", "g1"], {"z": "1", "UUID": "u"})
-    assert b.dumps(b.worker_info(w)) == (
+    assert gojson.dumps(encode.worker_info(w)) == (
         b'{"WorkerUUID":"u","State":"FAILED","Groups":["g2","g1"],"Caps":{"UUID":"u","z":"1"}}'
     )
-    assert b.worker_headers(w) == {"Boruta-Worker-State": "FAILED"}
+    assert encode.worker_headers(w) == {"Boruta-Worker-State": "FAILED"}
 
 
 def test_access_info_addresses() -> None:
-    assert b.access_info("::1", 2222, "K", "u")["Addr"] == {"IP": "::1", "Port": 2222, "Zone": ""}
-    assert b.access_info("fe80::1%eth0", 22, "K", "u")["Addr"]["Zone"] == "eth0"
-    assert b.access_info("::ffff:10.0.0.1", 22, "K", "u")["Addr"]["IP"] == "10.0.0.1"
-    assert b.access_info("", 22, "K", "u")["Addr"]["IP"] == ""
+    assert encode.access_info("::1", 2222, "K", "u")["Addr"] == {
+        "IP": "::1",
+        "Port": 2222,
+        "Zone": "",
+    }
+    assert encode.access_info("fe80::1%eth0", 22, "K", "u")["Addr"]["Zone"] == "eth0"
+    assert encode.access_info("::ffff:10.0.0.1", 22, "K", "u")["Addr"]["IP"] == "10.0.0.1"
+    assert encode.access_info("", 22, "K", "u")["Addr"]["IP"] == ""
 
 
 def test_dumps_escapes_as_go() -> None:
-    assert b.dumps({"s": '<a&b>\u2028\u2029\x01\n\t"\\ł\x7f'}) == (
+    assert gojson.dumps({"s": '<a&b>\u2028\u2029\x01\n\t"\\ł\x7f'}) == (
         '{"s":"\\u003ca\\u0026b\\u003e\\u2028\\u2029\\u0001\\n\\t\\"\\\\ł\x7f"}'.encode()
     )
-    assert b.dumps({"s": "\ud800"}) == '{"s":"\ufffd"}'.encode()
-    assert b.dumps(None) == b"null"
-    assert b.dumps([]) == b"[]"
+    assert gojson.dumps({"s": "\ud800"}) == '{"s":"\ufffd"}'.encode()
+    assert gojson.dumps(None) == b"null"
+    assert gojson.dumps([]) == b"[]"
 
 
 def test_list_headers() -> None:
-    assert b.list_headers(4, 2, 2) == {
+    assert encode.list_headers(4, 2, 2) == {
         "Boruta-List-Total": "4",
         "Boruta-List-Remaining": "2",
         "Boruta-List-Batch-Size": "2",
     }
-    assert b.list_headers(None, None, 0) == {"Boruta-List-Batch-Size": "0"}
+    assert encode.list_headers(None, None, 0) == {"Boruta-List-Batch-Size": "0"}
 
 
 # ---------------------------------------------------------------- times
@@ -393,17 +402,17 @@ def test_list_headers() -> None:
     ],
 )
 def test_times_round_trip(text: str, seconds: float, back: str | None) -> None:
-    assert b.parse_time(text) == pytest.approx(seconds, abs=1e-6)
-    assert b.format_time(b.parse_time(text)) == (back or text)
+    assert gotime.parse_time(text) == pytest.approx(seconds, abs=1e-6)
+    assert gotime.format_time(gotime.parse_time(text)) == (back or text)
 
 
 def test_time_header_has_whole_seconds() -> None:
-    assert b.format_time_header(1.999) == "1970-01-01T00:00:01Z"
-    assert b.format_time_header(0.0) == b.ZERO_TIME
-    assert b.format_time(-0.5) == "1969-12-31T23:59:59.5Z"
-    assert b.format_time(0.9999999) == "1970-01-01T00:00:01Z"
+    assert gotime.format_time_header(1.999) == "1970-01-01T00:00:01Z"
+    assert gotime.format_time_header(0.0) == gotime.ZERO_TIME
+    assert gotime.format_time(-0.5) == "1969-12-31T23:59:59.5Z"
+    assert gotime.format_time(0.9999999) == "1970-01-01T00:00:01Z"
     with pytest.raises(ValueError, match="year outside"):
-        b.format_time(b.parse_time("9999-12-31T23:59:59-01:00"))
+        gotime.format_time(gotime.parse_time("9999-12-31T23:59:59-01:00"))
 
 
 @pytest.mark.parametrize(
@@ -462,8 +471,8 @@ def test_time_header_has_whole_seconds() -> None:
     ],
 )
 def test_bad_times_say_what_go_says(text: str, message: str) -> None:
-    with pytest.raises(b.TimeError) as caught:
-        b.parse_time(text)
+    with pytest.raises(gotime.TimeError) as caught:
+        gotime.parse_time(text)
     assert str(caught.value) == message
 
 
@@ -471,19 +480,19 @@ def test_bad_times_say_what_go_says(text: str, message: str) -> None:
 
 
 def test_new_request_body() -> None:
-    spec = b.parse_new_request(cases.VALID_REQ_JSON, now=NOW)
-    assert spec == b.NewRequestSpec(
+    spec = bodies.parse_new_request(cases.VALID_REQ_JSON, now=NOW)
+    assert spec == bodies.NewRequestSpec(
         priority=8,
         caps={"architecture": "armv7l", "monitor": "yes"},
-        valid_after=b.parse_time("2100-01-01T04:05:06Z"),
-        deadline=b.parse_time("2200-12-31T01:02:03Z"),
+        valid_after=gotime.parse_time("2100-01-01T04:05:06Z"),
+        deadline=gotime.parse_time("2200-12-31T01:02:03Z"),
     )
-    assert b.parse_new_request(b'{"priority":3}') == b.NewRequestSpec(priority=3)
-    assert b.parse_new_request(b'{"Priority":3} trailing garbage is never read') == (
-        b.NewRequestSpec(priority=3)
+    assert bodies.parse_new_request(b'{"priority":3}') == bodies.NewRequestSpec(priority=3)
+    assert bodies.parse_new_request(b'{"Priority":3} trailing garbage is never read') == (
+        bodies.NewRequestSpec(priority=3)
     )
-    assert b.parse_new_request(b'{"Priority":3,"priority":4,"Unknown":[1,{"x":null}]}') == (
-        b.NewRequestSpec(priority=4)
+    assert bodies.parse_new_request(b'{"Priority":3,"priority":4,"Unknown":[1,{"x":null}]}') == (
+        bodies.NewRequestSpec(priority=4)
     )
 
 
@@ -582,83 +591,93 @@ def test_new_request_body() -> None:
     ],
 )
 def test_bad_new_request_bodies(body: bytes, message: str) -> None:
-    with pytest.raises(b.WireError) as caught:
-        b.parse_new_request(body, now=NOW)
+    with pytest.raises(wire.WireError) as caught:
+        bodies.parse_new_request(body, now=NOW)
     assert caught.value.status == 400
     assert caught.value.message == message
 
 
 def test_strings_decode_as_go() -> None:
-    spec = b.parse_new_request(
+    spec = bodies.parse_new_request(
         b'{"Priority":1,"Caps":{"k":"a\\"b\\\\c\\/d\\n\\u0142\\ud83d\\ude00\\ud800x"}}'
     )
     assert spec.caps == {"k": 'a"b\\c/d\nł😀\ufffdx'}
     # a null value in a map of strings is the empty string, as in Go
-    assert b.parse_new_request(b'{"Priority":1,"Caps":{"k":null}}').caps == {"k": ""}
+    assert bodies.parse_new_request(b'{"Priority":1,"Caps":{"k":null}}').caps == {"k": ""}
 
 
 def test_update_request_body() -> None:
-    assert b.parse_update_request(b'{"Priority":4}', 1) == b.UpdateSpec(id=1, priority=4)
-    assert b.parse_update_request(cases.UPDATE_VALID_JSON, 1) == b.UpdateSpec(id=1, priority=4)
-    assert b.parse_update_request(b'{"ID":0,"Deadline":"2100-01-01T00:00:00Z"}', 9) == (
-        b.UpdateSpec(id=9, deadline=b.parse_time("2100-01-01T00:00:00Z"))
+    assert bodies.parse_update_request(b'{"Priority":4}', 1) == bodies.UpdateSpec(id=1, priority=4)
+    assert bodies.parse_update_request(cases.UPDATE_VALID_JSON, 1) == bodies.UpdateSpec(
+        id=1, priority=4
     )
-    assert b.parse_update_request(b"{}", 9).empty
-    with pytest.raises(b.WireError) as caught:
-        b.parse_update_request(b'{"ID":2}', 1)
-    assert caught.value == b.invalid_request(b.ID_MISMATCH)
+    assert bodies.parse_update_request(b'{"ID":0,"Deadline":"2100-01-01T00:00:00Z"}', 9) == (
+        bodies.UpdateSpec(id=9, deadline=gotime.parse_time("2100-01-01T00:00:00Z"))
+    )
+    assert bodies.parse_update_request(b"{}", 9).empty
+    with pytest.raises(wire.WireError) as caught:
+        bodies.parse_update_request(b'{"ID":2}', 1)
+    assert caught.value == wire.invalid_request(wire.ID_MISMATCH)
 
 
 def test_check_update_request_in_boruta_order() -> None:
     waiting = request(1, priority=8, valid_after=NOW, deadline=NOW + 3600)
     later = NOW + 7200
-    check = b.check_update_request
-    assert check(b.UpdateSpec(1), request(1, state=DONE), NOW) is False  # nothing to do
+    check = bodies.check_update_request
+    assert check(bodies.UpdateSpec(1), request(1, state=DONE), NOW) is False  # nothing to do
     assert (
-        check(b.UpdateSpec(1, priority=8, valid_after=NOW, deadline=NOW + 3600), waiting, NOW)
+        check(bodies.UpdateSpec(1, priority=8, valid_after=NOW, deadline=NOW + 3600), waiting, NOW)
         is False
     )
-    assert check(b.UpdateSpec(1, priority=2), waiting, NOW) is True
+    assert check(bodies.UpdateSpec(1, priority=2), waiting, NOW) is True
     for spec, req, message in [
-        (b.UpdateSpec(1, priority=2), request(1, state=DONE), b.ERR_MODIFICATION_FORBIDDEN),
-        (b.UpdateSpec(1, priority=17, deadline=NOW - 1), waiting, b.ERR_PRIORITY),
-        (b.UpdateSpec(1, deadline=NOW - 1, valid_after=later), waiting, b.ERR_DEADLINE_IN_THE_PAST),
-        (b.UpdateSpec(1, valid_after=later), waiting, b.ERR_INVALID_TIME_RANGE),
-        (b.UpdateSpec(1, valid_after=later + 1, deadline=later), waiting, b.ERR_INVALID_TIME_RANGE),
+        (bodies.UpdateSpec(1, priority=2), request(1, state=DONE), wire.ERR_MODIFICATION_FORBIDDEN),
+        (bodies.UpdateSpec(1, priority=17, deadline=NOW - 1), waiting, wire.ERR_PRIORITY),
+        (
+            bodies.UpdateSpec(1, deadline=NOW - 1, valid_after=later),
+            waiting,
+            wire.ERR_DEADLINE_IN_THE_PAST,
+        ),
+        (bodies.UpdateSpec(1, valid_after=later), waiting, wire.ERR_INVALID_TIME_RANGE),
+        (
+            bodies.UpdateSpec(1, valid_after=later + 1, deadline=later),
+            waiting,
+            wire.ERR_INVALID_TIME_RANGE,
+        ),
     ]:
-        with pytest.raises(b.WireError) as caught:
+        with pytest.raises(wire.WireError) as caught:
             check(spec, req, NOW)
-        assert caught.value == b.invalid_request(message)
-    assert check(b.UpdateSpec(1, valid_after=later, deadline=later + 1), waiting, NOW) is True
+        assert caught.value == wire.invalid_request(message)
+    assert check(bodies.UpdateSpec(1, valid_after=later, deadline=later + 1), waiting, NOW) is True
 
 
 def test_set_state_and_groups_bodies() -> None:
-    assert b.parse_set_state(b'{"WorkerState":"MAINTENANCE"}') == MAINTENANCE
-    assert b.parse_set_state(b'{"workerstate":"IDLE"}') == IDLE
+    assert bodies.parse_set_state(b'{"WorkerState":"MAINTENANCE"}') == MAINTENANCE
+    assert bodies.parse_set_state(b'{"workerstate":"IDLE"}') == IDLE
     for body in (b'{"WorkerState":"RUNNING"}', b"{}", b"null"):
-        with pytest.raises(b.WireError) as caught:
-            b.parse_set_state(body)
-        assert caught.value == b.invalid_request(b.ERR_WRONG_STATE_ARGUMENT)
-    assert b.parse_set_groups(b'["a","b"]') == ["a", "b"]
-    assert b.parse_set_groups(b"null") == []
-    assert b.parse_set_groups(b"[]") == []
+        with pytest.raises(wire.WireError) as caught:
+            bodies.parse_set_state(body)
+        assert caught.value == wire.invalid_request(wire.ERR_WRONG_STATE_ARGUMENT)
+    assert bodies.parse_set_groups(b'["a","b"]') == ["a", "b"]
+    assert bodies.parse_set_groups(b"null") == []
+    assert bodies.parse_set_groups(b"[]") == []
     for body, message in [
         (b'{"a":1}', "json: cannot unmarshal object into Go value of type boruta.Groups"),
         (b'["a",1]', "json: cannot unmarshal number into Go value of type boruta.Group"),
     ]:
-        with pytest.raises(b.WireError) as caught:
-            b.parse_set_groups(body)
-        assert caught.value == b.invalid_request(message)
-    with pytest.raises(b.WireError) as caught:
-        b.parse_set_groups(b"")
-    assert caught.value == b.no_body()
+        with pytest.raises(wire.WireError) as caught:
+            bodies.parse_set_groups(body)
+        assert caught.value == wire.invalid_request(message)
+    with pytest.raises(wire.WireError) as caught:
+        bodies.parse_set_groups(b"")
+    assert caught.value == wire.no_body()
 
 
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        (b'{"Sorter":{"Order":"up"}}', b.ERR_WRONG_SORT_ORDER),
-        (b'{"Paginator":{"Direction":"sideways"}}', b.ERR_WRONG_LIST_DIRECTION),
+        (b'{"Sorter":{"Order":"up"}}', wire.ERR_WRONG_SORT_ORDER),
+        (b'{"Paginator":{"Direction":"sideways"}}', wire.ERR_WRONG_LIST_DIRECTION),
         (
             b'{"Sorter":{"Order":true}}',
             "json: cannot unmarshal bool into Go struct field SortInfo.Sorter.Order"
@@ -679,43 +698,47 @@ def test_set_state_and_groups_bodies() -> None:
     ],
 )
 def test_bad_requests_list_bodies(body: bytes, message: str) -> None:
-    with pytest.raises(b.WireError) as caught:
-        b.parse_requests_list(body)
-    assert caught.value == b.invalid_request(message)
+    with pytest.raises(wire.WireError) as caught:
+        listing.parse_requests_list(body)
+    assert caught.value == wire.invalid_request(message)
 
 
 def test_list_order_and_direction_spellings() -> None:
     for order, desc in (("", False), ("Ascending", False), ("DESCENDING", True), ("desc", True)):
         body = f'{{"Sorter":{{"Item":"state","Order":"{order}"}}}}'.encode()
-        assert b.parse_workers_list(body).sorter == b.Sorter("state", desc)
+        assert listing.parse_workers_list(body).sorter == listing.Sorter("state", desc)
     for direction, backward in (("", False), ("Forward", False), ("BACKWARD", True)):
         body = f'{{"Paginator":{{"ID":"x","Direction":"{direction}"}}}}'.encode()
-        assert b.parse_workers_list(body).paginator == b.WorkersPaginator("x", backward)
-    with pytest.raises(b.WireError) as caught:
-        b.parse_workers_list(b'{"Filter":{"Capabilities":[]}}')
-    assert caught.value == b.invalid_request(
+        assert listing.parse_workers_list(body).paginator == listing.WorkersPaginator("x", backward)
+    with pytest.raises(wire.WireError) as caught:
+        listing.parse_workers_list(b'{"Filter":{"Capabilities":[]}}')
+    assert caught.value == wire.invalid_request(
         "json: cannot unmarshal array into Go struct field Workers.Filter.Capabilities"
         " of type boruta.Capabilities"
     )
 
 
 def test_url_parameters() -> None:
-    assert b.parse_req_id("007") == 7
-    assert b.parse_req_id(str(2**64 - 1)) == 2**64 - 1
+    assert bodies.parse_req_id("007") == 7
+    assert bodies.parse_req_id(str(2**64 - 1)) == 2**64 - 1
     for bad in ("", "-1", "+1", "1.0", " 1", str(2**64), "\u0661"):
-        with pytest.raises(b.WireError) as caught:
-            b.parse_req_id(bad)
-        assert caught.value == b.WireError(400, "invalid request: ID provided in URL isn't valid")
-    assert b.parse_worker_uuid(cases.VALID_UUID) == cases.VALID_UUID
+        with pytest.raises(wire.WireError) as caught:
+            bodies.parse_req_id(bad)
+        assert caught.value == wire.WireError(
+            400, "invalid request: ID provided in URL isn't valid"
+        )
+    assert bodies.parse_worker_uuid(cases.VALID_UUID) == cases.VALID_UUID
     for bad in (cases.VALID_UUID.upper(), cases.VALID_UUID + "\n", "test", ""):
-        with pytest.raises(b.WireError) as caught:
-            b.parse_worker_uuid(bad)
+        with pytest.raises(wire.WireError) as caught:
+            bodies.parse_worker_uuid(bad)
         assert caught.value.message == "invalid request: ID provided in URL isn't valid UUID"
 
 
 def test_wire_errors() -> None:
-    assert b.not_found("Request").body() == b'{"message":"Request not found"}'
-    assert b.not_found("Worker").status == 404
-    assert b.invalid_request("x <y>").body() == b'{"message":"invalid request: x \\u003cy\\u003e"}'
-    assert b.no_body() == b.WireError(400, "no body provided in HTTP request")
-    assert b.error("m") == {"message": "m"}
+    assert wire.not_found("Request").body() == b'{"message":"Request not found"}'
+    assert wire.not_found("Worker").status == 404
+    assert (
+        wire.invalid_request("x <y>").body() == b'{"message":"invalid request: x \\u003cy\\u003e"}'
+    )
+    assert wire.no_body() == wire.WireError(400, "no body provided in HTTP request")
+    assert wire.error("m") == {"message": "m"}

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from evergraph.cli.runner import check_fragment
 from evergraph.cluster.hostkeys import HostKeys
 from evergraph.farm import model, tokens
 from evergraph.farm.service import Farm, encode, worker_key
@@ -223,7 +224,7 @@ def test_a_request_may_carry_a_graph_fragment_which_must_load(tmp_path: Path) ->
         trust = FarmTrust(HostKeys(tmp_path), "srv")
         token = await tokens.create(kv, "alice", [], admin=False, keys=trust.keys, fragment=True)
         farm = Farm(kv, trust=trust)
-        app = create_app(lambda: (), FarmApi(farm))
+        app = create_app(lambda: (), FarmApi(farm, check_fragment=check_fragment))
         out = []
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://farm") as c:
@@ -244,3 +245,26 @@ def test_a_request_may_carry_a_graph_fragment_which_must_load(tmp_path: Path) ->
     assert bad == 400
     assert "invalid request: Fragment:2:3" in message
     assert "unknown resource kind 'nosuchkind'" in message
+
+
+def test_a_fragment_is_refused_where_the_api_was_given_no_way_to_check_it(
+    tmp_path: Path,
+) -> None:
+    async def main() -> tuple[int, str, list[int]]:
+        kv = MemoryKV(MemoryStore())
+        trust = FarmTrust(HostKeys(tmp_path), "srv")
+        token = await tokens.create(kv, "alice", [], admin=False, keys=trust.keys, fragment=True)
+        farm = Farm(kv, trust=trust)
+        app = create_app(lambda: (), FarmApi(farm))  # no check_fragment
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://farm") as c:
+            headers = {"Authorization": f"Bearer {token}"}
+            body = json.dumps({"Priority": 3, "Fragment": "resources:\n  noop:\n  - name: n\n"})
+            r = await c.post("/api/v1/reqs/", content=body, headers=headers)
+        listed = await farm.requests(tokens.User(name="alice"))
+        return r.status_code, r.text, [q.id for q in listed]
+
+    status, message, ids = asyncio.run(main())
+    assert status == 400
+    assert "invalid request: Fragment: this server cannot check graph fragments" in message
+    assert ids == []  # nothing was written

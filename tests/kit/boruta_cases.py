@@ -17,16 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from evergraph.farm.model import CANCELLED, FAILED, IDLE, IN_PROGRESS, WAITING, Job, Request, Worker
-from evergraph.http import boruta as b
+from evergraph.http.boruta import bodies, encode, gojson, gotime, listing, wire
 
 GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "boruta-ref" / "testdata"
 
 INVALID_ID = "test"
 VALID_UUID = "ec4898ac-0853-407c-8501-cbb24ef6bd77"
 MISSING_UUID = "8f8ade90-a319-4275-9407-977ca3e9607c"
-FUTURE = b.parse_time("2222-12-31T00:00:00Z")
-PAST = b.parse_time("1683-09-12T00:00:00Z")
-NOW = b.parse_time("2024-12-17T00:00:00Z")
+FUTURE = gotime.parse_time("2222-12-31T00:00:00Z")
+PAST = gotime.parse_time("1683-09-12T00:00:00Z")
+NOW = gotime.parse_time("2024-12-17T00:00:00Z")
 """When the handlers run (before every deadline of the cases)."""
 
 MALFORMED_JSON = b'{"Priority{}'
@@ -120,7 +120,7 @@ WORKERS = [
 
 def valid_req() -> Request:
     """validReqJSON as GetRequestInfo returns it (request 1)."""
-    spec = b.parse_new_request(VALID_REQ_JSON)
+    spec = bodies.parse_new_request(VALID_REQ_JSON)
     return request(
         1,
         priority=spec.priority,
@@ -237,100 +237,106 @@ class Answer:
 
 
 def answer(status: int, obj: Any = None, headers: dict[str, str] | None = None) -> Answer:
-    return Answer(status, None if status == 204 else b.dumps(obj), headers or {})
+    return Answer(status, None if status == 204 else gojson.dumps(obj), headers or {})
 
 
 def handle(run: Callable[[], Answer]) -> Answer:
     """Boruta's wrapper: an error is its status and `{"message": ...}`."""
     try:
         return run()
-    except b.WireError as exc:
+    except wire.WireError as exc:
         return Answer(exc.status, exc.body(), {})
 
 
 def _req_page(name: str) -> Answer:
-    spec = b.parse_requests_list(LIST_BODIES[name])
+    spec = listing.parse_requests_list(LIST_BODIES[name])
     if name in MOCK_ERRORS:
-        raise b.invalid_request(MOCK_ERRORS[name])
+        raise wire.invalid_request(MOCK_ERRORS[name])
     if name in MOCK_PAGES:
         ids, info = MOCK_PAGES[name]
         page = [r for rid in ids for r in REQS if r.id == rid]
         total, remaining = info if info else (None, None)
     else:
-        page, total, remaining = b.list_requests(REQS, spec.filter, spec.sorter, spec.paginator)
-    return answer(200, [b.req_info(r) for r in page], b.list_headers(total, remaining, len(page)))
+        page, total, remaining = listing.list_requests(
+            REQS, spec.filter, spec.sorter, spec.paginator
+        )
+    return answer(
+        200, [encode.req_info(r) for r in page], encode.list_headers(total, remaining, len(page))
+    )
 
 
 def _worker_page(name: str) -> Answer:
-    spec = b.parse_workers_list(LIST_BODIES[name])
+    spec = listing.parse_workers_list(LIST_BODIES[name])
     if name in MOCK_ERRORS:
-        raise b.invalid_request(MOCK_ERRORS[name])
+        raise wire.invalid_request(MOCK_ERRORS[name])
     if name in MOCK_PAGES:
         uuids, info = MOCK_PAGES[name]
         page = [w for uuid in uuids for w in WORKERS if w.uuid == uuid]
         total, remaining = info if info else (None, None)
     else:
-        page, total, remaining = b.list_workers(WORKERS, spec.filter, spec.sorter, spec.paginator)
+        page, total, remaining = listing.list_workers(
+            WORKERS, spec.filter, spec.sorter, spec.paginator
+        )
     return answer(
-        200, [b.worker_info(w) for w in page], b.list_headers(total, remaining, len(page))
+        200, [encode.worker_info(w) for w in page], encode.list_headers(total, remaining, len(page))
     )
 
 
 def _missing_request(url_id: str) -> Answer:
-    b.parse_req_id(url_id)
-    raise b.not_found("Request")  # the farm has no request 2 (3 for req-info)
+    bodies.parse_req_id(url_id)
+    raise wire.not_found("Request")  # the farm has no request 2 (3 for req-info)
 
 
 def _missing_worker(uuid: str) -> Answer:
-    b.parse_worker_uuid(uuid)
-    raise b.not_found("Worker")
+    bodies.parse_worker_uuid(uuid)
+    raise wire.not_found("Worker")
 
 
 def _new_req_valid() -> Answer:
-    b.parse_new_request(VALID_REQ_JSON, now=NOW)
-    return answer(201, b.req_id(1))
+    bodies.parse_new_request(VALID_REQ_JSON, now=NOW)
+    return answer(201, encode.req_id(1))
 
 
 def _update(url_id: str, body: bytes) -> Answer:
-    spec = b.parse_update_request(body, b.parse_req_id(url_id))
+    spec = bodies.parse_update_request(body, bodies.parse_req_id(url_id))
     if spec.id != 1 and not spec.empty:
-        raise b.not_found("Request")
-    b.check_update_request(spec, valid_req(), NOW)
+        raise wire.not_found("Request")
+    bodies.check_update_request(spec, valid_req(), NOW)
     return answer(204)
 
 
 def _req_info(req: Request) -> Answer:
-    return answer(200, b.req_info(req), b.request_headers(req))
+    return answer(200, encode.req_info(req), encode.request_headers(req))
 
 
 def _acquire_valid() -> Answer:
-    b.parse_req_id("1")
-    return answer(200, b.access_info("127.0.0.1", 22, KEY_PEM, "wołchw"))
+    bodies.parse_req_id("1")
+    return answer(200, encode.access_info("127.0.0.1", 22, KEY_PEM, "wołchw"))
 
 
 def _worker_info_valid() -> Answer:
-    w = worker(b.parse_worker_uuid(VALID_UUID), IDLE, [], {})
-    return answer(200, b.worker_info(w), b.worker_headers(w))
+    w = worker(bodies.parse_worker_uuid(VALID_UUID), IDLE, [], {})
+    return answer(200, encode.worker_info(w), encode.worker_headers(w))
 
 
 def _set_state(uuid: str, body: bytes) -> Answer:
-    b.parse_worker_uuid(uuid)
-    b.parse_set_state(body)
+    bodies.parse_worker_uuid(uuid)
+    bodies.parse_set_state(body)
     if uuid == MISSING_UUID:
-        raise b.not_found("Worker")
-    return Answer(202, b.SET_STATE_BODY, {})
+        raise wire.not_found("Worker")
+    return Answer(202, wire.SET_STATE_BODY, {})
 
 
 def _set_groups(uuid: str, body: bytes) -> Answer:
-    b.parse_worker_uuid(uuid)
-    b.parse_set_groups(body)
+    bodies.parse_worker_uuid(uuid)
+    bodies.parse_set_groups(body)
     if uuid == MISSING_UUID:
-        raise b.not_found("Worker")
+        raise wire.not_found("Worker")
     return answer(204)
 
 
 def _version() -> Answer:
-    return answer(200, b.version("0.2.1"), b.version_headers("0.2.1"))
+    return answer(200, encode.version("0.2.1"), encode.version_headers("0.2.1"))
 
 
 def _bad(run: Callable[[], object]) -> Callable[[], Answer]:
@@ -342,34 +348,34 @@ def _bad(run: Callable[[], object]) -> Callable[[], Answer]:
 
 
 CASES: dict[str, Callable[[], Answer]] = {
-    "acquire-worker-bad-id": _bad(lambda: b.parse_req_id(INVALID_ID)),
+    "acquire-worker-bad-id": _bad(lambda: bodies.parse_req_id(INVALID_ID)),
     "acquire-worker-missing": lambda: _missing_request("2"),
     "acquire-worker-valid": _acquire_valid,
     "api-version": _version,
-    "close-req-bad-id": _bad(lambda: b.parse_req_id(INVALID_ID)),
+    "close-req-bad-id": _bad(lambda: bodies.parse_req_id(INVALID_ID)),
     "close-req-missing": lambda: _missing_request("2"),
-    "close-req-valid": lambda: (b.parse_req_id("1"), answer(204))[1],
-    "new-req-bad-prio": _bad(lambda: b.parse_new_request(BAD_PRIO_JSON, now=NOW)),
-    "new-req-malformed-json": _bad(lambda: b.parse_new_request(MALFORMED_JSON, now=NOW)),
+    "close-req-valid": lambda: (bodies.parse_req_id("1"), answer(204))[1],
+    "new-req-bad-prio": _bad(lambda: bodies.parse_new_request(BAD_PRIO_JSON, now=NOW)),
+    "new-req-malformed-json": _bad(lambda: bodies.parse_new_request(MALFORMED_JSON, now=NOW)),
     "new-req-valid": _new_req_valid,
-    "prolong-access-bad-id": _bad(lambda: b.parse_req_id(INVALID_ID)),
+    "prolong-access-bad-id": _bad(lambda: bodies.parse_req_id(INVALID_ID)),
     "prolong-access-missing": lambda: _missing_request("2"),
-    "prolong-access-valid": lambda: (b.parse_req_id("1"), answer(204))[1],
+    "prolong-access-valid": lambda: (bodies.parse_req_id("1"), answer(204))[1],
     "req-info": lambda: _req_info(valid_req()),
-    "req-info-bad-id": _bad(lambda: b.parse_req_id(INVALID_ID)),
+    "req-info-bad-id": _bad(lambda: bodies.parse_req_id(INVALID_ID)),
     "req-info-missing": lambda: _missing_request("3"),
     "req-info-running": lambda: _req_info(running_req()),
-    "update-req-bad-id": _bad(lambda: b.parse_req_id(INVALID_ID)),
+    "update-req-bad-id": _bad(lambda: bodies.parse_req_id(INVALID_ID)),
     "update-req-empty": lambda: _update("1", b""),
     "update-req-malformed-json": lambda: _update("1", MALFORMED_JSON),
     "update-req-mismatch": lambda: _update("2", UPDATE_VALID_JSON),
     "update-req-missing": lambda: _update("2", SET_PRIO_JSON),
     "update-req-prio": lambda: _update("1", SET_PRIO_JSON),
     "update-req-valid": lambda: _update("1", UPDATE_VALID_JSON),
-    "worker-deregister-bad-uuid": _bad(lambda: b.parse_worker_uuid(INVALID_ID)),
+    "worker-deregister-bad-uuid": _bad(lambda: bodies.parse_worker_uuid(INVALID_ID)),
     "worker-deregister-missing": lambda: _missing_worker(MISSING_UUID),
-    "worker-deregister-valid": lambda: (b.parse_worker_uuid(VALID_UUID), answer(204))[1],
-    "worker-info-bad-uuid": _bad(lambda: b.parse_worker_uuid(INVALID_ID)),
+    "worker-deregister-valid": lambda: (bodies.parse_worker_uuid(VALID_UUID), answer(204))[1],
+    "worker-info-bad-uuid": _bad(lambda: bodies.parse_worker_uuid(INVALID_ID)),
     "worker-info-missing": lambda: _missing_worker(MISSING_UUID),
     "worker-info-valid": _worker_info_valid,
     "worker-set-groups-bad-uuid": lambda: _set_groups(INVALID_ID, SET_GROUPS_JSON),

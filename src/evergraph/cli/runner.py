@@ -214,12 +214,21 @@ def http_service(
                 local=agent.worker,
             )
         view = AgentView(agent, farm=farm is not None)
-        app = create_app(agent.status, FarmApi(farm, anonymous), view)
+        app = create_app(agent.status, FarmApi(farm, anonymous, check_fragment), view)
         server = HttpServer(app, sock, on_stop=view.close, unix=unix_sock, max_body=max_body)
         await view.serve(server)
 
     serve.observes = True  # type: ignore[attr-defined]  # metrics and the live view
     return serve
+
+
+def check_fragment(text: str) -> None:
+    """A farm request's graph fragment loads as its worker will load it (else
+    InputError): the HTTP API checks each with this, as http imports no frontend."""
+    from evergraph.frontends.open import builtin_registry
+    from evergraph.frontends.yaml import parse_yaml
+
+    parse_yaml(text, "Fragment", builtin_registry())
 
 
 def etcd_password(world: dict[str, object]) -> str | None:

@@ -1,10 +1,13 @@
 """What observers see of a running graph: immutable snapshots, never the engine's
-live `Vertex` objects (the CLI's status now, HTTP and metrics later)."""
+live `Vertex` objects (the CLI's status, HTTP and metrics). Observers that ask
+rather than listen (HTTP's routes, /metrics) see the engine through `GraphQuery`,
+a Protocol the engine meets without this module importing it, and read a vertex
+only as a `VertexStatus` (`vertex_status`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import msgspec
 
@@ -12,6 +15,7 @@ from evergraph.engine.masking import MASK
 
 if TYPE_CHECKING:
     from evergraph.engine.contract import Resource
+    from evergraph.engine.model import Edge
 
 #: "removed": the vertex left the graph (a swap); the last status of that ident
 State = Literal[
@@ -58,6 +62,54 @@ class VertexStatus(msgspec.Struct, frozen=True, gc=False):
 
 #: called with each vertex's new status as it changes
 Observer = Callable[[VertexStatus], None]
+
+
+class _Vertex(Protocol):
+    def status(self) -> VertexStatus: ...
+
+
+class GraphQuery(Protocol):
+    """What an observer may ask of a running engine (`engine.Engine` is one): plain
+    values and snapshots, read in the engine's loop. Its vertices are read through
+    `vertex_status` and `vertex_count`, never touched."""
+
+    @property
+    def graph_name(self) -> str:
+        """The running graph's name ("" before the first graph)."""
+        ...
+
+    @property
+    def events(self) -> int:
+        """Watch events received so far (`handle.event` calls)."""
+        ...
+
+    @property
+    def vertices(self) -> Mapping[str, _Vertex]: ...
+
+    def edges(self) -> tuple[Edge, ...]: ...
+
+    def state_counts(self) -> Mapping[str, int]:
+        """How many vertices are in each state."""
+        ...
+
+    def busy(self) -> bool:
+        """A run is in flight, queued or due, or a watch is not ready yet."""
+        ...
+
+    def params(self, ident: str) -> dict[str, object] | None:
+        """`ident`'s parameters, its secrets masked (None: no such vertex)."""
+        ...
+
+
+def vertex_status(engine: GraphQuery, ident: str) -> VertexStatus | None:
+    """A snapshot of vertex `ident` now (None: not in the running graph)."""
+    v = engine.vertices.get(ident)
+    return None if v is None else v.status()
+
+
+def vertex_count(engine: GraphQuery) -> int:
+    """How many vertices the running graph has."""
+    return len(engine.vertices)
 
 
 def masked_params(

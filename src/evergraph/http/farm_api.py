@@ -1,4 +1,4 @@
-"""The farm's HTTP API v1, wire-compatible with Boruta's (`http/boruta.py` holds the
+"""The farm's HTTP API v1, wire-compatible with Boruta's (`http/boruta/` holds the
 wire format; `farm/service.py` the operations), plus what no Boruta client trips
 over: bearer-token auth (401/403), users seeing only their own requests, server-sent
 events of request and worker changes, and an OpenAPI document.
@@ -16,6 +16,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from evergraph.errors import InputError
 from evergraph.farm import model, tokens
 from evergraph.farm.service import (
     REQS,
@@ -25,8 +26,9 @@ from evergraph.farm.service import (
     NotFound,
 )
 from evergraph.farm.tokens import User
-from evergraph.http import boruta, limits
-from evergraph.http.boruta import WireError
+from evergraph.http import limits
+from evergraph.http.boruta import bodies, encode, gojson, listing, wire
+from evergraph.http.boruta.wire import WireError
 from evergraph.world.follow import SimpleFollower, follow
 from evergraph.world.kv import KeyValue, WorldError
 
@@ -35,10 +37,13 @@ T = TypeVar("T")
 log = logging.getLogger("evergraph.http")
 
 Handler = Callable[[HttpRequest], Awaitable[Response]]
+#: loads a request's graph fragment as the worker will (raises InputError if it
+#: would not): the frontends' business, handed in by the CLI (http imports no frontend)
+FragmentCheck = Callable[[str], None]
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(boruta.dumps(obj), status, headers, media_type="application/json")
+    return Response(gojson.dumps(obj), status, headers, media_type="application/json")
 
 
 async def _parsed(request: HttpRequest, parse: Callable[..., T], *args: Any) -> T:
@@ -51,16 +56,24 @@ async def _parsed(request: HttpRequest, parse: Callable[..., T], *args: Any) -> 
 
 
 def _error(status: int, message: str) -> Response:
-    return _json(boruta.error(message), status)
+    return _json(wire.error(message), status)
 
 
 class FarmApi:
     """The routes over one `Farm`. `anonymous`: serve tokenless (legacy Boruta)
-    clients as a non-admin user of that group (`--farm-anonymous GROUP`)."""
+    clients as a non-admin user of that group (`--farm-anonymous GROUP`).
+    `check_fragment`: how a request's graph fragment is checked before it is
+    accepted (None: a request with a fragment is refused, 400)."""
 
-    def __init__(self, farm: Farm | None, anonymous: str | None = None) -> None:
+    def __init__(
+        self,
+        farm: Farm | None,
+        anonymous: str | None = None,
+        check_fragment: FragmentCheck | None = None,
+    ) -> None:
         self.farm = farm
         self.anonymous = anonymous
+        self.check_fragment = check_fragment
         self.failures = limits.AuthFailures()
 
     async def _user(self, request: HttpRequest) -> User:
@@ -106,10 +119,10 @@ class FarmApi:
 
     # -- requests -------------------------------------------------------------------------
     async def new_request(self, request: HttpRequest, farm: Farm, user: User) -> Response:
-        spec = await _parsed(request, boruta.parse_new_request, farm.clock.time())
+        spec = await _parsed(request, bodies.parse_new_request, farm.clock.time())
         if spec.fragment:
             farm.may_send_fragment(user)  # 403 before anything of it is read
-            _check_fragment(spec.fragment)
+            _check_fragment(spec.fragment, self.check_fragment)
         rid = await farm.new_request(
             user,
             priority=spec.priority,
@@ -118,29 +131,29 @@ class FarmApi:
             deadline=spec.deadline,
             fragment=spec.fragment or None,
         )
-        return _json(boruta.req_id(rid), 201)
+        return _json(encode.req_id(rid), 201)
 
     async def list_requests(self, request: HttpRequest, farm: Farm, user: User) -> Response:
-        spec = await _parsed(request, boruta.parse_requests_list)
+        spec = await _parsed(request, listing.parse_requests_list)
         items = await farm.requests(user)
-        page, total, remaining = boruta.list_requests(
+        page, total, remaining = listing.list_requests(
             items, spec.filter, spec.sorter, spec.paginator
         )
-        body = [boruta.req_info(r) for r in page]
-        return _json(body, 200, boruta.list_headers(total, remaining, len(page)))
+        body = [encode.req_info(r) for r in page]
+        return _json(body, 200, encode.list_headers(total, remaining, len(page)))
 
     async def request_info(self, request: HttpRequest, farm: Farm, user: User) -> Response:
-        rid = boruta.parse_req_id(request.path_params["id"])
+        rid = bodies.parse_req_id(request.path_params["id"])
         r = await farm.request(user, rid)
-        return _json(boruta.req_info(r), 200, boruta.request_headers(r))
+        return _json(encode.req_info(r), 200, encode.request_headers(r))
 
     async def update_request(self, request: HttpRequest, farm: Farm, user: User) -> Response:
-        rid = boruta.parse_req_id(request.path_params["id"])
-        spec = await _parsed(request, boruta.parse_update_request, rid)
+        rid = bodies.parse_req_id(request.path_params["id"])
+        spec = await _parsed(request, bodies.parse_update_request, rid)
         if spec.empty:
             return Response(status_code=204)  # as Boruta: no change, no lookup
         # Boruta's checks and messages first, then the model's own
-        if not boruta.check_update_request(spec, await farm.request(user, rid), farm.clock.time()):
+        if not bodies.check_update_request(spec, await farm.request(user, rid), farm.clock.time()):
             return Response(status_code=204)
         await farm.update_request(
             user,
@@ -152,55 +165,55 @@ class FarmApi:
         return Response(status_code=204)
 
     async def close_request(self, request: HttpRequest, farm: Farm, user: User) -> Response:
-        await farm.close_request(user, boruta.parse_req_id(request.path_params["id"]))
+        await farm.close_request(user, bodies.parse_req_id(request.path_params["id"]))
         return Response(status_code=204)
 
     async def acquire(self, request: HttpRequest, farm: Farm, user: User) -> Response:
-        rid = boruta.parse_req_id(request.path_params["id"])
+        rid = bodies.parse_req_id(request.path_params["id"])
         wait_text = request.query_params.get("wait")
         try:
             wait = float(wait_text) if wait_text is not None else None
         except ValueError:
-            raise boruta.invalid_request(f"wait {wait_text!r} is not a number of seconds") from None
+            raise wire.invalid_request(f"wait {wait_text!r} is not a number of seconds") from None
         access = await farm.acquire(user, rid, wait)
-        return _json(boruta.access_info(access.ip, access.port, access.key, access.username))
+        return _json(encode.access_info(access.ip, access.port, access.key, access.username))
 
     async def prolong(self, request: HttpRequest, farm: Farm, user: User) -> Response:
-        await farm.prolong(user, boruta.parse_req_id(request.path_params["id"]))
+        await farm.prolong(user, bodies.parse_req_id(request.path_params["id"]))
         return Response(status_code=204)
 
     # -- workers ----------------------------------------------------------------------------
     async def workers_all(self, request: HttpRequest, farm: Farm, user: User) -> Response:
-        page, total, remaining = boruta.list_workers(await farm.workers())
-        body = [boruta.worker_info(w) for w in page]
-        return _json(body, 200, boruta.list_headers(total, remaining, len(page)))
+        page, total, remaining = listing.list_workers(await farm.workers())
+        body = [encode.worker_info(w) for w in page]
+        return _json(body, 200, encode.list_headers(total, remaining, len(page)))
 
     async def list_workers(self, request: HttpRequest, farm: Farm, user: User) -> Response:
-        spec = await _parsed(request, boruta.parse_workers_list)
-        page, total, remaining = boruta.list_workers(
+        spec = await _parsed(request, listing.parse_workers_list)
+        page, total, remaining = listing.list_workers(
             await farm.workers(), spec.filter, spec.sorter, spec.paginator
         )
-        body = [boruta.worker_info(w) for w in page]
-        return _json(body, 200, boruta.list_headers(total, remaining, len(page)))
+        body = [encode.worker_info(w) for w in page]
+        return _json(body, 200, encode.list_headers(total, remaining, len(page)))
 
     async def worker_info(self, request: HttpRequest, farm: Farm, user: User) -> Response:
-        w = await farm.worker(boruta.parse_worker_uuid(request.path_params["uuid"]))
-        return _json(boruta.worker_info(w), 200, boruta.worker_headers(w))
+        w = await farm.worker(bodies.parse_worker_uuid(request.path_params["uuid"]))
+        return _json(encode.worker_info(w), 200, encode.worker_headers(w))
 
     async def set_state(self, request: HttpRequest, farm: Farm, user: User) -> Response:
-        uuid = boruta.parse_worker_uuid(request.path_params["uuid"])
-        state = await _parsed(request, boruta.parse_set_state)
+        uuid = bodies.parse_worker_uuid(request.path_params["uuid"])
+        state = await _parsed(request, bodies.parse_set_state)
         await farm.set_state(user, uuid, state)
-        return Response(boruta.SET_STATE_BODY, 202, media_type="application/json")
+        return Response(wire.SET_STATE_BODY, 202, media_type="application/json")
 
     async def set_groups(self, request: HttpRequest, farm: Farm, user: User) -> Response:
-        uuid = boruta.parse_worker_uuid(request.path_params["uuid"])
-        groups = await _parsed(request, boruta.parse_set_groups)
+        uuid = bodies.parse_worker_uuid(request.path_params["uuid"])
+        groups = await _parsed(request, bodies.parse_set_groups)
         await farm.set_groups(user, uuid, groups)
         return Response(status_code=204)
 
     async def deregister(self, request: HttpRequest, farm: Farm, user: User) -> Response:
-        await farm.deregister(user, boruta.parse_worker_uuid(request.path_params["uuid"]))
+        await farm.deregister(user, bodies.parse_worker_uuid(request.path_params["uuid"]))
         return Response(status_code=204)
 
     # -- additions ------------------------------------------------------------------------------
@@ -212,12 +225,12 @@ class FarmApi:
         def on_request(kv: KeyValue) -> None:
             r = farm.trusted_request(kv)  # an untrusted record is no event
             if r is not None and (user.admin or r.owner == user.name):
-                queue.put_nowait(("request", boruta.req_info(r)))
+                queue.put_nowait(("request", encode.req_info(r)))
 
         def on_worker(kv: KeyValue) -> None:
             w = farm.trusted_worker(kv)
             if w is not None:
-                queue.put_nowait(("worker", boruta.worker_info(w)))
+                queue.put_nowait(("worker", encode.worker_info(w)))
 
         async def stream() -> AsyncIterator[bytes]:
             async with asyncio.TaskGroup() as tg:
@@ -263,22 +276,20 @@ class FarmApi:
         ]
 
 
-def _check_fragment(text: str) -> None:
+def _check_fragment(text: str, check: FragmentCheck | None) -> None:
     """A request's graph fragment must load here, as it will on the worker (400)."""
-    from evergraph.errors import InputError
-    from evergraph.frontends.open import builtin_registry
-    from evergraph.frontends.yaml import parse_yaml
-
     if len(text) > 256 * 1024:
-        raise boruta.invalid_request("Fragment: at most 256 KiB")
+        raise wire.invalid_request("Fragment: at most 256 KiB")
+    if check is None:
+        raise wire.invalid_request("Fragment: this server cannot check graph fragments")
     try:
-        parse_yaml(text, "Fragment", builtin_registry())
+        check(text)
     except InputError as e:
-        raise boruta.invalid_request(str(e)) from None
+        raise wire.invalid_request(str(e)) from None
 
 
 async def version(_: HttpRequest) -> Response:
-    return _json(boruta.version(), 200, boruta.version_headers())
+    return _json(encode.version(), 200, encode.version_headers())
 
 
 _OPS = {

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
@@ -34,15 +33,12 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from evergraph.agent.observe import Histogram
-from evergraph.engine.status import VertexStatus
+from evergraph.engine.status import GraphQuery, VertexStatus, vertex_count
 from evergraph.farm.model import WAITING
 from evergraph.farm.service import REQS, open_request
 from evergraph.farm.signed import FarmTrust
 from evergraph.world.follow import SimpleFollower, follow
 from evergraph.world.kv import KV, KeyValue
-
-if TYPE_CHECKING:
-    from evergraph.engine.engine import Engine
 
 #: every state a vertex can be in (each is reported, 0 included)
 STATES = ("pending", "running", "clean", "changed", "retrying", "failed", "unknown")
@@ -184,7 +180,7 @@ class _Collector(Collector):
     def __init__(
         self,
         metrics: Metrics,
-        engine: Callable[[], Engine | None],
+        engine: Callable[[], GraphQuery | None],
         world: Callable[[], dict[str, Histogram]],
         farm: FarmQueue | None,
     ) -> None:
@@ -261,7 +257,7 @@ class _Collector(Collector):
     def _states_version(self) -> object:
         # a swap adds vertices (they run: seen) or removes some (the count moves)
         engine = self.engine()
-        return (self.metrics.seen, len(engine.vertices) if engine is not None else -1)
+        return (self.metrics.seen, vertex_count(engine) if engine is not None else -1)
 
     def _states(self) -> Metric:
         version = self._states_version()
@@ -330,7 +326,7 @@ class Exposition:
     def __init__(
         self,
         metrics: Metrics,
-        engine: Callable[[], Engine | None],
+        engine: Callable[[], GraphQuery | None],
         world: Callable[[], dict[str, Histogram]],
         farm: FarmQueue | None,
         fresh: float = 0.5,

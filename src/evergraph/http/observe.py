@@ -19,20 +19,21 @@ import itertools
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from evergraph.agent.observe import Histogram, TimedKV
-from evergraph.engine.status import VertexStatus
+from evergraph.agent.observe import Histogram, ObserverHub, TimedKV
+from evergraph.engine.status import GraphQuery, VertexStatus, vertex_status
+from evergraph.farm.signed import FarmTrust
 from evergraph.http.limits import AuthFailures
 from evergraph.http.metrics import Exposition, FarmQueue, Metrics, watch_loop
+from evergraph.world.kv import KV
 
 if TYPE_CHECKING:
-    from evergraph.agent.run import Agent
     from evergraph.http.server import HttpServer
 
 #: statuses kept for SSE clients that are behind (a 10k graph's start-up overflows
@@ -115,10 +116,29 @@ class GraphFeed:
             await asyncio.sleep(max(0.0, sent + SEND_EVERY - loop.time()))
 
 
+class ObservedAgent(Protocol):
+    """What the view reads of an agent (`agent.run.Agent` is one): the engine only
+    through `GraphQuery`, its vertices only as snapshots."""
+
+    @property
+    def engine(self) -> GraphQuery | None: ...
+
+    @property
+    def kv(self) -> KV | None: ...
+
+    @property
+    def farm_trust(self) -> FarmTrust | None: ...
+
+    @property
+    def observers(self) -> ObserverHub: ...
+
+    def status(self) -> tuple[VertexStatus, ...]: ...
+
+
 class AgentView:
     """Everything the HTTP service observes of one agent, and its routes."""
 
-    def __init__(self, agent: Agent, farm: bool = False) -> None:
+    def __init__(self, agent: ObservedAgent, farm: bool = False) -> None:
         self.agent = agent
         self.metrics = Metrics()
         self.feed = GraphFeed(agent.status)
@@ -224,11 +244,11 @@ class AgentView:
             return refused
         ident = request.path_params["ident"]
         engine = self.agent.engine
-        v = engine.vertices.get(ident) if engine is not None else None
+        status = vertex_status(engine, ident) if engine is not None else None
         params = engine.params(ident) if engine is not None else None
-        if v is None or params is None:
+        if status is None or params is None:
             return JSONResponse({"message": f"no vertex {ident!r} in the running graph"}, 404)
-        body = {"status": v.status(), "params": params}
+        body = {"status": status, "params": params}
         return Response(_json.encode(body), media_type="application/json")
 
     async def events(self, request: Request) -> Response:

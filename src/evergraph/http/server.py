@@ -187,21 +187,35 @@ class HttpServer:
         )
         self.server = _Server(config)
 
+    async def _serve(self) -> None:
+        try:
+            await self.server.serve(sockets=self.socks)
+        except Exception as e:
+            if not self.server.should_exit:
+                raise
+            log.debug("HTTP API: while stopping: %r", e)
+
     async def run(self) -> None:
+        """Serve until cancelled, then stop gracefully: `on_stop`, uvicorn's own
+        shutdown (its connections closed, a grace of 1 s), and the cancellation goes
+        on. uvicorn's serve runs as a task owned here, so that the cancellation
+        reaches this method and not uvicorn's shutdown; a failure while stopping is
+        no error (the stop goes on)."""
         if self.url:
             log.info("HTTP API on %s", self.url)
         if self.unix:
             log.info("HTTP API on unix:%s (root's connections read parameters)", self.unix)
-        serving = asyncio.create_task(self.server.serve(sockets=self.socks), name="uvicorn")
         try:
-            await asyncio.shield(serving)
-        except asyncio.CancelledError:
-            if self.on_stop is not None:
-                self.on_stop()
-            self.server.should_exit = True
-            with contextlib.suppress(Exception):
-                await serving
-            raise
+            async with asyncio.TaskGroup() as tg:
+                serving = tg.create_task(self._serve(), name="uvicorn")
+                try:
+                    await asyncio.wait([serving])  # cancelled here: serving is not
+                except asyncio.CancelledError:
+                    if self.on_stop is not None:
+                        self.on_stop()
+                    self.server.should_exit = True
+                    await asyncio.wait([serving])  # cancelled again: the group cancels it
+                    raise
         finally:
             for sock in self.socks:
                 sock.close()
