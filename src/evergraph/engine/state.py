@@ -7,7 +7,8 @@ guard around resource code (guard.py), send/recv (sendrecv.py) and reversal
 (reverse.py). Each subject is a class over `EngineState`: the attributes all
 of them read, and the signatures a subject calls in another one (the stubs
 below, each overridden by the subject that owns it). No subject imports
-another; `Engine` puts them together.
+another's class (swap.py borrows sendrecv.py's `with_values` function);
+`Engine` puts them together, and import-linter checks none imports engine.py.
 """
 
 from __future__ import annotations
