@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
 from evergraph.engine.contract import Meta
 from evergraph.engine.engine import Engine
 from evergraph.engine.settings import Settings
+from evergraph.testing.clock import FakeClock
 from tests.kit.probe import Journal, make
+
+T = TypeVar("T")
 
 
 async def until(cond: Callable[[], bool], timeout: float = 5) -> None:
@@ -20,6 +24,17 @@ async def until(cond: Callable[[], bool], timeout: float = 5) -> None:
     async with asyncio.timeout(timeout):
         while not cond():
             await asyncio.sleep(0.001)
+
+
+async def on_fake_clock(clock: FakeClock, coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` on `clock`: whenever a timer is armed, move time on to it (the
+    deadlines pass at once, in order; no real time is waited for)."""
+    task = asyncio.create_task(coro)
+    while not task.done():
+        await until(lambda: task.done() or clock.waiting() > 0)
+        if not task.done():
+            await clock.advance_to_next()
+    return task.result()
 
 
 def settings(tmp_path: Path, **kw: object) -> Settings:
@@ -122,21 +137,22 @@ def test_failed_parent_holds_descendants_and_exit_is_1(tmp_path: Path) -> None:
 
 
 def test_retry_then_success_releases_children(tmp_path: Path) -> None:
-    j = Journal()
+    clock = FakeClock()
+    j = Journal(clock=clock.monotonic)
     model = make(
         j,
         ["flaky", "child"],
         [("flaky", "child")],
         flaky={"fail_times": 2, "meta": Meta(retry=3, delay=50)},
     )
-    rc = asyncio.run(Engine(settings(tmp_path)).run(model))
+    rc = asyncio.run(on_fake_clock(clock, Engine(settings(tmp_path), clock=clock).run(model)))
     assert rc == 0
     assert j.runs("flaky") == 3
     starts = j.stamps("flaky", "start")
     fails = j.stamps("flaky", "fail")
-    # each retry waited at least the delay after the failure
-    assert starts[1] - fails[0] >= 0.05
-    assert starts[2] - fails[1] >= 0.05
+    # each retry waited the delay after the failure (virtual time: exactly)
+    assert starts[1] - fails[0] == pytest.approx(0.05)
+    assert starts[2] - fails[1] == pytest.approx(0.05)
     assert j.runs("child") == 1
     assert j.stamps("child", "start")[0] >= j.stamps("flaky", "end")[0]
 
@@ -150,19 +166,26 @@ def test_retries_exhausted_is_permanent(tmp_path: Path) -> None:
 
 
 def test_timeout_cancels_a_hanging_apply(tmp_path: Path) -> None:
-    j = Journal()
+    clock = FakeClock()
+    j = Journal(clock=clock.monotonic)
     model = make(j, ["hang"], [], hang={"meta": Meta(timeout=0.1)})
 
     async def main() -> tuple[int, str | None]:
         j.gates["hang"] = asyncio.Event()  # never set
-        eng = Engine(settings(tmp_path))
-        rc = await asyncio.wait_for(eng.run(model), 10)
+        eng = Engine(settings(tmp_path), clock=clock)
+        task = asyncio.create_task(eng.run(model))
+        await until(lambda: j.runs("hang") == 1 and clock.waiting() > 0)
+        await clock.advance(0.09)
+        assert not task.done()  # not before its timeout
+        await clock.advance(0.01)
+        rc = await asyncio.wait_for(task, 10)
         return rc, eng.vertices["probe[hang]"].last_error
 
     rc, err = asyncio.run(main())
     assert rc == 1
     assert err is not None
-    assert "timed out" in err
+    assert "timed out after 0.1s" in err
+    assert j.stamps("hang", "start") == [0.0]
 
 
 def test_converged_status_file_records_transitions(tmp_path: Path) -> None:
@@ -266,15 +289,20 @@ def test_meta_noop_checks_without_applying(tmp_path: Path) -> None:
 
 
 def test_limit_and_burst_bound_apply_starts(tmp_path: Path) -> None:
-    j = Journal()
+    clock = FakeClock()
+    j = Journal(clock=clock.monotonic)
     model = make(j, ["r"], [], r={"meta": Meta(limit=20, burst=2)})
 
     async def main() -> int:
-        eng = Engine(settings(tmp_path, converged_exit=False, converged_timeout=None))
+        eng = Engine(settings(tmp_path, converged_exit=False, converged_timeout=None), clock=clock)
         task = asyncio.create_task(eng.run(model))
         await until(lambda: j.runs("r") >= 1)
         for i in range(2, 7):
             j.handles["r"].event()
+            # the token bucket makes it wait (a timer) or lets it start at once
+            await until(lambda i=i: j.runs("r") >= i or clock.waiting() > 0)  # type: ignore[misc]
+            if j.runs("r") < i:
+                await clock.advance_to_next()
             await until(lambda i=i: j.runs("r") >= i)  # type: ignore[misc]
         eng.request_stop()
         return await asyncio.wait_for(task, 5)
@@ -282,23 +310,31 @@ def test_limit_and_burst_bound_apply_starts(tmp_path: Path) -> None:
     asyncio.run(main())
     starts = j.stamps("r", "start")
     assert len(starts) == 6
-    # burst 2 starts at once; after that at most 20 per second
+    # burst 2 starts at once; after that at most 20 per second (virtual time: exactly)
+    assert starts[:2] == [0.0, 0.0]
     for k in range(2, 6):
-        assert starts[k] - starts[0] >= (k - 1) / 20 - 0.005, (k, starts[k] - starts[0])
+        assert starts[k] - starts[0] >= (k - 1) / 20 - 1e-9, (k, starts[k] - starts[0])
 
 
 def test_poll_replaces_watch_with_a_timer(tmp_path: Path) -> None:
-    j = Journal()
+    clock = FakeClock()
+    j = Journal(clock=clock.monotonic)
     model = make(j, ["p"], [], p={"meta": Meta(poll=0.02)})
 
     async def main() -> int:
-        eng = Engine(settings(tmp_path, converged_exit=False, converged_timeout=None))
+        eng = Engine(settings(tmp_path, converged_exit=False, converged_timeout=None), clock=clock)
         task = asyncio.create_task(eng.run(model))
-        await until(lambda: j.runs("p") >= 3)
+        await until(lambda: j.runs("p") >= 1 and clock.waiting() > 0)
+        await clock.advance(0.019)
+        assert j.runs("p") == 1  # the poll timer has not fired yet
+        for n in (2, 3):
+            await clock.advance_to_next()
+            await until(lambda n=n: j.runs("p") >= n)  # type: ignore[misc]
         eng.request_stop()
         return await asyncio.wait_for(task, 5)
 
     assert asyncio.run(main()) == 0
+    assert j.stamps("p", "start") == pytest.approx([0.0, 0.02, 0.04])
 
 
 def test_retry_budget_survives_a_swap_unless_reset(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from evergraph.engine.contract import Meta, Registry, Resource, register
 from evergraph.engine.engine import Engine
 from evergraph.engine.settings import Settings
 from evergraph.errors import InputError
+from evergraph.testing.clock import FakeClock
 from tests.kit.probe import Journal, Probe, make
 
 
@@ -263,29 +264,57 @@ def test_stop_ends_waiters_at_once_and_in_flight_applies_after_the_grace(
         waiter={"meta": Meta(sema=["s"])},
     )
 
-    async def main() -> tuple[int, float]:
+    async def main() -> int:
         for n in ("holder", "waiter"):
             j.gates[n] = asyncio.Event()  # never set: both would hang for ever
             j.started[n] = asyncio.Event()
+        clock = FakeClock()
         eng = Engine(
-            settings(tmp_path, converged_exit=False, converged_timeout=None, stop_grace=0.3)
+            settings(tmp_path, converged_exit=False, converged_timeout=None, stop_grace=0.3),
+            clock=clock,
         )
         task = asyncio.create_task(eng.run(model))
         await asyncio.wait_for(j.started["holder"].wait(), 5)
         await until(lambda: eng.vertices["probe[waiter]"] in eng._waiting)
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
         eng.request_stop()  # once
         await until(lambda: eng.vertices["probe[waiter]"].apply_task is None, 1)
         assert not task.done(), "the in-flight apply has its grace"
-        rc = await asyncio.wait_for(task, 5)
-        return rc, loop.time() - t0
+        await until(lambda: clock.waiting() > 0)  # the grace's timer
+        await clock.advance(0.29)
+        assert not task.done(), "the in-flight apply has all of its grace"
+        await clock.advance(0.01)
+        return await asyncio.wait_for(task, 5)
 
-    rc, took = asyncio.run(main())
+    rc = asyncio.run(main())
     assert rc == 1
-    assert 0.25 <= took < 2, took
     assert j.runs("waiter") == 0
     assert not j.stamps("holder", "end")
+
+
+def test_max_runtime_cancels_in_flight_applies_at_its_bound(tmp_path: Path) -> None:
+    """In process, on the fake clock: the bound counts from the engine's creation, and
+    a run cut short with work undone exits 1."""
+    j = Journal()
+    model = make(j, ["slow", "after"], [("slow", "after")])
+
+    async def main() -> tuple[int, bool]:
+        j.gates["slow"] = asyncio.Event()  # never set
+        j.started["slow"] = asyncio.Event()
+        clock = FakeClock()
+        eng = Engine(settings(tmp_path, converged_exit=False, max_runtime=2.0), clock=clock)
+        task = asyncio.create_task(eng.run(model))
+        await asyncio.wait_for(j.started["slow"].wait(), 5)
+        await clock.advance(1.99)
+        assert not task.done()
+        await clock.advance(0.01)
+        rc = await asyncio.wait_for(task, 5)
+        return rc, eng.vertices["probe[slow]"].ok
+
+    rc, ok = asyncio.run(main())
+    assert rc == 1
+    assert not ok
+    assert not j.stamps("slow", "end")
+    assert j.runs("after") == 0
 
 
 def test_max_runtime_is_a_hard_bound(tmp_path: Path) -> None:

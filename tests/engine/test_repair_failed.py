@@ -1,14 +1,18 @@
 """A resource that failed for good (its retries spent) is not left failed: its next
 event, or a backoff timer, runs it again, and it returns to clean once the cause is
-gone (issue 23 item 2). Real agents, real files, a real full tmpfs."""
+gone (issue 23 item 2). Real agents, real files, a real full tmpfs; and the
+backoff's timing in process, on the fake clock."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import logging
 import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -125,3 +129,81 @@ def test_bad_backoff_is_refused(tmp_path: Path) -> None:
     r = run_cli("run", g, "--state-dir", tmp_path / "s", "--repair-backoff-max", "-1")
     assert r.returncode == 2
     assert "--repair-backoff-max" in r.stderr
+
+
+# -- in process, on the fake clock: the backoff's timing, exactly ---------------------
+
+
+def _engine_settings(tmp_path: Path, backoff_max: float) -> Any:
+    from evergraph.engine.settings import Settings
+
+    return Settings(
+        state_dir=tmp_path,
+        hostname="test",
+        converged_exit=False,
+        converged_timeout=None,
+        repair_backoff_max=backoff_max,
+    )
+
+
+def test_the_repair_timer_doubles_up_to_its_cap_and_a_success_resets_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from evergraph.engine.engine import Engine
+    from evergraph.testing.clock import FakeClock
+    from tests.engine.test_engine import until
+    from tests.kit.probe import Journal, make
+
+    clock = FakeClock()
+    j = Journal(clock=clock.monotonic)
+    # runs 1-4 fail (retry: 0: each failure is for good), run 5 succeeds
+    model = make(j, ["p"], [], p={"fail_times": 4})
+
+    async def main() -> tuple[int, float]:
+        eng = Engine(_engine_settings(tmp_path, 4), clock=clock)
+        task = asyncio.create_task(eng.run(model))
+        for n in range(1, 5):
+            await until(lambda n=n: len(j.stamps("p", "fail")) == n and clock.waiting() > 0)  # type: ignore[misc]
+            assert eng.vertices["probe[p]"].state == "failed"
+            await clock.advance_to_next()
+        await until(lambda: j.stamps("p", "end") != [])
+        v = eng.vertices["probe[p]"]
+        await until(lambda: v.state == "changed")  # applied: clean again
+        delay = v.repair_delay
+        eng.request_stop()
+        return await asyncio.wait_for(task, 5), delay
+
+    with caplog.at_level(logging.INFO, logger="evergraph.engine"):
+        rc, delay = asyncio.run(main())
+    assert rc == 0
+    # tried again after 1 s, then 2, 4, and 4 again (the cap)
+    assert j.stamps("p", "start") == [0.0, 1.0, 3.0, 7.0, 11.0]
+    assert delay == 0.0  # repaired: a later failure backs off from the start
+    text = caplog.text
+    assert "probe[p]: failed before; trying again (backoff 1" in text
+    assert "probe[p]: tried again at its next event, or in 4" in text
+
+
+def test_an_event_revives_a_failed_vertex_before_its_timer(tmp_path: Path) -> None:
+    from evergraph.engine.engine import Engine
+    from evergraph.testing.clock import FakeClock
+    from tests.engine.test_engine import until
+    from tests.kit.probe import Journal, make
+
+    clock = FakeClock()
+    j = Journal(clock=clock.monotonic)
+    model = make(j, ["p"], [], p={"fail_times": 1})
+
+    async def main() -> int:
+        eng = Engine(_engine_settings(tmp_path, 60), clock=clock)
+        task = asyncio.create_task(eng.run(model))
+        await until(lambda: j.stamps("p", "fail") != [] and clock.waiting() > 0)
+        await clock.advance(0.5)  # before the 1 s timer
+        j.handles["p"].event()
+        await until(lambda: j.stamps("p", "end") != [])
+        assert clock.waiting() == 0  # the repair timer was cancelled
+        eng.request_stop()
+        return await asyncio.wait_for(task, 5)
+
+    assert asyncio.run(main()) == 0
+    assert j.stamps("p", "start") == [0.0, 0.5]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from evergraph._util import atomic
-from evergraph.engine.vertex import encode_name, vertex_dir, vertex_name
+from evergraph.engine.store import encode_name, vertex_dir, vertex_name
 from tests.conftest import run_cli
 
 NOBODY = 65534

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from evergraph.engine import Edge, GraphModel, Resource
@@ -23,9 +24,11 @@ class Journal:
     gates: dict[str, asyncio.Event] = field(default_factory=dict)
     started: dict[str, asyncio.Event] = field(default_factory=dict)
     handles: dict[str, Handle] = field(default_factory=dict)
+    #: the stamps' clock (a FakeClock's `monotonic` for a test on virtual time)
+    clock: Callable[[], float] = time.monotonic
 
     def add(self, name: str, what: str) -> None:
-        self.entries.append((name, what, time.monotonic()))
+        self.entries.append((name, what, self.clock()))
 
     def runs(self, name: str) -> int:
         return sum(1 for n, w, _ in self.entries if n == name and w == "start")

@@ -1,11 +1,19 @@
 """Time, injected: the engine, TTLs, deadlines and timers ask a Clock, so tests can
-run them on virtual time instead of sleeping."""
+run them on virtual time instead of sleeping (`evergraph.testing.clock.FakeClock`)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Protocol
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
+
+
+class Timer(Protocol):
+    """A callback armed by `Clock.call_later`."""
+
+    def cancel(self) -> None: ...
 
 
 class Clock(Protocol):
@@ -19,6 +27,15 @@ class Clock(Protocol):
 
     async def sleep(self, seconds: float) -> None: ...
 
+    def call_later(self, seconds: float, callback: Callable[[], None]) -> Timer:
+        """Call `callback` (in the running loop) once `seconds` have passed."""
+        ...
+
+    def timeout(self, seconds: float | None) -> AbstractAsyncContextManager[Any]:
+        """Like `asyncio.timeout`: the block is cancelled after `seconds` and
+        TimeoutError raised (None: no bound)."""
+        ...
+
 
 class SystemClock:
     """The real clock."""
@@ -31,6 +48,12 @@ class SystemClock:
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
+
+    def call_later(self, seconds: float, callback: Callable[[], None]) -> Timer:
+        return asyncio.get_running_loop().call_later(seconds, callback)
+
+    def timeout(self, seconds: float | None) -> AbstractAsyncContextManager[Any]:
+        return asyncio.timeout(seconds)
 
 
 SYSTEM = SystemClock()

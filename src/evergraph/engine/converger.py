@@ -9,12 +9,13 @@ regular file (a FIFO or device there is refused, not blocked on).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
+
+from evergraph._util.clock import SYSTEM, Clock, Timer
 
 log = logging.getLogger("evergraph.converger")
 
@@ -25,20 +26,21 @@ class Converger:
         timeout: float | None,
         status_file: Path | None,
         on_converged: Callable[[], None],
+        clock: Clock = SYSTEM,
     ) -> None:
         self.timeout = timeout
         self.status_file = status_file
         self.on_converged = on_converged
+        self.clock = clock
         self.converged = False
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: Timer | None = None
         if status_file is not None:
             self._write(False)
 
     def idle(self) -> None:
         if self.timeout is None or self._timer is not None or self.converged:
             return
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(self.timeout, self._fire)
+        self._timer = self.clock.call_later(self.timeout, self._fire)
 
     def busy(self) -> None:
         if self._timer is not None:

@@ -18,24 +18,24 @@
   received a secret, it is sealed with the host key (`{"sealed": TOKEN}`):
   the state it restores may be the previous secret.
 
-Every write is temp file + fsync + rename.
+Every write is temp file + fsync + rename. The layout of the state dir
+(`vertex_dir`, `encode_name`, `vertex_name`) lives here too; the store knows
+vertices by kind and name only, not the Vertex class.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+from urllib.parse import quote, unquote
 
 import msgspec
-
-from evergraph.engine.vertex import vertex_dir, vertex_name
-
-if TYPE_CHECKING:
-    from evergraph.engine.vertex import Vertex
 
 from evergraph._util.atomic import atomic_write
 
@@ -46,6 +46,54 @@ INTENT = "intent.json"
 REVERSAL = "reversal.json"
 #: the key of a reversal record kept sealed (it may hold a secret)
 SEALED = "sealed"
+
+
+#: longest encoded name used as it is (NAME_MAX is 255 bytes)
+_ENCODED_MAX = 200
+#: in a directory named by a hash (a name too long for a path component): the name
+NAME_FILE = "@name"
+
+
+def encode_name(name: str) -> str:
+    """A resource name as one safe path component, unique per name and reversible
+    (`vertex_name`): percent-encoded (`/`, NUL, `%`, non-ASCII...), `.` and `..`
+    encoded whole; when too long, a prefix, `%~` and the name's SHA-256 (the whole
+    name is then kept in the directory's `@name` file)."""
+    enc = quote(name, safe="", errors="surrogatepass")
+    if enc in (".", ".."):
+        return enc.replace(".", "%2E")
+    if len(enc) > _ENCODED_MAX:
+        head = enc[:100]
+        cut = head.rfind("%", len(head) - 2)  # not in the middle of a %XX
+        if cut >= 0:
+            head = head[:cut]
+        digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+        return f"{head}%~{digest}"  # quote never makes "%~": no plain name looks so
+    return enc
+
+
+def vertex_dir(state_dir: Path, kind: str, name: str) -> Path:
+    """`vertices/<kind>/<encode_name(name)>` under the state dir. For a hashed
+    (long) name the directory is made here with its `@name` file, so the
+    start-up scan can read the name back."""
+    enc = encode_name(name)
+    d = state_dir / "vertices" / kind / enc
+    if "%~" in enc and not (d / NAME_FILE).exists():
+        with contextlib.suppress(OSError):  # a write into `d` reports it
+            atomic_write(d / NAME_FILE, name.encode("utf-8", "surrogatepass"))
+    return d
+
+
+def vertex_name(path: str | os.PathLike[str]) -> str:
+    """The resource name of a vertex directory (`vertex_dir`'s inverse)."""
+    base = os.path.basename(os.fspath(path))
+    if "%~" in base:
+        try:
+            with open(os.path.join(path, NAME_FILE), "rb") as f:
+                return f.read().decode("utf-8", "surrogatepass")
+        except (OSError, UnicodeDecodeError):
+            return base
+    return unquote(base, errors="surrogatepass")
 
 
 class Owed(msgspec.Struct):
@@ -66,36 +114,36 @@ class VertexStore:
         return vertex_dir(self.state_dir, kind, name) / what
 
     # -- refresh ----------------------------------------------------------------
-    def owe_refresh(self, v: Vertex) -> None:
+    def owe_refresh(self, kind: str, name: str) -> None:
         try:
-            atomic_write(self._path(v.res.kind, v.res.name, REFRESH), b"1\n")
+            atomic_write(self._path(kind, name, REFRESH), b"1\n")
         except OSError as e:
-            log.error("%s: cannot persist its pending refresh: %s", v.ident, e)
+            log.error("%s[%s]: cannot persist its pending refresh: %s", kind, name, e)
 
-    def refresh_served(self, v: Vertex) -> None:
-        self._remove(self._path(v.res.kind, v.res.name, REFRESH), v.ident)
+    def refresh_served(self, kind: str, name: str) -> None:
+        self._remove(self._path(kind, name, REFRESH), f"{kind}[{name}]")
 
     def owe_refresh_to(self, ident: str) -> None:
         """Persist an owed refresh by identity (`kind[name]`, maybe not in the graph)."""
         kind, _, rest = ident.partition("[")
-        try:
-            atomic_write(self._path(kind, rest[:-1], REFRESH), b"1\n")
-        except OSError as e:
-            log.error("%s: cannot persist its pending refresh: %s", ident, e)
+        self.owe_refresh(kind, rest[:-1])
 
     # -- write-ahead intent -------------------------------------------------------
-    def intend(self, v: Vertex) -> bool:
-        """Before `v` applies: whom to refresh if it changes something."""
-        children = sorted(c.ident for c in v.notify_children)
+    def intend(self, kind: str, name: str, children: Iterable[str]) -> bool:
+        """Before `kind[name]` applies: whom (`children`, idents) to refresh if it
+        changes something."""
+        data = json.dumps(sorted(children)).encode()
         try:
-            atomic_write(self._path(v.res.kind, v.res.name, INTENT), json.dumps(children).encode())
+            atomic_write(self._path(kind, name, INTENT), data)
         except OSError as e:
-            log.error("%s: cannot persist its intent (refreshes may be lost): %s", v.ident, e)
+            log.error(
+                "%s[%s]: cannot persist its intent (refreshes may be lost): %s", kind, name, e
+            )
             return False
         return True
 
-    def intent_done(self, v: Vertex) -> None:
-        self._remove(self._path(v.res.kind, v.res.name, INTENT), v.ident)
+    def intent_done(self, kind: str, name: str) -> None:
+        self._remove(self._path(kind, name, INTENT), f"{kind}[{name}]")
 
     # -- reversal ---------------------------------------------------------------
     def has_reversal(self, kind: str, name: str) -> bool:

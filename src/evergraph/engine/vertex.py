@@ -1,36 +1,68 @@
 """A vertex: one resource instance in the running graph, and its handle.
 
 The vertex is also the `Handle` a resource receives in `init`, so a graph of
-100k vertices carries one object per resource, not two.
+100k vertices carries one object per resource, not two. It talks to what runs
+it through `VertexHost` (the engine, in a run; a small fake in a test), never
+to the engine's class: a vertex can be built and tested without an engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
-from urllib.parse import quote, unquote
+from typing import TYPE_CHECKING, Protocol
 
-from evergraph._util.atomic import atomic_write
 from evergraph.engine.contract import PathWatcher, Resource
 from evergraph.engine.masking import MaskingLogger, mask
+from evergraph.engine.settings import Settings
 from evergraph.engine.status import Change, State, VertexStatus
+from evergraph.engine.store import vertex_dir
 from evergraph.errors import ResourceError
 
 if TYPE_CHECKING:
     from evergraph.cluster.hostkeys import HostKeys
-    from evergraph.engine.engine import Engine
     from evergraph.world.kv import KV
 
 _loggers: dict[str, logging.Logger] = {}
 
 
 _NONE: frozenset[str] = frozenset()
+
+
+class VertexHost(Protocol):
+    """What a vertex (and the resource, through its handle) asks of what runs it."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def hostname(self) -> str: ...
+
+    @property
+    def watcher(self) -> PathWatcher | None:
+        """The running inotify hub (None: file watches are refused)."""
+        ...
+
+    @property
+    def world(self) -> KV | None: ...
+
+    def keys(self) -> HostKeys:
+        """The host's key pairs (ResourceError if there are none)."""
+        ...
+
+    def vertex_ready(self, v: Vertex) -> None:
+        """`v`'s watch is ready: it may run."""
+        ...
+
+    def vertex_event(self, v: Vertex) -> None:
+        """`v`'s watch saw a change: it must be checked again."""
+        ...
+
+    def request_exit(self, code: int, by: str) -> None:
+        """End the run with exit status `code` (asked for by `by`)."""
+        ...
 
 
 class Vertex:
@@ -42,10 +74,10 @@ class Vertex:
         "children",
         "clean_count",
         "duration",
-        "engine",
         "ever_ok",
         "fail_count",
         "failed",
+        "host",
         "ident",
         "inbox",
         "intent",
@@ -78,8 +110,8 @@ class Vertex:
         "watch_task",
     )
 
-    def __init__(self, engine: Engine, res: Resource) -> None:
-        self.engine = engine
+    def __init__(self, host: VertexHost, res: Resource) -> None:
+        self.host = host
         self.res = res
         self.ident = res.ident
         self.parents: list[Vertex] = []
@@ -107,7 +139,7 @@ class Vertex:
         #: last check_apply succeeded (hidden vertices count as clean)
         self.ok = hidden
         #: failed for good: retries exhausted (an event or the repair backoff
-        #: tries it again: see Engine._revive)
+        #: tries it again: see outcomes.py)
         self.failed = False
         self.retry_wait = False
         self.retries_left = res.meta.retry
@@ -127,7 +159,7 @@ class Vertex:
         self.unsubscribe: Callable[[], None] | None = None
         #: token bucket for meta.limit/burst
         self.tokens = 0.0
-        self.bucket_at = 0.0
+        self.bucket_at: float | None = None
         #: the reversal was captured (or found on disk) before our first apply
         self.reversal_saved = False
         #: succeeded at least once (meta.realize)
@@ -190,11 +222,11 @@ class Vertex:
 
     @property
     def hostname(self) -> str:
-        return self.engine.hostname
+        return self.host.hostname
 
     def state_path(self) -> Path:
         """`vertices/<kind>/<name-encoded>` under the state dir (see `vertex_dir`)."""
-        return vertex_dir(self.engine.settings.state_dir, self.res.kind, self.res.name)
+        return vertex_dir(self.host.settings.state_dir, self.res.kind, self.res.name)
 
     @property
     def state_dir(self) -> Path:
@@ -204,35 +236,35 @@ class Vertex:
 
     @property
     def watcher(self) -> PathWatcher:
-        if self.engine.watcher is None:
+        if self.host.watcher is None:
             raise ResourceError("this run has no file watcher (the engine's owner gave none)")
-        return self.engine.watcher
+        return self.host.watcher
 
     @property
     def keys(self) -> HostKeys:
-        return self.engine.keys()
+        return self.host.keys()
 
     @property
     def world(self) -> KV:
-        if self.engine.world is None:
+        if self.host.world is None:
             raise ResourceError("this run has no World")
-        return self.engine.world
+        return self.host.world
 
     def ready(self) -> None:
-        self.engine.vertex_ready(self)
+        self.host.vertex_ready(self)
 
     def event(self) -> None:
-        self.engine.vertex_event(self)
+        self.host.vertex_event(self)
 
     def refresh(self) -> bool:
         return self.refresh_now
 
     def request_exit(self, code: int) -> None:
-        self.engine.request_exit(code, self.ident)
+        self.host.request_exit(code, self.ident)
 
     @property
     def may_run_commands(self) -> bool:
-        return self.engine.settings.noop_commands or not self.engine.settings.noop
+        return self.host.settings.noop_commands or not self.host.settings.noop
 
     def unknown(self, why: str) -> None:
         self.unknown_why = why
@@ -246,51 +278,3 @@ class Vertex:
             self.reported = [report]
         else:
             self.reported.append(report)
-
-
-#: longest encoded name used as it is (NAME_MAX is 255 bytes)
-_ENCODED_MAX = 200
-#: in a directory named by a hash (a name too long for a path component): the name
-NAME_FILE = "@name"
-
-
-def encode_name(name: str) -> str:
-    """A resource name as one safe path component, unique per name and reversible
-    (`vertex_name`): percent-encoded (`/`, NUL, `%`, non-ASCII...), `.` and `..`
-    encoded whole; when too long, a prefix, `%~` and the name's SHA-256 (the whole
-    name is then kept in the directory's `@name` file)."""
-    enc = quote(name, safe="", errors="surrogatepass")
-    if enc in (".", ".."):
-        return enc.replace(".", "%2E")
-    if len(enc) > _ENCODED_MAX:
-        head = enc[:100]
-        cut = head.rfind("%", len(head) - 2)  # not in the middle of a %XX
-        if cut >= 0:
-            head = head[:cut]
-        digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
-        return f"{head}%~{digest}"  # quote never makes "%~": no plain name looks so
-    return enc
-
-
-def vertex_dir(state_dir: Path, kind: str, name: str) -> Path:
-    """`vertices/<kind>/<encode_name(name)>` under the state dir. For a hashed
-    (long) name the directory is made here with its `@name` file, so the
-    start-up scan can read the name back."""
-    enc = encode_name(name)
-    d = state_dir / "vertices" / kind / enc
-    if "%~" in enc and not (d / NAME_FILE).exists():
-        with contextlib.suppress(OSError):  # a write into `d` reports it
-            atomic_write(d / NAME_FILE, name.encode("utf-8", "surrogatepass"))
-    return d
-
-
-def vertex_name(path: str | os.PathLike[str]) -> str:
-    """The resource name of a vertex directory (`vertex_dir`'s inverse)."""
-    base = os.path.basename(os.fspath(path))
-    if "%~" in base:
-        try:
-            with open(os.path.join(path, NAME_FILE), "rb") as f:
-                return f.read().decode("utf-8", "surrogatepass")
-        except (OSError, UnicodeDecodeError):
-            return base
-    return unquote(base, errors="surrogatepass")

@@ -1,0 +1,253 @@
+"""The engine's state, shared by the subjects it is split into.
+
+`Engine` (engine.py) is one object whose methods live in one module per subject,
+the way mgmt's engine/graph spreads `*Engine` methods over files: scheduling
+(scheduling.py), graph swap (swap.py), outcomes and retry (outcomes.py), the
+guard around resource code (guard.py), send/recv (sendrecv.py) and reversal
+(reverse.py). Each subject is a class over `EngineState`: the attributes all
+of them read, and the signatures a subject calls in another one (the stubs
+below, each overridden by the subject that owns it). No subject imports
+another's class (swap.py borrows sendrecv.py's `with_values` function);
+`Engine` puts them together, and import-linter checks none imports engine.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from evergraph._util.clock import SYSTEM, Clock
+from evergraph.engine.contract import Registry, Resource, default_registry
+from evergraph.engine.converger import Converger
+from evergraph.engine.model import Edge, GraphModel
+from evergraph.engine.recap import Recaps
+from evergraph.engine.recap import took as _took
+from evergraph.engine.settings import Settings
+from evergraph.engine.status import Observer, State
+from evergraph.engine.stop import StopSignal
+from evergraph.engine.store import VertexStore
+from evergraph.engine.vertex import Vertex
+from evergraph.errors import InputError
+
+if TYPE_CHECKING:
+    from evergraph.cluster.hostkeys import HostKeys
+    from evergraph.engine.contract import PathWatcher
+    from evergraph.world.kv import KV
+
+log = logging.getLogger("evergraph.engine")
+
+#: runs started per event-loop turn before other work (signals, events) gets a turn
+DRAIN_BATCH = 1000
+#: vertices built or started between yields to the loop during a swap: a graph of
+#: 1M vertices takes seconds to build and start, and the World lease's keep-alive,
+#: signals and the HTTP server must get their turn meanwhile (a lease expired
+#: during a 1M-vertex swap)
+YIELD_EVERY = 1000
+
+
+async def yield_now() -> None:
+    """Give the loop a turn (no time passes: not a sleep)."""
+    await asyncio.sleep(0)
+
+
+def members(res: Resource) -> list[Resource]:
+    """Group members without creating the list on resources that have none (hot path)."""
+    found: list[Resource] = getattr(res, "_group_members", None) or []
+    return found
+
+
+def error_text(e: BaseException, res: Resource) -> str:
+    """What a failed check_apply of `res` records (its exception, said plainly)."""
+    if isinstance(e, TimeoutError):
+        return f"check_apply timed out after {res.meta.timeout}s"
+    if isinstance(e, InputError):
+        return str(e)
+    return str(e) or type(e).__name__
+
+
+async def ended(task: asyncio.Task[Any]) -> None:
+    """Wait for `task` to end, whatever its outcome (its own to report). Our own
+    cancellation still propagates: `suppress(BaseException)` around `await task`
+    swallowed it, and a swap cancelled by a stop (the graph-update follower, mid-swap)
+    went on to wait for the next graph, holding the agent's exit forever."""
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()  # retrieved: its outcome was reported where it happened
+
+
+class EngineState:
+    def __init__(
+        self,
+        settings: Settings,
+        observer: Observer | None = None,
+        registry: Registry | None = None,
+        *,
+        watcher: PathWatcher | None = None,
+        world: KV | None = None,
+        keys: Callable[[], HostKeys] | None = None,
+        clock: Clock = SYSTEM,
+    ) -> None:
+        """Everything the resources may use is handed in by the owner (the agent):
+        `watcher` (the running inotify hub; None: file watches are refused),
+        `world`, `keys` (called on first use: loading keys costs start-up time)."""
+        self.settings = settings
+        self.hostname = settings.host()
+        self.observer = observer
+        #: watch events received (`handle.event()` calls of current vertices)
+        self.events = 0
+        self.vertices: dict[str, Vertex] = {}
+        self.watcher = watcher
+        self.world = world
+        self._keys = keys
+        self.clock = clock
+        self._tg: asyncio.TaskGroup | None = None
+        self._running = 0
+        self._retrying = 0
+        self._unready = 0
+        #: the one stop signal: everything about stopping derives from its level
+        self.stop = StopSignal()
+        #: the exit status a resource asked for (`request_exit`), if any
+        self._exit_code: int | None = None
+        #: --max-runtime stopped the run before it converged
+        self._cut_short = False
+        self._global_sema = asyncio.Semaphore(settings.sema) if settings.sema > 0 else None
+        self._semas: dict[str, asyncio.Semaphore] = {}
+        self._timers: set[asyncio.Task[None]] = set()
+        #: the repair timer of each vertex failed for good (see _revive)
+        self._repairs: dict[Vertex, asyncio.Task[None]] = {}
+        #: vertices whose run waits for a token or a semaphore: it changed nothing yet
+        self._waiting: set[Vertex] = set()
+        #: woken whenever a run ends or the engine may have turned idle (see _check_idle)
+        self._progress: list[asyncio.Future[None]] = []
+        #: vertices poked and waiting for the next drain (see _poke)
+        self._ready: collections.deque[Vertex] = collections.deque()
+        self._queued = 0
+        self._drain_scheduled = False
+        self.store = VertexStore(settings.state_dir)
+        self._owed_loaded = False
+        self._edges: list[Edge] = []
+        self.registry = registry or default_registry
+        self._swap_lock = asyncio.Lock()
+        converged_timeout = settings.converged_timeout
+        if converged_timeout is None and not settings.watch:
+            converged_timeout = 0.0  # --no-watch: nothing can change once converged
+        self.converger = Converger(
+            converged_timeout, settings.converged_status_file, self._on_converged, clock
+        )
+        #: the run ends the moment it is idle (`--converged-exit` with a
+        #: converged-timeout of 0, the default): passive watches (`subscribe()`, e.g.
+        #: a file's inotify subscription) and poll timers are not set up, they would
+        #: only be thrown away (10k files: 10k subscriptions). Those never gate a
+        #: vertex's readiness, so nothing waits for them. Kinds with a watch task
+        #: (`watch()`: kv, schedule, exec's watchcmd...) keep it: it may be what makes
+        #: them ready, or what they act through. Given up: a change to an
+        #: already-checked file *during* the run (e.g. by another resource without an
+        #: edge between them) no longer re-runs it, like the same change a moment
+        #: after the exit. With a converged-timeout > 0 every watch stays, so drift in
+        #: that window is repaired.
+        self.one_shot = settings.watch and settings.converged_exit and converged_timeout == 0
+        #: passive subscriptions and poll timers set up, for tests and benchmarks
+        self.subscriptions = 0
+        self.started = clock.monotonic()
+        self.graph_name = ""
+        self.recaps = Recaps()
+
+    def _observe(self, v: Vertex, state: State) -> None:
+        now = self.clock.monotonic()
+        if v.state == "running" and state != "running":
+            v.duration = now - v.since
+            if log.isEnabledFor(logging.DEBUG):  # -v: each check and its duration
+                outcome = "failed" if state == "retrying" else state
+                log.debug("%s: %s in %s", v.ident, outcome, _took(v.duration))
+        v.state, v.since = state, now
+        if self.observer is not None:
+            self.observer(v.status())
+
+    def _check_idle(self) -> None:
+        if self._progress:
+            for waiter in self._progress:
+                if not waiter.done():
+                    waiter.set_result(None)
+            self._progress.clear()
+        if self._running or self._retrying or self._unready or self._queued:
+            return
+        self.converger.idle()
+
+    @property
+    def stopping(self) -> bool:
+        """A stop was asked for: no run starts, no failure is retried."""
+        return self.stop.level > 0
+
+    # -- what a subject calls in another (each overridden by its owner) ----------
+    # scheduling.py
+    def _poke(self, v: Vertex) -> None:
+        raise NotImplementedError
+
+    def vertex_ready(self, v: Vertex) -> None:
+        raise NotImplementedError
+
+    def vertex_event(self, v: Vertex) -> None:
+        raise NotImplementedError
+
+    # outcomes.py
+    def _record_success(self, v: Vertex, was_clean: bool, applied: bool) -> None:
+        raise NotImplementedError
+
+    def _record_failure(self, v: Vertex, error: str) -> None:
+        raise NotImplementedError
+
+    def _fail_permanently(self, v: Vertex, error: str, revive: bool = True) -> None:
+        raise NotImplementedError
+
+    def _revive(self, v: Vertex, why: str) -> None:
+        raise NotImplementedError
+
+    def _finish(self, v: Vertex, result: bool, error: str | None, apply: bool) -> None:
+        raise NotImplementedError
+
+    # guard.py
+    def _check_apply_inline(self, v: Vertex, apply: bool) -> None:
+        raise NotImplementedError
+
+    async def _start_vertex(self, v: Vertex) -> None:
+        raise NotImplementedError
+
+    async def _guarded_check_apply(self, v: Vertex, res: Resource, apply: bool) -> bool:
+        raise NotImplementedError
+
+    async def _call_cleanup(self, v: Vertex) -> None:
+        raise NotImplementedError
+
+    def _unsubscribe(self, v: Vertex) -> None:
+        raise NotImplementedError
+
+    # swap.py
+    async def swap(self, model: GraphModel) -> None:
+        raise NotImplementedError
+
+    # sendrecv.py
+    async def _receive(self, v: Vertex) -> Resource:
+        raise NotImplementedError
+
+    def _send(self, v: Vertex) -> None:
+        raise NotImplementedError
+
+    # reverse.py
+    def _capture_reversal(self, v: Vertex) -> None:
+        raise NotImplementedError
+
+    async def _reverse(self, ident: str, record: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    # engine.py
+    def keys(self) -> HostKeys:
+        raise NotImplementedError
+
+    def request_exit(self, code: int, by: str) -> None:
+        raise NotImplementedError
+
+    def _on_converged(self) -> None:
+        raise NotImplementedError
