@@ -14,6 +14,7 @@ import itertools
 import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
 
+from evergraph._util.tasks import first_of
 from evergraph.world.kv import (
     KV,
     Compacted,
@@ -246,15 +247,7 @@ class MemoryKV(KV):
                     yield mine
             if nxt <= st.revision:
                 continue
-            waits = [
-                asyncio.ensure_future(self._closed.wait()),
-                asyncio.ensure_future(changed.wait()),
-            ]
-            try:
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits:
-                    w.cancel()
+            await first_of(self._closed.wait(), changed.wait())
 
     async def close(self) -> None:
         self._closed.set()

@@ -56,6 +56,7 @@ from evergraph._util.inotify import (  # the event bits and parser; ctypes once 
     IN_MOVED_TO,
     events,
 )
+from evergraph._util.tasks import first_of
 from evergraph.world.kv import (
     KV,
     Compacted,
@@ -474,15 +475,9 @@ class SQLiteKV(KV):
             await self._wait(changed)
 
     async def _wait(self, changed: asyncio.Event) -> None:
-        waits = [
-            asyncio.ensure_future(changed.wait()),
-            asyncio.ensure_future(self._closed.wait()),
-        ]
-        try:
-            await asyncio.wait(waits, timeout=_POLL, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_POLL):
+                await first_of(changed.wait(), self._closed.wait())
 
     def _start_notifier(self) -> None:
         if self._notifier is None:
