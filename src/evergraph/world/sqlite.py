@@ -592,7 +592,3 @@ class SQLiteKV(KV):
         if self._db is not None:
             self._db.close()
             self._db = None  # type: ignore[assignment]
-
-
-def default_path(state_dir: Path) -> Path:
-    return state_dir / "world.sqlite"
