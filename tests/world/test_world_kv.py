@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from evergraph.testing.world import CHECKS, check_kv, run_check
-from evergraph.world.kv import Compare, Delete, Put
+from evergraph.world.kv import Compare, Delete, LeaseExpired, Put
 from evergraph.world.memory import MemoryKV, MemoryStore
 from evergraph.world.sqlite import SQLiteKV
 from tests.kit.worlds import BACKENDS, Factory, world_factory
@@ -78,6 +78,53 @@ def test_check_kv_on_one_world_for_every_check(tmp_path: Path) -> None:
 
 #: the checks that wait for a lease's TTL (real seconds on the memory World here)
 LEASE_CHECKS = ["leases_expire_and_take_their_keys", "keepalive_and_revoke"]
+
+
+def fake_clock() -> Any:
+    """The test kit's fake clock (evergraph.testing.clock, from the engine's branch)."""
+    return pytest.importorskip("evergraph.testing.clock").FakeClock()
+
+
+def test_memory_leases_pass_the_contract_on_a_fake_clock() -> None:
+    """The lease checks with no real time spent: the memory World's leases run on
+    its clock, which the checks advance instead of sleeping."""
+    clocks: dict[asyncio.AbstractEventLoop, Any] = {}
+    stores: dict[asyncio.AbstractEventLoop, MemoryStore] = {}
+
+    def make() -> MemoryKV:
+        loop = asyncio.get_running_loop()
+        clock = clocks.setdefault(loop, fake_clock())
+        return MemoryKV(stores.setdefault(loop, MemoryStore(clock)))
+
+    async def advance(seconds: float) -> None:
+        await clocks[asyncio.get_running_loop()].advance(seconds)
+
+    for name in LEASE_CHECKS:
+        run_check(make, name, wait=advance)
+
+
+def test_a_memory_lease_ends_exactly_at_its_ttl_on_the_worlds_clock() -> None:
+    async def main() -> None:
+        clock = fake_clock()
+        store = MemoryStore(clock)
+        a, b = MemoryKV(store), MemoryKV(store)
+        lease = await a.grant(10)
+        rev = await a.put("m/me", b"here", lease=lease)
+        it = b.watch("m/", rev + 1)
+        await clock.advance(9.5)
+        await a.keepalive(lease)  # the TTL starts again
+        await clock.advance(9.5)
+        assert await b.get("m/me") is not None
+        await clock.advance(0.5)
+        batch = await asyncio.wait_for(anext(it), 10)
+        assert [(e.type, e.key) for e in batch] == [("delete", "m/me")]
+        with pytest.raises(LeaseExpired):
+            await a.keepalive(lease)
+        await it.aclose()  # type: ignore[attr-defined]
+        await a.close()
+        await b.close()
+
+    asyncio.run(main())
 
 
 def _open_and_put(path: str, barrier: Any) -> None:
