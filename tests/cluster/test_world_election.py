@@ -19,11 +19,13 @@ from typing import Any
 import pytest
 
 from evergraph._util.clock import SYSTEM, Clock
+from evergraph._util.tasks import first_of
 from evergraph.cluster.election import Election, election_key
 from evergraph.world.etcd import EtcdKV
 from evergraph.world.etcd_server import EtcdServer
 from evergraph.world.kv import KV, Compare, Delete, Event, KeyValue, Put
 from evergraph.world.memory import MemoryKV, MemoryStore
+from tests.kit.clocks import fake_clock
 from tests.kit.worlds import BACKENDS, Factory, world_factory
 
 #: lease TTL of the candidates (etcd counts whole seconds)
@@ -185,14 +187,16 @@ def run(factory: Factory, body: Callable[[Candidates], Awaitable[None]], **kw: A
 
 async def first_leader(els: list[Election], bound: float = BOUND) -> Election:
     """The first of `els` to lead (another might follow: callers check)."""
-    waits = {asyncio.ensure_future(e.wait_leader()): e for e in els}
+
+    async def leads(e: Election) -> Election:
+        await e.wait_leader()
+        return e
+
     try:
-        done, _ = await asyncio.wait(waits, timeout=bound, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
-    assert done, f"no leader among {[e.me for e in els]} within {bound} s"
-    return waits[done.pop()]
+        async with asyncio.timeout(bound):
+            return await first_of(*(leads(e) for e in els))
+    except TimeoutError:
+        raise AssertionError(f"no leader among {[e.me for e in els]} within {bound} s") from None
 
 
 async def sees(e: Election, who: str | None, bound: float = BOUND) -> None:
@@ -450,7 +454,7 @@ def test_three_etcd_members_a_leader_cut_off_with_its_member(
 def run_on_fake_clock(body: Callable[[Candidates, Any], Awaitable[None]], n: int = 3) -> None:
     """`body(candidates, clock)`: candidates on a memory World whose leases, like
     the candidates' keep-alives and deadlines, run on one fake clock."""
-    clock = pytest.importorskip("evergraph.testing.clock").FakeClock()
+    clock = fake_clock()
     store = MemoryStore(clock)
 
     async def main() -> None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import pytest
 
 from evergraph._util.clock import SYSTEM, Clock
 from evergraph.cluster.members import Member, Membership, decode_member, member_key
 from evergraph.world.memory import MemoryKV, MemoryStore
+from tests.kit.clocks import fake_clock
 
 TTL = 10.0
 
@@ -25,11 +25,6 @@ class CountingKV(MemoryKV):
     async def keepalive(self, lease: int) -> None:
         self.keepalives += 1
         await super().keepalive(lease)
-
-
-def fake_clock() -> Any:
-    """The test kit's fake clock (evergraph.testing.clock, from the engine's branch)."""
-    return pytest.importorskip("evergraph.testing.clock").FakeClock()
 
 
 def run(

@@ -6,18 +6,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import pytest
-
 from evergraph.cluster.scheduler import Options, Volunteer, chosen_key, volunteer_key
 from evergraph.world.follow import watch_one
 from evergraph.world.kv import KeyValue
 from evergraph.world.memory import MemoryKV, MemoryStore
+from tests.kit.clocks import fake_clock
 
 TTL = 3
 
 
 def test_on_a_fake_clock_a_volunteer_holds_its_lease_and_leads_over_many_ttls() -> None:
-    clock = pytest.importorskip("evergraph.testing.clock").FakeClock()
+    clock = fake_clock()
 
     async def body() -> None:
         store = MemoryStore(clock)

@@ -18,6 +18,7 @@ from evergraph.testing.world import CHECKS, check_kv, run_check
 from evergraph.world.kv import Compare, Delete, LeaseExpired, Put
 from evergraph.world.memory import MemoryKV, MemoryStore
 from evergraph.world.sqlite import SQLiteKV
+from tests.kit.clocks import fake_clock
 from tests.kit.worlds import BACKENDS, Factory, world_factory
 
 
@@ -78,11 +79,6 @@ def test_check_kv_on_one_world_for_every_check(tmp_path: Path) -> None:
 
 #: the checks that wait for a lease's TTL (real seconds on the memory World here)
 LEASE_CHECKS = ["leases_expire_and_take_their_keys", "keepalive_and_revoke"]
-
-
-def fake_clock() -> Any:
-    """The test kit's fake clock (evergraph.testing.clock, from the engine's branch)."""
-    return pytest.importorskip("evergraph.testing.clock").FakeClock()
 
 
 def test_memory_leases_pass_the_contract_on_a_fake_clock() -> None:
