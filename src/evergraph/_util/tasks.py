@@ -9,7 +9,7 @@ here imports anything of ours."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence, Sized
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -60,6 +60,8 @@ async def fan_in(items: Iterable[T], limit: int, fn: Callable[[T], Awaitable[R]]
         for i, item in numbered:
             results[i] = await fn(item)
 
+    if isinstance(items, Sized):
+        limit = min(limit, len(items))  # no idle workers for a short list
     try:
         async with asyncio.TaskGroup() as tg:
             for _ in range(limit):
