@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from evergraph._util.clock import SYSTEM, Clock
-from evergraph._util.tasks import first_of
 from evergraph.world.kv import (
     KV,
     Compacted,
@@ -80,13 +79,16 @@ class MemoryStore:
         self.epoch += 1
         self.why = why
         log.warning("world: %s", WorldReplaced(why))
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self.wake()
         for fn in list(self.replaced_fns):
             fn(why)
 
     def commit(self, events: list[Event]) -> None:
         self.history.append((self.revision, events))
+        self.wake()
+
+    def wake(self) -> None:
+        """Every watch of every client looks again (one event to wait on, no race)."""
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -266,7 +268,8 @@ class MemoryKV(KV):
                     yield mine
             if nxt <= st.revision:
                 continue
-            await first_of(self._closed.wait(), changed.wait())
+            await changed.wait()  # a commit, a reset, or a client closed (see close)
 
     async def close(self) -> None:
         self._closed.set()
+        self.store.wake()  # our watches look again, see us closed and end
