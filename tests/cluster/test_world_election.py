@@ -18,10 +18,14 @@ from typing import Any
 
 import pytest
 
+from evergraph._util.clock import SYSTEM, Clock
+from evergraph._util.tasks import first_of
 from evergraph.cluster.election import Election, election_key
 from evergraph.world.etcd import EtcdKV
 from evergraph.world.etcd_server import EtcdServer
 from evergraph.world.kv import KV, Compare, Delete, Event, KeyValue, Put
+from evergraph.world.memory import MemoryKV, MemoryStore
+from tests.kit.clocks import fake_clock
 from tests.kit.worlds import BACKENDS, Factory, world_factory
 
 #: lease TTL of the candidates (etcd counts whole seconds)
@@ -138,11 +142,15 @@ class Candidates:
     """`n` candidates for one election, each on its own client, running; and a
     client of the same World to look at it (`world`)."""
 
-    def __init__(self, factory: Factory, n: int = 3, ttl: float = TTL) -> None:
+    def __init__(
+        self, factory: Factory, n: int = 3, ttl: float = TTL, clock: Clock = SYSTEM
+    ) -> None:
         self.factory = factory
         self.world = factory()
         self.gates = [Gated(factory()) for _ in range(n)]
-        self.els = [Election(g, "test", f"c{i}", ttl=ttl) for i, g in enumerate(self.gates)]
+        self.els = [
+            Election(g, "test", f"c{i}", ttl=ttl, clock=clock) for i, g in enumerate(self.gates)
+        ]
         self.tasks = [asyncio.create_task(e.run()) for e in self.els]
         self.key = election_key("test")
 
@@ -179,14 +187,16 @@ def run(factory: Factory, body: Callable[[Candidates], Awaitable[None]], **kw: A
 
 async def first_leader(els: list[Election], bound: float = BOUND) -> Election:
     """The first of `els` to lead (another might follow: callers check)."""
-    waits = {asyncio.ensure_future(e.wait_leader()): e for e in els}
+
+    async def leads(e: Election) -> Election:
+        await e.wait_leader()
+        return e
+
     try:
-        done, _ = await asyncio.wait(waits, timeout=bound, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
-    assert done, f"no leader among {[e.me for e in els]} within {bound} s"
-    return waits[done.pop()]
+        async with asyncio.timeout(bound):
+            return await first_of(*(leads(e) for e in els))
+    except TimeoutError:
+        raise AssertionError(f"no leader among {[e.me for e in els]} within {bound} s") from None
 
 
 async def sees(e: Election, who: str | None, bound: float = BOUND) -> None:
@@ -435,3 +445,77 @@ def test_three_etcd_members_a_leader_cut_off_with_its_member(
         assert not old.is_leader
 
     run(factory, body)
+
+
+# -- on a fake clock: the memory World and the candidates share it, so TTLs pass in
+# no real time and "within the TTL" is exact, not a bound on a busy machine ------------
+
+
+def run_on_fake_clock(body: Callable[[Candidates, Any], Awaitable[None]], n: int = 3) -> None:
+    """`body(candidates, clock)`: candidates on a memory World whose leases, like
+    the candidates' keep-alives and deadlines, run on one fake clock."""
+    clock = fake_clock()
+    store = MemoryStore(clock)
+
+    async def main() -> None:
+        c = Candidates(lambda: MemoryKV(store), n=n, clock=clock)
+        try:
+            await asyncio.wait_for(body(c, clock), 60)
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+
+
+def test_on_a_fake_clock_keepalives_hold_one_leader_over_many_ttls() -> None:
+    async def body(c: Candidates, clock: Any) -> None:
+        leader = await one_leader(c)
+        term = leader.term
+        news = [asyncio.ensure_future(e.wait_change()) for e in c.els]
+        for _ in range(10):
+            await clock.advance(TTL)
+        assert [w.done() for w in news] == [False] * len(news)  # nobody lost or gained
+        for w in news:
+            w.cancel()
+        assert leader.is_leader
+        assert leader.term == term
+        assert await lease_of(c, leader) == leader._lease
+
+    run_on_fake_clock(body)
+
+
+def test_on_a_fake_clock_a_dead_leader_is_replaced_once_its_lease_ends() -> None:
+    async def body(c: Candidates, clock: Any) -> None:
+        old = await one_leader(c)
+        c.gate(old).freeze()  # dead: no keep-alive, nothing
+        # renewed at most ttl/3 ago: its lease outlives two thirds of a TTL
+        await clock.advance(TTL * 2 / 3 - 0.01)
+        assert [e.me for e in c.others(old) if e.is_leader] == []
+        assert old.is_leader
+        await clock.advance(TTL / 3 + 0.02)  # a whole TTL without renewal
+        assert not old.is_leader  # its own deadline: it stopped believing
+        new = await first_leader(c.others(old))
+        for e in c.others(old):
+            await sees(e, new.me)
+        c.gate(old).thaw()  # back: it follows, it does not take over
+        await sees(old, new.me)
+        assert new.is_leader
+        assert not old.is_leader
+
+    run_on_fake_clock(body)
+
+
+def test_on_a_fake_clock_a_sole_candidate_that_resigned_sits_out_one_ttl() -> None:
+    async def body(c: Candidates, clock: Any) -> None:
+        (e,) = c.els
+        await one_leader(c)
+        await e.resign()
+        await sees(e, None)  # its key is gone
+        await clock.advance(TTL * 0.9)
+        assert not e.is_leader  # sitting out
+        await clock.advance(TTL * 0.5)  # the sit-out is over: the next keep-alive sees it
+        async with asyncio.timeout(BOUND):
+            await e.wait_leader()
+        await one_leader(c)
+
+    run_on_fake_clock(body, n=1)

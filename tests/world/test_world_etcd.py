@@ -29,7 +29,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from evergraph.world.etcd import EtcdKV, _grpc_status_tasks, _prefix_range
+from evergraph.world._etcd_link import _grpc_status_tasks, _prefix_range
+from evergraph.world.etcd import EtcdKV
 from evergraph.world.etcd_server import FAST_TIMING, EtcdServer, ServerTLS, free_port
 from evergraph.world.kv import Compacted, Event, WorldError
 from tests.conftest import wait_for

@@ -37,9 +37,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, cast
+from typing import Any
 
 from evergraph._util.clock import SYSTEM, Clock
+from evergraph._util.tasks import first_of
 from evergraph.world.follow import Tombstone, watch_one
 from evergraph.world.kv import (
     KV,
@@ -151,18 +152,7 @@ class Election:
         while True:
             await self.wait_leader()
             log.info("world: %s: leading %s (term %d)", self.me, what, self.term)
-            task = asyncio.create_task(work(), name=f"{self.name}-leader")
-            lost = asyncio.create_task(self.wait_lost())
-            try:
-                await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for t in (task, lost):
-                    t.cancel()
-                for t in (task, lost):
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await t
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise cast(BaseException, task.exception())
+            await first_of(work(), self.wait_lost())  # an exception from work ends us
             log.info("world: %s: no longer leading %s", self.me, what)
 
     async def resign(self) -> None:

@@ -40,6 +40,8 @@ from typing import Literal
 
 import msgspec
 
+from evergraph._util.clock import SYSTEM, Clock
+from evergraph._util.tasks import first_of
 from evergraph.cluster.hostkeys import HostKeys, fingerprint
 from evergraph.world.follow import watch_one
 from evergraph.world.kv import KV, Compare, KeyValue, LeaseExpired, Put, WorldError, log
@@ -162,12 +164,19 @@ class Membership:
     record the agent owns, also those without a lease, must be written again."""
 
     def __init__(
-        self, kv: KV, member: Member, ttl: float = DEFAULT_TTL, keys: HostKeys | None = None
+        self,
+        kv: KV,
+        member: Member,
+        ttl: float = DEFAULT_TTL,
+        keys: HostKeys | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.kv = kv
+        #: the keep-alive's ticks and the records' times (a fake one in tests)
+        self.clock = clock
         self.member = msgspec.structs.replace(
             member,
-            started=member.started or time.time(),
+            started=member.started or clock.time(),
             pid=member.pid or os.getpid(),
             address=member.address or local_address(),
         )
@@ -245,7 +254,7 @@ class Membership:
 
     # -- writing ------------------------------------------------------------------------
     def _encode(self, **changes: object) -> bytes:
-        m = msgspec.structs.replace(self.member, timestamp=time.time(), **changes)
+        m = msgspec.structs.replace(self.member, timestamp=self.clock.time(), **changes)
         if self.keys is not None:
             m = sign_member(m, self.keys)
         return msgspec.json.encode(m)
@@ -313,18 +322,18 @@ class Membership:
             tg.create_task(self._watch_record())
 
     async def _maintain(self) -> None:
-        loop = asyncio.get_running_loop()
-        next_tick = loop.time() + self.ttl / 3
+        clock = self.clock
+        next_tick = clock.monotonic() + self.ttl / 3
         again = False  # a pass that failed: the next one looks at the record too
         while not self.replaced.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout_at(next_tick):
-                    await self._wake.wait()
+            left = next_tick - clock.monotonic()
+            if left > 0 and not self._wake.is_set():
+                await first_of(self._wake.wait(), clock.sleep(left))
             woken = self._wake.is_set()
             self._wake.clear()
-            tick = loop.time() >= next_tick
+            tick = clock.monotonic() >= next_tick
             if tick:
-                next_tick = loop.time() + self.ttl / 3
+                next_tick = clock.monotonic() + self.ttl / 3
             if self._stopping:
                 continue
             try:
@@ -336,7 +345,7 @@ class Membership:
                 self._wake.set()
             except WorldError as e:
                 log.warning("world: keep-alive failed: %s", e)
-                next_tick = min(next_tick, loop.time() + 1.0)
+                next_tick = min(next_tick, clock.monotonic() + 1.0)
                 again = True
 
     async def _pass(self, tick: bool, woken: bool = True) -> None:

@@ -59,6 +59,8 @@ from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 
 import msgspec
 
+from evergraph._util.clock import SYSTEM, Clock
+from evergraph._util.tasks import first_of
 from evergraph.cluster.election import Election
 from evergraph.world.follow import (
     BACKOFF_FIRST,
@@ -374,6 +376,7 @@ class Volunteer:
         host: str,
         options: Options,
         on_change: Callable[[], None] | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         why = namespace_problem(ns)
         bad = options.problem()
@@ -385,6 +388,8 @@ class Volunteer:
         self.ns = ns
         self.host = host
         self.options = options
+        #: the keep-alive's ticks, the retries' backoff and the election's (a fake one in tests)
+        self.clock = clock
         self.key = volunteer_key(ns, host)
         self._value = encode_options(options)
         self._on_change = on_change
@@ -398,7 +403,7 @@ class Volunteer:
         self._closed = False
         #: set once our record was seen in the World (and while it is right)
         self.volunteered = asyncio.Event()
-        self.election = Election(kv, election_name(ns), host, float(options.ttl))
+        self.election = Election(kv, election_name(ns), host, float(options.ttl), clock)
         #: decisions made, written and refused while leading (tests)
         self.steps = 0
         self.writes = 0
@@ -473,7 +478,7 @@ class Volunteer:
                     self._lease_epoch = epoch
                 except WorldError as e:
                     log.warning("world: scheduler %s: cannot grant a lease: %s", self.ns, e)
-                    await asyncio.sleep(delay)
+                    await self.clock.sleep(delay)
                     delay = min(delay * 2, BACKOFF_MAX)
             return self.lease
 
@@ -498,7 +503,7 @@ class Volunteer:
                         self.lease = 0
                 except WorldError as e:
                     log.warning("world: scheduler %s: cannot volunteer: %s", self.ns, e)
-                    await asyncio.sleep(delay)
+                    await self.clock.sleep(delay)
                     delay = min(delay * 2, BACKOFF_MAX)
 
     async def _keep_record(self) -> None:
@@ -518,9 +523,8 @@ class Volunteer:
 
     async def _keepalive(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.options.ttl / 3):
-                    await self._replaced.wait()
+            if not self._replaced.is_set():
+                await first_of(self._replaced.wait(), self.clock.sleep(self.options.ttl / 3))
             self._replaced.clear()
             lease = self.lease
             if not lease or self._closed:
@@ -558,7 +562,7 @@ class Volunteer:
                     await self.step(records.items)
                 except WorldError as e:
                     log.warning("world: scheduler %s: deciding failed (%s); retrying", self.ns, e)
-                    await asyncio.sleep(0.5)
+                    await self.clock.sleep(0.5)
                     records.changed.set()
 
     async def step(self, items: dict[str, KeyValue]) -> bool:

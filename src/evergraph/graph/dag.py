@@ -23,7 +23,8 @@ class CycleError(ValueError):
 
 
 class DAG(Generic[V]):
-    """Vertices and directed edges; parallel edges collapse to one."""
+    """Vertices and directed edges; parallel edges collapse to one. Made whole by
+    `build`, then ordered by `toposort` (which names a cycle if there is one)."""
 
     __slots__ = ("_children", "_parents")
 
@@ -35,7 +36,7 @@ class DAG(Generic[V]):
 
     @classmethod
     def build(cls, vertices: Iterable[V], edges: Iterable[tuple[V, V]]) -> DAG[V]:
-        """Bulk construction, several times faster than add_vertex/add_edge calls."""
+        """The graph of `vertices` and `edges` (an edge may name a vertex not listed)."""
         g: DAG[V] = cls()
         children: dict[V, dict[V, None]] = {v: {} for v in vertices}
         parents: dict[V, dict[V, None]] = {v: {} for v in children}
@@ -48,37 +49,6 @@ class DAG(Generic[V]):
             parents[b][a] = None
         g._children, g._parents = children, parents
         return g
-
-    def add_vertex(self, v: V) -> None:
-        if v not in self._children:
-            self._children[v] = {}
-            self._parents[v] = {}
-
-    def add_edge(self, a: V, b: V) -> None:
-        self.add_vertex(a)
-        self.add_vertex(b)
-        self._children[a][b] = None
-        self._parents[b][a] = None
-
-    def __contains__(self, v: object) -> bool:
-        return v in self._children
-
-    def __len__(self) -> int:
-        return len(self._children)
-
-    def vertices(self) -> Iterable[V]:
-        return self._children.keys()
-
-    def edges(self) -> Iterable[tuple[V, V]]:
-        for a, kids in self._children.items():
-            for b in kids:
-                yield a, b
-
-    def children(self, v: V) -> list[V]:
-        return list(self._children[v])
-
-    def parents(self, v: V) -> list[V]:
-        return list(self._parents[v])
 
     def toposort(self) -> list[V]:
         """Every vertex after all its parents; raises CycleError naming one cycle."""
@@ -116,26 +86,6 @@ class DAG(Generic[V]):
         first = min(range(len(loop)), key=lambda i: str(loop[i]))  # stable report
         loop = loop[first:] + loop[:first]
         return [*loop, loop[0]]
-
-    def ancestors(self, v: V) -> set[V]:
-        out: set[V] = set()
-        stack = list(self._parents[v])
-        while stack:
-            p = stack.pop()
-            if p not in out:
-                out.add(p)
-                stack.extend(self._parents[p])
-        return out
-
-    def descendants(self, v: V) -> set[V]:
-        out: set[V] = set()
-        stack = list(self._children[v])
-        while stack:
-            c = stack.pop()
-            if c not in out:
-                out.add(c)
-                stack.extend(self._children[c])
-        return out
 
 
 def diff_keys(old: Mapping[V, object], new: Mapping[V, object]) -> tuple[list[V], list[V], list[V]]:

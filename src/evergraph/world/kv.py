@@ -33,8 +33,6 @@ deploys) are written once on top of this protocol.
 from __future__ import annotations
 
 import abc
-import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Literal
@@ -240,43 +238,3 @@ class KV(abc.ABC):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-class LeaseKeeper:
-    """Keeps one lease alive (keep-alive every ttl/3) and re-grants it if it expired
-    while we were away; `on_regrant` re-puts whatever the lease carried."""
-
-    def __init__(self, kv: KV, ttl: float) -> None:
-        self.kv = kv
-        self.ttl = ttl
-        self.lease = 0
-        self._task: asyncio.Task[None] | None = None
-        #: set when the lease had to be granted anew: its keys must be written again
-        self.regranted = asyncio.Event()
-
-    async def start(self) -> int:
-        self.lease = await self.kv.grant(self.ttl)
-        self._task = asyncio.create_task(self._run(), name="lease-keepalive")
-        return self.lease
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.ttl / 3)
-            try:
-                await self.kv.keepalive(self.lease)
-            except LeaseExpired:
-                log.warning("world: lease %x expired; granting a new one", self.lease)
-                self.lease = await self.kv.grant(self.ttl)
-                self.regranted.set()
-            except WorldError as e:
-                log.warning("world: keep-alive failed: %s", e)
-
-    async def stop(self, revoke: bool = True) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if revoke and self.lease:
-            with contextlib.suppress(WorldError):
-                await self.kv.revoke(self.lease)

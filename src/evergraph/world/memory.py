@@ -4,6 +4,8 @@ It passes the same contract tests as sqlite and etcd. Several `MemoryKV`
 clients may share one `MemoryStore`, standing in for several hosts.
 `MemoryStore.reset()` replaces the World under its clients (as a restored etcd
 or a recreated `world.sqlite` would): their watches raise `WorldReplaced`.
+Its leases run on the store's clock: on a fake one (evergraph.testing.clock), a
+test advances the clock past a TTL instead of sleeping through it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import bisect
 import itertools
 import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Protocol
 
+from evergraph._util.clock import SYSTEM, Clock
 from evergraph.world.kv import (
     KV,
     Compacted,
@@ -32,14 +36,21 @@ from evergraph.world.kv import (
 _RESET = "the memory World was reset"
 
 
+class _Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
 class MemoryStore:
-    def __init__(self) -> None:
+    """One memory World, shared by its clients. `clock` times its leases."""
+
+    def __init__(self, clock: Clock = SYSTEM) -> None:
+        self.clock = clock
         self.revision = 0
         self.compacted = 0
         self.data: dict[str, KeyValue] = {}
         #: (revision, events) in revision order
         self.history: list[tuple[int, list[Event]]] = []
-        self.leases: dict[int, tuple[float, set[str], asyncio.TimerHandle | None]] = {}
+        self.leases: dict[int, tuple[float, set[str], _Timer | None]] = {}
         self._ids = itertools.count(0x1000)
         self._changed = asyncio.Event()
         #: a new one for each World this store holds (see reset)
@@ -68,13 +79,16 @@ class MemoryStore:
         self.epoch += 1
         self.why = why
         log.warning("world: %s", WorldReplaced(why))
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self.wake()
         for fn in list(self.replaced_fns):
             fn(why)
 
     def commit(self, events: list[Event]) -> None:
         self.history.append((self.revision, events))
+        self.wake()
+
+    def wake(self) -> None:
+        """Every watch of every client looks again (one event to wait on, no race)."""
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -106,8 +120,16 @@ class MemoryStore:
         _, keys, timer = self.leases[lease]
         if timer is not None:
             timer.cancel()
-        timer = asyncio.get_running_loop().call_later(ttl, self.expire, lease)
-        self.leases[lease] = (ttl, keys, timer)
+        self.leases[lease] = (ttl, keys, self._call_later(ttl, lambda: self.expire(lease)))
+
+    def _call_later(self, seconds: float, fn: Callable[[], None]) -> _Timer:
+        # a clock with timers of its own (a fake one) fires them at its time;
+        # otherwise the loop's timer, on the real clock the loop keeps too
+        call_later = getattr(self.clock, "call_later", None)
+        if call_later is not None:
+            timer: _Timer = call_later(seconds, fn)
+            return timer
+        return asyncio.get_running_loop().call_later(seconds, fn)
 
     def expire(self, lease: int) -> None:
         entry = self.leases.pop(lease, None)
@@ -246,15 +268,8 @@ class MemoryKV(KV):
                     yield mine
             if nxt <= st.revision:
                 continue
-            waits = [
-                asyncio.ensure_future(self._closed.wait()),
-                asyncio.ensure_future(changed.wait()),
-            ]
-            try:
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits:
-                    w.cancel()
+            await changed.wait()  # a commit, a reset, or a client closed (see close)
 
     async def close(self) -> None:
         self._closed.set()
+        self.store.wake()  # our watches look again, see us closed and end

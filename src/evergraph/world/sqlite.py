@@ -10,7 +10,7 @@ How a watcher learns that another process wrote: inotify on the `-wal` file
 is missed (e.g. a checkpoint that truncated the file between our reads),
 armed 0.1 s after the first watch starts (`ARM_AFTER`: a short-lived client
 never pays an inotify instance's teardown). An idle agent wakes for nothing
-else than its lease: no fixed tick.
+else than its lease: no fixed tick. That notifier is world/_sqlite_notify.py.
 
 Leases keep their deadline as wall-clock time in the file. Expired leases
 are swept by whoever writes, and by every open client with a watch when the
@@ -46,16 +46,8 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
-from evergraph._util.inotify import (  # the event bits and parser; ctypes once armed
-    IN_ATTRIB,
-    IN_CLOSE_WRITE,
-    IN_CREATE,
-    IN_DELETE,
-    IN_MODIFY,
-    IN_MOVED_FROM,
-    IN_MOVED_TO,
-    events,
-)
+from evergraph._util.tasks import first_of
+from evergraph.world._sqlite_notify import Notified, notify_loop
 from evergraph.world.kv import (
     KV,
     Compacted,
@@ -90,15 +82,7 @@ HISTORY = 10_000
 _SWEEP = 0.05  # at least this long between lease sweeps while watching
 _IDLE = 30.0  # at most this long between them (a missed inotify event, no leases)
 _POLL = 30.0  # fallback poll for other processes' writes (inotify is the way)
-#: the notifier arms its inotify instance this long after the first watch starts:
-#: a client done by then (a run that exits the moment it converges) never pays the
-#: instance's teardown, ~15 ms of wall time in the kernel at close or exit (the
-#: marks' RCU grace period). Another process's commit (or a lease's expiry) in that
-#: moment reaches the watchers when it is armed: at most this late.
-ARM_AFTER = 0.1
 _PUT, _DEL = 0, 1
-_IN_MODIFY_CLOSE_WRITE_ATTRIB = IN_MODIFY | IN_CLOSE_WRITE | IN_ATTRIB
-_IN_CREATE_DELETE_MOVED = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO
 
 
 def _upper(prefix: str) -> str:
@@ -474,93 +458,24 @@ class SQLiteKV(KV):
             await self._wait(changed)
 
     async def _wait(self, changed: asyncio.Event) -> None:
-        waits = [
-            asyncio.ensure_future(changed.wait()),
-            asyncio.ensure_future(self._closed.wait()),
-        ]
-        try:
-            await asyncio.wait(waits, timeout=_POLL, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_POLL):
+                await first_of(changed.wait(), self._closed.wait())
 
     def _start_notifier(self) -> None:
         if self._notifier is None:
-            self._notifier = asyncio.create_task(self._notify_loop(), name="world-sqlite-notify")
+            self._notifier = asyncio.create_task(
+                notify_loop(self._notified(), self.path), name="world-sqlite-notify"
+            )
 
-    async def _notify_loop(self) -> None:
-        """Wake watchers on other processes' commits (inotify on the WAL) and sweep
-        expired leases, so deletions by expiry reach watchers without any write."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(ARM_AFTER):
-                await self._closed.wait()
-        if self._closed.is_set():
-            return
-        from evergraph._util.inotify import Inotify  # (ctypes) once armed
-
-        loop = asyncio.get_running_loop()
-        woke = asyncio.Event()
-        woke.set()  # look again once armed: what was committed before
-
-        def drain(fd: int) -> None:
-            # A write to the -wal, or the World's files deleted, created or renamed in
-            # its directory (a replacement), means "look again"; other files of the
-            # directory (the state dir's own writes) do not.
-            hit = False
-            with contextlib.suppress(BlockingIOError, OSError):
-                while buf := os.read(fd, 65536):
-                    for wd, _mask, name in events(buf):
-                        if wd != dir_wd or name.startswith(base):
-                            hit = True
-            if hit:
-                woke.set()
-
-        with Inotify() as ino:
-            watch = -1  # the -wal file's watch descriptor
-            watched = -1  # the epoch (World) whose -wal file is watched
-
-            def add_watch() -> None:
-                # again after a replacement: the new World has a new -wal file;
-                # ATTRIB: its deletion (a link count change) wakes us too
-                nonlocal watch, watched
-                with contextlib.suppress(OSError):
-                    new = ino.add_watch(str(self.path) + "-wal", _IN_MODIFY_CLOSE_WRITE_ATTRIB)
-                    if watch != -1 and watch != new:
-                        with contextlib.suppress(OSError):
-                            ino.rm_watch(watch)
-                    watch, watched = new, self._epoch
-
-            add_watch()
-            base = os.fsencode(self.path.name)
-            dir_wd = -1
-            with contextlib.suppress(OSError):
-                dir_wd = ino.add_watch(str(self.path.parent), _IN_CREATE_DELETE_MOVED)
-            loop.add_reader(ino.fd, drain, ino.fd)
-            try:
-                # Sweep on a deadline — the earliest lease expiry — not on quiet ticks
-                # (another process touching the -wal would postpone it for ever) and
-                # not on a fixed tick (an idle agent would wake for nothing). A write
-                # by anyone wakes us: a new lease may expire sooner.
-                next_sweep = loop.time() + self._until_expiry()
-                while not self._closed.is_set():
-                    if watched != self._epoch or watch == -1:
-                        add_watch()  # a new World, or a -wal that did not exist yet
-                    written = False
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout_at(next_sweep):
-                            await woke.wait()
-                            written = True
-                    woke.clear()
-                    swept = False
-                    if loop.time() >= next_sweep:
-                        swept = await self._sweep_now()
-                        next_sweep = loop.time() + self._until_expiry()
-                    elif written:
-                        next_sweep = min(next_sweep, loop.time() + self._until_expiry())
-                    if written or swept:
-                        self._notify()
-            finally:
-                loop.remove_reader(ino.fd)
+    def _notified(self) -> Notified:
+        return Notified(
+            closed=self._closed,
+            epoch=lambda: self._epoch,
+            until_expiry=self._until_expiry,
+            sweep_now=self._sweep_now,
+            notify=self._notify,
+        )
 
     def _until_expiry(self) -> float:
         """Seconds until the earliest lease expires (a little after), at most _IDLE."""
@@ -597,7 +512,3 @@ class SQLiteKV(KV):
         if self._db is not None:
             self._db.close()
             self._db = None  # type: ignore[assignment]
-
-
-def default_path(state_dir: Path) -> Path:
-    return state_dir / "world.sqlite"
