@@ -123,13 +123,9 @@ class MemoryStore:
         self.leases[lease] = (ttl, keys, self._call_later(ttl, lambda: self.expire(lease)))
 
     def _call_later(self, seconds: float, fn: Callable[[], None]) -> _Timer:
-        # a clock with timers of its own (a fake one) fires them at its time;
-        # otherwise the loop's timer, on the real clock the loop keeps too
-        call_later = getattr(self.clock, "call_later", None)
-        if call_later is not None:
-            timer: _Timer = call_later(seconds, fn)
-            return timer
-        return asyncio.get_running_loop().call_later(seconds, fn)
+        # the store's clock fires its own timers: a fake clock's at its time
+        timer: _Timer = self.clock.call_later(seconds, fn)
+        return timer
 
     def expire(self, lease: int) -> None:
         entry = self.leases.pop(lease, None)
