@@ -250,7 +250,8 @@ def test_a_vertex_started_again_in_one_run_does_not_list_its_directory_again(
     import contextlib
     from collections.abc import Callable
 
-    import evergraph.resources.file as file_kind
+    import evergraph.resources._leftovers as leftovers
+    import evergraph.resources.file  # noqa: F401  (registers the file kind)
     from evergraph.engine.build import build
     from evergraph.engine.contract import default_registry
     from evergraph.engine.engine import Engine
@@ -261,13 +262,13 @@ def test_a_vertex_started_again_in_one_run_does_not_list_its_directory_again(
     d = tmp_path / "d"
     d.mkdir()
     listed: list[str] = []
-    real = file_kind.sweep_leftovers_of  # type: ignore[attr-defined]
+    real = leftovers.sweep_leftovers_of
 
     def spy(path: str, listed_now: object = None) -> list[str]:
         listed.append(path)
         return real(path, listed_now)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(file_kind, "sweep_leftovers_of", spy)
+    monkeypatch.setattr(leftovers, "sweep_leftovers_of", spy)
 
     def model(content: str) -> GraphModel:
         m = GraphModel(name="g")

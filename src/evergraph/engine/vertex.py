@@ -19,6 +19,7 @@ from urllib.parse import quote, unquote
 from evergraph._util.atomic import atomic_write
 from evergraph.engine.contract import PathWatcher, Resource
 from evergraph.engine.masking import MaskingLogger, mask
+from evergraph.engine.services import Services, services_of
 from evergraph.engine.status import Change, State, VertexStatus
 from evergraph.errors import ResourceError
 
@@ -217,6 +218,10 @@ class Vertex:
         if self.engine.world is None:
             raise ResourceError("this run has no World")
         return self.engine.world
+
+    @property
+    def services(self) -> Services:
+        return services_of(self.engine)
 
     def ready(self) -> None:
         self.engine.vertex_ready(self)
