@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from evergraph.testing.kinds import graph_error
 from tests.conftest import EVERGRAPH, Agent, run_cli, wait_for
 
 
@@ -71,17 +72,26 @@ def test_noop_only_reports_it(tmp_path: Path) -> None:
     assert "asks to exit" not in r.stderr
 
 
-@pytest.mark.parametrize(
-    ("body", "needle"),
-    [
-        ("  exit:\n  - {name: e, code: 126}\n", "exit[e].code: 126 is not between 0 and 125"),
-        ("  exit:\n  - {name: e, code: -1}\n", "exit[e].code: -1 is not between 0 and 125"),
-        ("  exit:\n  - {name: e, code: '3'}\n", "exit[e].code"),
-        ("  exit:\n  - {name: e, message: [a]}\n", "exit[e].message"),
-        ("  exit:\n  - {name: e, meta: {reverse: true}}\n", "exit resources cannot be reversed"),
-    ],
-)
-def test_bad_input_exit_2_nothing_applied(tmp_path: Path, body: str, needle: str) -> None:
+BAD_INPUT = [
+    ("  exit:\n  - {name: e, code: 126}\n", "exit[e].code: 126 is not between 0 and 125"),
+    ("  exit:\n  - {name: e, code: -1}\n", "exit[e].code: -1 is not between 0 and 125"),
+    ("  exit:\n  - {name: e, code: '3'}\n", "exit[e].code"),
+    ("  exit:\n  - {name: e, message: [a]}\n", "exit[e].message"),
+    ("  exit:\n  - {name: e, meta: {reverse: true}}\n", "exit resources cannot be reversed"),
+]
+
+
+@pytest.mark.parametrize(("body", "needle"), BAD_INPUT)
+def test_bad_input_is_a_load_error(tmp_path: Path, body: str, needle: str) -> None:
+    f = tmp_path / "made"
+    g = write(tmp_path / "g.yaml", f"  file:\n  - {{name: {f}, content: x}}\n" + body)
+    assert needle in graph_error(g)  # as `evergraph check` loads it, in process
+    assert not f.exists()
+
+
+def test_bad_input_exit_2_nothing_applied(tmp_path: Path) -> None:
+    """End to end, for the first bad input: `check` and `run` exit 2 with its message."""
+    body, needle = BAD_INPUT[0]
     f = tmp_path / "made"
     g = write(tmp_path / "g.yaml", f"  file:\n  - {{name: {f}, content: x}}\n" + body)
     for cmd in (["check", g], ["run", g, "--state-dir", tmp_path / "s", "--converged-exit"]):

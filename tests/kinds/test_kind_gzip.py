@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from evergraph.testing.kinds import graph_error
 from tests.conftest import Agent, run_cli, wait_for
 
 
@@ -91,18 +92,28 @@ def test_a_missing_input_is_a_failure_naming_it(tmp_path: Path) -> None:
     assert not out.exists()
 
 
-@pytest.mark.parametrize(
-    ("body", "needle"),
-    [
-        ("  gzip:\n  - {name: x.gz, content: a}\n", "gzip[x.gz].path: 'x.gz' is not an abs"),
-        ("  gzip:\n  - {name: T/x.gz, input: rel}\n", "input: 'rel' is not an absolute"),
-        ("  gzip:\n  - {name: T/x.gz, input: T/x.gz}\n", "is the output itself"),
-        ("  gzip:\n  - {name: T/x.gz, input: T/a, content: b}\n", "content: cannot be combined"),
-        ("  gzip:\n  - {name: T/x.gz, content: a, level: 10}\n", "level: 10 is not between"),
-        ("  gzip:\n  - {name: T/x.gz, content: a, compression: 9}\n", "compression"),
-    ],
-)
-def test_bad_input_exit_2_nothing_written(tmp_path: Path, body: str, needle: str) -> None:
+BAD_INPUT = [
+    ("  gzip:\n  - {name: x.gz, content: a}\n", "gzip[x.gz].path: 'x.gz' is not an abs"),
+    ("  gzip:\n  - {name: T/x.gz, input: rel}\n", "input: 'rel' is not an absolute"),
+    ("  gzip:\n  - {name: T/x.gz, input: T/x.gz}\n", "is the output itself"),
+    ("  gzip:\n  - {name: T/x.gz, input: T/a, content: b}\n", "content: cannot be combined"),
+    ("  gzip:\n  - {name: T/x.gz, content: a, level: 10}\n", "level: 10 is not between"),
+    ("  gzip:\n  - {name: T/x.gz, content: a, compression: 9}\n", "compression"),
+]
+
+
+@pytest.mark.parametrize(("body", "needle"), BAD_INPUT)
+def test_bad_input_is_a_load_error(tmp_path: Path, body: str, needle: str) -> None:
+    (tmp_path / "a").write_text("a\n")
+    g = write_graph(tmp_path / "g.yaml", body.replace("T", str(tmp_path)))
+    needle = needle.replace("T", str(tmp_path))
+    assert needle in graph_error(g)  # as `evergraph check` loads it, in process
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "g.yaml"]
+
+
+def test_bad_input_exit_2_nothing_written(tmp_path: Path) -> None:
+    """End to end, for the first bad input: `check` and `run` exit 2 with its message."""
+    body, needle = BAD_INPUT[0]
     (tmp_path / "a").write_text("a\n")
     g = write_graph(tmp_path / "g.yaml", body.replace("T", str(tmp_path)))
     needle = needle.replace("T", str(tmp_path))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from evergraph.testing.kinds import graph_error
 from tests.conftest import Agent, run_cli, wait_for
 
 NOBODY = 65534
@@ -122,30 +123,41 @@ def test_a_file_with_only_mode_and_a_line_share_a_path(tmp_path: Path) -> None:
     assert stat.S_IMODE(f.stat().st_mode) == 0o600
 
 
-@pytest.mark.parametrize(
-    ("body", "needle"),
-    [
-        ("  line:\n  - {name: l, file: rel/x, content: a}\n", "line[l].file: 'rel/x' is not an"),
-        ("  line:\n  - {name: l, content: a}\n", "line[l].file: is empty"),
-        ("  line:\n  - {name: l, file: F, content: ''}\n", "line[l].content: is empty"),
-        ("  line:\n  - {name: l, file: F, content: a, state: gone}\n", "line[l].state"),
-        ("  line:\n  - {name: l, file: F, contents: a}\n", "contents"),
-        (
-            "  file:\n  - {name: F, content: whole}\n  line:\n  - {name: l, file: F, content: a}\n",
-            "manages a part of content:F, all of which file[F]",
-        ),
-        (
-            "  line:\n  - {name: l, file: F, content: a}\n  file:\n  - {name: F, state: absent}\n",
-            "manages all of content:F, a part of which line[l]",
-        ),
-        (
-            "  line:\n  - {name: l, file: F, content: a}\n"
-            "  - {name: m, file: F, content: a, state: absent}\n",
-            "manages line:F:a, as line[l]",
-        ),
-    ],
-)
-def test_bad_input_exit_2_file_untouched(tmp_path: Path, body: str, needle: str) -> None:
+BAD_INPUT = [
+    ("  line:\n  - {name: l, file: rel/x, content: a}\n", "line[l].file: 'rel/x' is not an"),
+    ("  line:\n  - {name: l, content: a}\n", "line[l].file: is empty"),
+    ("  line:\n  - {name: l, file: F, content: ''}\n", "line[l].content: is empty"),
+    ("  line:\n  - {name: l, file: F, content: a, state: gone}\n", "line[l].state"),
+    ("  line:\n  - {name: l, file: F, contents: a}\n", "contents"),
+    (
+        "  file:\n  - {name: F, content: whole}\n  line:\n  - {name: l, file: F, content: a}\n",
+        "manages a part of content:F, all of which file[F]",
+    ),
+    (
+        "  line:\n  - {name: l, file: F, content: a}\n  file:\n  - {name: F, state: absent}\n",
+        "manages all of content:F, a part of which line[l]",
+    ),
+    (
+        "  line:\n  - {name: l, file: F, content: a}\n"
+        "  - {name: m, file: F, content: a, state: absent}\n",
+        "manages line:F:a, as line[l]",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "needle"), BAD_INPUT)
+def test_bad_input_is_a_load_error(tmp_path: Path, body: str, needle: str) -> None:
+    f = tmp_path / "f"
+    f.write_bytes(BEFORE)
+    g = write_graph(tmp_path / "g.yaml", body.replace("F", str(f)))
+    needle = needle.replace("F", str(f))
+    assert needle in graph_error(g)  # as `evergraph check` loads it, in process
+    assert f.read_bytes() == BEFORE
+
+
+def test_bad_input_exit_2_file_untouched(tmp_path: Path) -> None:
+    """End to end, for the first bad input: `check` and `run` exit 2 with its message."""
+    body, needle = BAD_INPUT[0]
     f = tmp_path / "f"
     f.write_bytes(BEFORE)
     g = write_graph(tmp_path / "g.yaml", body.replace("F", str(f)))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from evergraph.testing.kinds import graph_error
 from tests.conftest import Agent, run_cli, wait_for
 
 
@@ -126,23 +127,32 @@ def test_a_missing_input_is_a_failure_naming_it(tmp_path: Path) -> None:
     assert not out.exists()
 
 
-@pytest.mark.parametrize(
-    ("body", "needle"),
-    [
-        ("  tar:\n  - {name: x.tar, inputs: [T/a]}\n", "tar[x.tar].path: 'x.tar' is not an abs"),
-        ("  tar:\n  - {name: T/x.tar, inputs: []}\n", "tar[T/x.tar].inputs: is empty"),
-        ("  tar:\n  - {name: T/x.tar, inputs: [rel]}\n", "inputs.0: 'rel' is not an absolute"),
-        ("  tar:\n  - {name: T/x.tar, inputs: [T/]}\n", "inputs.0: T/ holds the archive"),
-        ("  tar:\n  - {name: T/x.tar, inputs: [T/a], format: 3}\n", "format: 3 is not 0"),
-        ("  tar:\n  - {name: T/x.tar, input: [T/a]}\n", "input"),
-        (
-            "  tar:\n  - {name: T/x.tar, inputs: [T/a]}\n"
-            "  file:\n  - {name: T/x.tar, content: hi}\n",
-            "manages content:T/x.tar, as tar[T/x.tar]",
-        ),
-    ],
-)
-def test_bad_input_exit_2_nothing_written(tmp_path: Path, body: str, needle: str) -> None:
+BAD_INPUT = [
+    ("  tar:\n  - {name: x.tar, inputs: [T/a]}\n", "tar[x.tar].path: 'x.tar' is not an abs"),
+    ("  tar:\n  - {name: T/x.tar, inputs: []}\n", "tar[T/x.tar].inputs: is empty"),
+    ("  tar:\n  - {name: T/x.tar, inputs: [rel]}\n", "inputs.0: 'rel' is not an absolute"),
+    ("  tar:\n  - {name: T/x.tar, inputs: [T/]}\n", "inputs.0: T/ holds the archive"),
+    ("  tar:\n  - {name: T/x.tar, inputs: [T/a], format: 3}\n", "format: 3 is not 0"),
+    ("  tar:\n  - {name: T/x.tar, input: [T/a]}\n", "input"),
+    (
+        "  tar:\n  - {name: T/x.tar, inputs: [T/a]}\n  file:\n  - {name: T/x.tar, content: hi}\n",
+        "manages content:T/x.tar, as tar[T/x.tar]",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "needle"), BAD_INPUT)
+def test_bad_input_is_a_load_error(tmp_path: Path, body: str, needle: str) -> None:
+    (tmp_path / "a").write_text("a\n")
+    g = write_graph(tmp_path / "g.yaml", body.replace("T", str(tmp_path)))
+    needle = needle.replace("T", str(tmp_path))
+    assert needle in graph_error(g)  # as `evergraph check` loads it, in process
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "g.yaml"]
+
+
+def test_bad_input_exit_2_nothing_written(tmp_path: Path) -> None:
+    """End to end, for the first bad input: `check` and `run` exit 2 with its message."""
+    body, needle = BAD_INPUT[0]
     (tmp_path / "a").write_text("a\n")
     g = write_graph(tmp_path / "g.yaml", body.replace("T", str(tmp_path)))
     needle = needle.replace("T", str(tmp_path))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from evergraph.testing.kinds import graph_error
 from tests.conftest import Agent, run_cli, wait_for
 
 
@@ -64,20 +65,29 @@ def test_any_value_types_pass_through_a_chain(tmp_path: Path) -> None:
     assert not out.exists()
 
 
-@pytest.mark.parametrize(
-    ("body", "needle"),
-    [
-        ("  value:\n  - {name: v, value: 1}\n", "value[v].value: unknown parameter"),
-        ("  value:\n  - {name: v, any: 1, meta: {reverse: true}}\n", "value resources cannot be"),
-        (
-            "  value:\n  - {name: v, any: 1}\n  file:\n  - {name: F}\n"
-            "edges:\n- from: {kind: value, name: v, send: value}\n"
-            "  to: {kind: file, name: F, recv: content}\n",
-            "value sends no 'value' (it sends: any)",
-        ),
-    ],
-)
-def test_bad_input_exit_2_nothing_written(tmp_path: Path, body: str, needle: str) -> None:
+BAD_INPUT = [
+    ("  value:\n  - {name: v, value: 1}\n", "value[v].value: unknown parameter"),
+    ("  value:\n  - {name: v, any: 1, meta: {reverse: true}}\n", "value resources cannot be"),
+    (
+        "  value:\n  - {name: v, any: 1}\n  file:\n  - {name: F}\n"
+        "edges:\n- from: {kind: value, name: v, send: value}\n"
+        "  to: {kind: file, name: F, recv: content}\n",
+        "value sends no 'value' (it sends: any)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "needle"), BAD_INPUT)
+def test_bad_input_is_a_load_error(tmp_path: Path, body: str, needle: str) -> None:
+    g = tmp_path / "g.yaml"
+    g.write_text("graph: v\nresources:\n" + body.replace("F", str(tmp_path / "out")))
+    assert needle in graph_error(g)  # as `evergraph check` loads it, in process
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_input_exit_2_nothing_written(tmp_path: Path) -> None:
+    """End to end, for the first bad input: `check` and `run` exit 2 with its message."""
+    body, needle = BAD_INPUT[0]
     g = tmp_path / "g.yaml"
     g.write_text("graph: v\nresources:\n" + body.replace("F", str(tmp_path / "out")))
     for cmd in (["check", g], ["run", g, "--state-dir", tmp_path / "s", "--converged-exit"]):
