@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from evergraph.cluster.hostkeys import HostKeys
+from evergraph.testing.kinds import graph_error
 from tests.conftest import Agent, run_cli, wait_for
 
 
@@ -164,17 +165,27 @@ def test_noop_generates_and_writes_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "out.txt").exists()
 
 
-@pytest.mark.parametrize(
-    ("params", "needle"),
-    [
-        ("length: 3", "password[p].length: 3 is not between 8 and 4096"),
-        ("length: 5000", "password[p].length: 5000 is not between 8 and 4096"),
-        ("length: many", "password[p].length: expected int"),
-        ("saved: rel/p.sealed", "password[p].saved: 'rel/p.sealed' is not an absolute path"),
-        ("saved: /tmp/dir/", "password[p].saved: '/tmp/dir/' names a directory"),
-    ],
-)
-def test_bad_parameters_are_load_errors(tmp_path: Path, params: str, needle: str) -> None:
+BAD_PARAMS = [
+    ("length: 3", "password[p].length: 3 is not between 8 and 4096"),
+    ("length: 5000", "password[p].length: 5000 is not between 8 and 4096"),
+    ("length: many", "password[p].length: expected int"),
+    ("saved: rel/p.sealed", "password[p].saved: 'rel/p.sealed' is not an absolute path"),
+    ("saved: /tmp/dir/", "password[p].saved: '/tmp/dir/' names a directory"),
+]
+
+
+@pytest.mark.parametrize(("params", "needle"), BAD_PARAMS)
+def test_bad_parameters_are_load_errors_in_process(
+    tmp_path: Path, params: str, needle: str
+) -> None:
+    g = graph(tmp_path, params=params)
+    err = graph_error(g)  # as `evergraph check` loads it, in process
+    assert needle in err
+
+
+def test_bad_parameters_are_load_errors(tmp_path: Path) -> None:
+    """End to end, for the first: `run` exits 2 with the message, nothing changed."""
+    params, needle = BAD_PARAMS[0]
     g, state = graph(tmp_path, params=params), tmp_path / "s"
     rc, err = run_once(g, state)
     assert rc == 2
