@@ -8,9 +8,9 @@ way when its check is cancelled is finished before the cancellation ends the run
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-import evergraph.resources.file as file_kind
+import evergraph.resources.file  # noqa: F401  (registers the file kind)
 from evergraph._util import atomic
 from evergraph._util.atomic import TEMP_RE, temp_name
 from evergraph.engine.build import build
@@ -26,6 +26,7 @@ from evergraph.engine.contract import default_registry
 from evergraph.engine.engine import Engine
 from evergraph.engine.model import GraphModel
 from evergraph.engine.settings import Settings
+from evergraph.resources import _commit
 from evergraph.watch import InotifyHub
 
 #: how long a spy waits for what the test expects to happen (a failure, not a hang)
@@ -92,9 +93,9 @@ class Spy:
 
 def every_write_in_a_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every write counts as slow and in a stream: each goes to the committer."""
-    monkeypatch.setattr(file_kind, "SLOW_S", 0.0)
-    monkeypatch.setattr(file_kind, "STREAM_S", 1e9)
-    monkeypatch.setattr(file_kind, "SAMPLE", 10**9)
+    monkeypatch.setattr(_commit, "SLOW_S", 0.0)
+    monkeypatch.setattr(_commit, "STREAM_S", 1e9)
+    monkeypatch.setattr(_commit, "SAMPLE", 10**9)
 
 
 def test_a_stream_of_writes_is_committed_in_batches_each_durable_and_recognised_as_ours(
@@ -105,17 +106,37 @@ def test_a_stream_of_writes_is_committed_in_batches_each_durable_and_recognised_
     d = tmp_path / "d"
     d.mkdir()  # exists: its watch is set before the writes
     spy = Spy(monkeypatch)
-    holding, went_on = threading.Event(), threading.Event()
-    real_open, real_syncfs, real_commit = os.open, atomic.syncfs, file_kind.commit
+    n = 12
+    # The interleaving is forced, not hoped for: the loop makes its second temp file
+    # only once the committer has taken the first write (a batch of one), and the
+    # committer holds that batch until the loop has made every other temp file. So
+    # the loop goes on while the committer works, and the writes behind the first
+    # one wait for it together: one batch, synced by syncfs.
+    first_taken, all_made = threading.Event(), threading.Event()
+    made_in_loop: list[str] = []
+    batches: list[int] = []
+    real_open, real_syncfs, real_commit = os.open, atomic.syncfs, _commit.commit
 
     def open_(path: str, flags: int, *a: object, **kw: object) -> int:
+        name = os.path.basename(path)
+        ours = bool(flags & os.O_CREAT and TEMP_RE.match(name) and re.match(r"\.f\d+\.", name))
+        in_loop = threading.current_thread() is threading.main_thread()
+        if ours and in_loop and len(made_in_loop) == 1:
+            first_taken.wait(WAIT_S)  # (a timeout fails the asserts below, not a hang)
         fd = real_open(path, flags, *a, **kw)  # type: ignore[arg-type]
-        if flags & os.O_CREAT and TEMP_RE.match(os.path.basename(path)):
-            threaded = threading.current_thread() is not threading.main_thread()
-            spy._add("create", path, threaded)
-            if holding.is_set() and not threaded:
-                went_on.set()  # a temp file made in the loop while the committer is held
+        if ours:
+            spy._add("create", path, not in_loop)
+            if in_loop:
+                made_in_loop.append(name)
+                if len(made_in_loop) == n:
+                    all_made.set()
         return fd
+
+    def taken(self: _commit.Committer, batch: list[object]) -> None:
+        batches.append(len(batch))
+        if len(batches) == 1:
+            first_taken.set()
+            all_made.wait(WAIT_S)
 
     def syncfs(fd: int) -> None:
         spy._add("syncfs", "", threading.current_thread() is not threading.main_thread())
@@ -126,18 +147,10 @@ def test_a_stream_of_writes_is_committed_in_batches_each_durable_and_recognised_
         spy._add("committed", " ".join(p.tmp for p in batch), True)
         return errors
 
-    def on_fsync(name: str, threaded: bool) -> None:
-        # The committer's first fsync of a temp file is held until the loop has
-        # written another temp file: only possible if the loop went on meanwhile.
-        if threaded:
-            holding.set()
-            went_on.wait(WAIT_S)
-
     monkeypatch.setattr(os, "open", open_)
     monkeypatch.setattr(atomic, "syncfs", syncfs)
-    monkeypatch.setattr(file_kind, "commit", commit)
-    spy.on_fsync = on_fsync  # type: ignore[method-assign]
-    n = 12
+    monkeypatch.setattr(_commit, "commit", commit)
+    monkeypatch.setattr(_commit.Committer, "_taken", taken)
 
     async def main() -> tuple[int, Engine]:
         async with InotifyHub() as hub:
@@ -152,7 +165,9 @@ def test_a_stream_of_writes_is_committed_in_batches_each_durable_and_recognised_
 
     rc, engine = asyncio.run(main())
     assert rc == 0
-    assert went_on.is_set(), "the loop never wrote a file while the committer worked"
+    assert first_taken.is_set(), "no write reached the committer"
+    assert all_made.is_set(), "the loop did not write the other files while the committer worked"
+    assert batches[:2] == [1, n - 1], batches  # the first alone, then all the others at once
     assert engine.subscriptions == n  # watched: our renames reach the watch...
     assert engine.events == 0  # ...and none of them was taken for a change to repair
     ops = spy.ops
@@ -227,7 +242,8 @@ def test_a_write_under_way_when_cancelled_is_finished_before_the_run_ends(
 
 def test_a_lone_write_is_done_inline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With no write before it, a write does not pay a hop to a thread (a drift repair)."""
-    monkeypatch.setattr(file_kind, "_last_end", -1e9)
+    # (each engine built without an agent has its own services: no write before it)
+    monkeypatch.setattr(_commit, "SLOW_S", 0.0)  # even when writes are slow
     d = tmp_path / "d"
     d.mkdir()
     spy = Spy(monkeypatch)
@@ -332,9 +348,8 @@ def test_a_stream_of_fast_writes_stays_in_the_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Writes quicker than SLOW_S (tmpfs) are not worth a thread's hop."""
-    monkeypatch.setattr(file_kind, "SLOW_S", 1.0)
-    monkeypatch.setattr(file_kind, "STREAM_S", 1e9)
-    monkeypatch.setattr(file_kind, "_inline_s", collections.deque([0.0], maxlen=5))
+    monkeypatch.setattr(_commit, "SLOW_S", 1.0)
+    monkeypatch.setattr(_commit, "STREAM_S", 1e9)
     d = tmp_path / "d"
     d.mkdir()
     spy = Spy(monkeypatch)

@@ -8,6 +8,19 @@ from pathlib import Path
 
 import pytest
 
+import evergraph.resources  # noqa: F401  (declares the built-in kinds)
+from evergraph.engine.build import build
+from evergraph.engine.contract import default_registry
+from evergraph.testing.kinds import (
+    Apply,
+    Call,
+    ExpectClean,
+    FakeHandle,
+    Start,
+    Step,
+    graph_error,
+    run_steps,
+)
 from tests.conftest import Agent, run_cli, wait_for
 
 NOBODY, NOGROUP = 65534, 65534
@@ -17,6 +30,12 @@ def graph(tmp_path: Path, body: str, edges: str = "") -> Path:
     g = tmp_path / "g.yaml"
     g.write_text("graph: f\nresources:\n  file:\n" + body + edges)
     return g
+
+
+def steps(tmp_path: Path, params: dict[str, object], *then: Step) -> FakeHandle:
+    """One file resource, started and taken through `then`, in process."""
+    res = build(default_registry, "file", params)
+    return run_steps(res, [Start(), *then], state_dir=tmp_path / "s")
 
 
 def converge(tmp_path: Path, g: Path) -> str:
@@ -35,21 +54,26 @@ def test_source_file_fragments_and_owner(tmp_path: Path) -> None:
     head = tmp_path / "head"
     head.write_text("head\n")
     copy, joined = tmp_path / "out" / "copy", tmp_path / "out" / "joined"
-    g = graph(
-        tmp_path,
-        f"  - {{name: {copy}, source: {src}, owner: nobody, group: '{NOGROUP}', mode: '0640'}}\n"
-        f"  - {{name: {joined}, fragments: [{head}, {frags}]}}\n",
-    )
-    err = converge(tmp_path, g)
-    assert err.count(": applied") == 2
-    assert copy.read_text() == "from source\n"
-    st = copy.stat()
-    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (NOBODY, NOGROUP, 0o640)
+    copied = {"name": str(copy), "source": str(src), "owner": "nobody"}
+    copied.update(group=str(NOGROUP), mode="0640")
+    fragments = {"name": str(joined), "fragments": [str(head), str(frags)]}
+
+    def chown() -> None:
+        os.chown(copy, 0, 0)
+
+    def owned() -> None:
+        assert copy.stat().st_uid == NOBODY
+
+    def looks() -> None:
+        assert copy.read_text() == "from source\n"
+        st = copy.stat()
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (NOBODY, NOGROUP, 0o640)
+
+    # applied, then clean; after a chown only the owner is repaired
+    steps(tmp_path, copied, Apply(), Call(looks), ExpectClean(), Call(chown))
+    steps(tmp_path, copied, Apply(changes=["owner", "group"]), Call(owned), ExpectClean())
+    steps(tmp_path, fragments, Apply(), ExpectClean())
     assert joined.read_text() == "head\na\nb\n"  # a directory gives its files in name order
-    assert ": applied" not in converge(tmp_path, g)  # second run clean
-    os.chown(copy, 0, 0)
-    assert converge(tmp_path, g).count(": applied") == 1
-    assert copy.stat().st_uid == NOBODY
 
 
 def test_watch_follows_source_and_fragments(tmp_path: Path, agents) -> None:  # type: ignore[no-untyped-def]
@@ -78,10 +102,8 @@ def test_watch_follows_source_and_fragments(tmp_path: Path, agents) -> None:  # 
 
 def test_missing_source_is_a_runtime_failure_naming_it(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    g = graph(tmp_path, f"  - {{name: {out}, source: {tmp_path}/nope}}\n")
-    r = run_cli("run", g, "--state-dir", tmp_path / "s", "--converged-exit")
-    assert r.returncode == 1
-    assert f"file[{out}]: source {tmp_path}/nope: no such file" in r.stderr
+    why = f"source {tmp_path}/nope: no such file"
+    steps(tmp_path, {"name": str(out), "source": f"{tmp_path}/nope"}, Apply(raises=why))
     assert not out.exists()
 
 
@@ -140,29 +162,26 @@ def test_recursive_copy_purge_keeps_other_resources_files(tmp_path: Path, agents
 def test_recurse_applies_owner_and_mode_to_the_tree(tmp_path: Path) -> None:
     d = tmp_path / "d"
     make_tree(d)
-    g = graph(tmp_path, f"  - {{name: {d}/, recurse: true, owner: nobody, mode: '0640'}}\n")
-    converge(tmp_path, g)
+    tree = {"name": f"{d}/", "recurse": True, "owner": "nobody", "mode": "0640"}
+    steps(tmp_path, tree, Apply(), ExpectClean())
     for p in [d / "top.txt", d / "sub", d / "sub" / "deep" / "low.txt"]:
         st = p.lstat()
         want = 0o750 if p.is_dir() else 0o640  # directories get x where r is given
         assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (NOBODY, want), p
-    assert ": applied" not in converge(tmp_path, g)
 
 
 def test_force_replaces_what_is_in_the_way(tmp_path: Path) -> None:
     f, d = tmp_path / "was-a-dir", tmp_path / "was-a-file"
     (f / "inner").mkdir(parents=True)
     d.write_text("x")
-    body = f'  - {{name: {f}, content: "now a file\\n"}}\n  - {{name: {d}/}}\n'
-    r = run_cli("run", graph(tmp_path, body), "--state-dir", tmp_path / "s", "--converged-exit")
-    assert r.returncode == 1
-    assert f"{f} exists and is a directory (force: true replaces it)" in r.stderr
+    a_file = {"name": str(f), "content": "now a file\n"}
+    a_dir = {"name": f"{d}/"}
+    steps(tmp_path, a_file, Apply(raises=rf"{f} exists and is a directory \(force: true replaces"))
+    steps(tmp_path, a_dir, Apply(raises=rf"{d} exists and is not a directory \(force: true"))
     assert (f / "inner").is_dir()
     assert d.is_file()
-    body = body.replace('file\\n"}', 'file\\n", force: true}').replace(
-        f"{d}/}}", f"{d}/, force: true}}"
-    )
-    converge(tmp_path, graph(tmp_path, body))
+    steps(tmp_path, {**a_file, "force": True}, Apply(), ExpectClean())
+    steps(tmp_path, {**a_dir, "force": True}, Apply(), ExpectClean())
     assert f.read_text() == "now a file\n"
     assert d.is_dir()
 
@@ -179,23 +198,28 @@ def test_reverse_restores_owner(tmp_path: Path) -> None:
     assert f.read_text() == "x\n"
 
 
-@pytest.mark.parametrize(
-    ("params", "field", "why"),
-    [
-        ("content: a, source: /etc/hostname", "source", "cannot be combined with content"),
-        ("source: relative/x", "source", "is not an absolute path"),
-        ("fragments: [/a, b]", "fragments", "'b' is not an absolute path"),
-        ("purge: true", "purge", "only a directory"),
-        ("recurse: true", "recurse", "only a directory"),
-        ("owner: ''", "owner", "is not a name or a numeric id"),
-        ("group: 'a:b'", "group", "is not a name or a numeric id"),
-        ("owner: 5.5", "owner", "quote it"),  # (an integer is its source text, as in mgmt)
-        ("state: absent, source: /etc/hostname", "state", "absent cannot be combined"),
-    ],
-)
+BAD_PARAMS = [
+    ("content: a, source: /etc/hostname", "source", "cannot be combined with content"),
+    ("source: relative/x", "source", "is not an absolute path"),
+    ("fragments: [/a, b]", "fragments", "'b' is not an absolute path"),
+    ("purge: true", "purge", "only a directory"),
+    ("recurse: true", "recurse", "only a directory"),
+    ("owner: ''", "owner", "is not a name or a numeric id"),
+    ("group: 'a:b'", "group", "is not a name or a numeric id"),
+    ("owner: 5.5", "owner", "quote it"),  # (an integer is its source text, as in mgmt)
+    ("state: absent, source: /etc/hostname", "state", "absent cannot be combined"),
+]
+
+
+@pytest.mark.parametrize(("params", "field", "why"), BAD_PARAMS)
 def test_bad_params_are_rejected_at_load(tmp_path: Path, params: str, field: str, why: str) -> None:
     out = tmp_path / "out"
     g = graph(tmp_path, f"  - {{name: {out}, {params}}}\n")
+    err = graph_error(g)  # as `evergraph check` loads it, in process
+    assert f"file[{out}].{field}" in err
+    assert why in err
+    if (params, field, why) != BAD_PARAMS[0]:
+        return  # one of them end to end: exit 2, nothing written
     r = run_cli("run", g, "--state-dir", tmp_path / "s", "--converged-exit")
     assert r.returncode == 2, r.stderr
     assert f"file[{out}].{field}" in r.stderr
@@ -205,10 +229,8 @@ def test_bad_params_are_rejected_at_load(tmp_path: Path, params: str, field: str
 
 
 def test_directory_source_needs_recurse(tmp_path: Path) -> None:
-    g = graph(tmp_path, f"  - {{name: {tmp_path}/d/, source: /etc/}}\n")
-    r = run_cli("check", g)
-    assert r.returncode == 2
-    assert f"file[{tmp_path}/d/].source: copying a directory needs recurse: true" in r.stderr
+    err = graph_error(graph(tmp_path, f"  - {{name: {tmp_path}/d/, source: /etc/}}\n"))
+    assert f"file[{tmp_path}/d/].source: copying a directory needs recurse: true" in err
 
 
 def test_leftovers_of_killed_writes_are_swept_at_each_start_in_one_process(
@@ -250,7 +272,8 @@ def test_a_vertex_started_again_in_one_run_does_not_list_its_directory_again(
     import contextlib
     from collections.abc import Callable
 
-    import evergraph.resources.file as file_kind
+    import evergraph.resources._leftovers as leftovers
+    import evergraph.resources.file  # noqa: F401  (registers the file kind)
     from evergraph.engine.build import build
     from evergraph.engine.contract import default_registry
     from evergraph.engine.engine import Engine
@@ -261,13 +284,13 @@ def test_a_vertex_started_again_in_one_run_does_not_list_its_directory_again(
     d = tmp_path / "d"
     d.mkdir()
     listed: list[str] = []
-    real = file_kind.sweep_leftovers_of  # type: ignore[attr-defined]
+    real = leftovers.sweep_leftovers_of
 
     def spy(path: str, listed_now: object = None) -> list[str]:
         listed.append(path)
         return real(path, listed_now)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(file_kind, "sweep_leftovers_of", spy)
+    monkeypatch.setattr(leftovers, "sweep_leftovers_of", spy)
 
     def model(content: str) -> GraphModel:
         m = GraphModel(name="g")

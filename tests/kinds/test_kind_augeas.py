@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from evergraph.testing.kinds import graph_error
 from tests.conftest import EVERGRAPH, Agent, run_cli, wait_for
 
 pytest.importorskip("augeas", reason="needs python-augeas and libaugeas0 (scripts/setup)")
@@ -147,27 +148,32 @@ def test_an_unknown_lens_fails_clearly(tmp_path: Path) -> None:
 F, L, S = "file: /tmp/x", "lens: Sshd.lns", "sets: [{path: a, value: b}]"
 
 
-@pytest.mark.parametrize(
-    ("item", "needle"),
-    [
-        (f"{F}, {S}", "augeas[x].lens: needs the lens"),
-        (f"{F}, lens: sshd, {S}", "augeas[x].lens: 'sshd' is not a lens name"),
-        (f"file: rel, {L}, {S}", "augeas[x].file: 'rel' is not an absolute path"),
-        (f"{F}, {L}", "augeas[x].sets: nothing to set"),
-        (f"{F}, {L}, sets: [{{path: '', value: b}}]", "augeas[x].sets: '' is not a node path"),
-        (f"{F}, {L}, sets: [{{path: a}}]", "augeas[x].sets.0: Object missing required field value"),
-        (
-            f"{F}, {L}, sets: [{{path: a, value: [1]}}]",
-            "augeas[x].sets.0.value: expected bool | str, got array",
-        ),
-        (f"{F}, {L}, sets: [{{path: a, value: b}}, {{path: a, value: c}}]", "given two values"),
-    ],
-)
+BAD_INPUT = [
+    (f"{F}, {S}", "augeas[x].lens: needs the lens"),
+    (f"{F}, lens: sshd, {S}", "augeas[x].lens: 'sshd' is not a lens name"),
+    (f"file: rel, {L}, {S}", "augeas[x].file: 'rel' is not an absolute path"),
+    (f"{F}, {L}", "augeas[x].sets: nothing to set"),
+    (f"{F}, {L}, sets: [{{path: '', value: b}}]", "augeas[x].sets: '' is not a node path"),
+    (f"{F}, {L}, sets: [{{path: a}}]", "augeas[x].sets.0: Object missing required field value"),
+    (
+        f"{F}, {L}, sets: [{{path: a, value: [1]}}]",
+        "augeas[x].sets.0.value: expected bool | str, got array",
+    ),
+    (f"{F}, {L}, sets: [{{path: a, value: b}}, {{path: a, value: c}}]", "given two values"),
+]
+
+
+@pytest.mark.parametrize(("item", "needle"), BAD_INPUT)
 def test_bad_input_is_exit_2_and_changes_nothing(tmp_path: Path, item: str, needle: str) -> None:
     item = item.replace("/tmp/x", str(tmp_path / "conf"))
     (tmp_path / "conf").write_text("Port 22\n")
     g = tmp_path / "g.yaml"
     g.write_text(f"graph: g\nresources:\n  augeas:\n  - {{name: x, {item}}}\n")
+    err = graph_error(g)  # as `evergraph check` loads it, in process
+    assert needle in err
+    assert f"{g}:4:" in err
+    if (item, needle) != BAD_INPUT[0]:
+        return  # one of them end to end: exit 2, nothing changed
     r = run_cli("check", g)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr, r.stderr

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from evergraph.resources.cron import Cron
+from evergraph.testing.kinds import graph_error
 from tests.conftest import EVERGRAPH, Agent, run_cli, wait_for
 from tests.kinds.test_svc import UserManager, needs_user_manager
 
@@ -150,25 +151,30 @@ def test_the_unit_files_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     assert 'ExecStart=/bin/sh -c "echo \\"it\'s $$HOME at 100%%\\" >> /tmp/x"\n' in service
 
 
-@pytest.mark.parametrize(
-    ("item", "needle"),
-    [
-        ("{name: eg, time: daily}", "cron[eg].trigger: needs a trigger: one of OnCalendar"),
-        ("{name: eg, trigger: Daily, time: x}", "cron[eg].trigger: 'Daily' is not a trigger"),
-        ("{name: eg, trigger: OnCalendar}", "cron[eg].time: needs the value of OnCalendar"),
-        ("{name: 'a/b', trigger: OnCalendar, time: daily}", "cron[a/b].name: 'a/b' cannot name"),
-        ("{name: eg, state: on, trigger: OnCalendar, time: daily}", "cron[eg].state: Invalid"),
-        ("{name: eg, startup: yes, trigger: OnCalendar, time: daily}", "cron[eg].startup: "),
-        ("{name: eg, unit: x.timer, trigger: OnCalendar, time: x}", "cron[eg].unit: 'x.timer'"),
-        ('{name: eg, trigger: OnCalendar, time: "a\\nb"}', "cron[eg].time: must be one line"),
-    ],
-)
+BAD_INPUT = [
+    ("{name: eg, time: daily}", "cron[eg].trigger: needs a trigger: one of OnCalendar"),
+    ("{name: eg, trigger: Daily, time: x}", "cron[eg].trigger: 'Daily' is not a trigger"),
+    ("{name: eg, trigger: OnCalendar}", "cron[eg].time: needs the value of OnCalendar"),
+    ("{name: 'a/b', trigger: OnCalendar, time: daily}", "cron[a/b].name: 'a/b' cannot name"),
+    ("{name: eg, state: on, trigger: OnCalendar, time: daily}", "cron[eg].state: Invalid"),
+    ("{name: eg, startup: yes, trigger: OnCalendar, time: daily}", "cron[eg].startup: "),
+    ("{name: eg, unit: x.timer, trigger: OnCalendar, time: x}", "cron[eg].unit: 'x.timer'"),
+    ('{name: eg, trigger: OnCalendar, time: "a\\nb"}', "cron[eg].time: must be one line"),
+]
+
+
+@pytest.mark.parametrize(("item", "needle"), BAD_INPUT)
 def test_bad_input_is_exit_2_and_changes_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, item: str, needle: str
+    tmp_path: Path, item: str, needle: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     g = tmp_path / "g.yaml"
     g.write_text(f"graph: g\nresources:\n  cron:\n  - {item}\n")
+    err = graph_error(g)  # as `evergraph check` loads it, in process
+    assert needle in err
+    assert f"{g}:4:" in err
+    if (item, needle) != BAD_INPUT[0]:
+        return  # one of them end to end: exit 2, nothing changed
     r = run_cli("check", g)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr, r.stderr

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from evergraph.testing.kinds import graph_error
 from tests.conftest import EVERGRAPH, run_cli, status_lines, wait_for
 
 HOSTNAMED = Path("/lib/systemd/systemd-hostnamed")
@@ -350,22 +351,27 @@ def read_pretty_of(text: str) -> str:
     return read_pretty(text)
 
 
-@pytest.mark.parametrize(
-    ("params", "needle"),
-    [
-        ("static_hostname: 'bad_name!'", "hostname[h].static_hostname: 'bad_name!' is not a host"),
-        ("hostname: 'a..b'", "hostname[h].hostname: 'a..b' is not a host name"),
-        ("transient_hostname: " + "x" * 65, "hostname[h].transient_hostname: 'xxx"),
-        ('pretty_hostname: "two\\nlines"', "hostname[h].pretty_hostname: must be one line"),
-        ("", "hostname[h].hostname: nothing to manage"),
-        ("statichostname: x", "statichostname"),
-    ],
-)
+BAD_INPUT = [
+    ("static_hostname: 'bad_name!'", "hostname[h].static_hostname: 'bad_name!' is not a host"),
+    ("hostname: 'a..b'", "hostname[h].hostname: 'a..b' is not a host name"),
+    ("transient_hostname: " + "x" * 65, "hostname[h].transient_hostname: 'xxx"),
+    ('pretty_hostname: "two\\nlines"', "hostname[h].pretty_hostname: must be one line"),
+    ("", "hostname[h].hostname: nothing to manage"),
+    ("statichostname: x", "statichostname"),
+]
+
+
+@pytest.mark.parametrize(("params", "needle"), BAD_INPUT)
 def test_bad_input_is_exit_2_and_changes_nothing(
     tmp_path: Path, params: str, needle: str, host_untouched: None
 ) -> None:
     g = tmp_path / "g.yaml"
     g.write_text(f"graph: g\nresources:\n  hostname:\n  - name: h\n    {params}\n")
+    err = graph_error(g)  # as `evergraph check` loads it, in process
+    assert needle in err
+    assert f"{g}:" in err
+    if (params, needle) != BAD_INPUT[0]:
+        return  # one of them end to end: exit 2, nothing changed
     r = run_cli("check", g)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr

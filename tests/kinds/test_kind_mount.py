@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from evergraph.resources.mount import Mounted, mounted_at
+from evergraph.testing.kinds import graph_error
 from tests.conftest import EVERGRAPH, run_cli, wait_for
 from tests.kinds.test_kind_hostname import NsAgent, ns_agents, ns_once, overlay_etc
 
@@ -145,30 +146,35 @@ def test_another_file_system_in_the_way_is_replaced(
     assert agent.stop() == 0
 
 
-@pytest.mark.parametrize(
-    ("item", "needle"),
-    [
-        ("{name: mnt, device: tmpfs, type: tmpfs}", "mount[mnt].name: 'mnt' is not an absolute"),
-        ("{name: /mnt, state: mounted}", "mount[/mnt].state: Invalid enum value 'mounted'"),
-        ("{name: /mnt, device: tmpfs}", "mount[/mnt].type: needs a file system type"),
-        ("{name: /mnt, type: tmpfs}", "mount[/mnt].device: needs a device"),
-        ("{name: /mnt, device: x, type: 'ext 4'}", "mount[/mnt].type: 'ext 4' is not one"),
-        (
-            "{name: /mnt, device: x, type: tmpfs, options: {'a,b': ''}}",
-            "mount[/mnt].options: 'a,b' is not an option name",
-        ),
-        ("{name: /mnt, device: x, type: tmpfs, passno: 12}", "mount[/mnt].passno: must be between"),
-        (
-            "{name: /mnt, device: x, type: tmpfs, options: [ro]}",
-            "mount[/mnt].options: expected object, got array",
-        ),
-    ],
-)
+BAD_INPUT = [
+    ("{name: mnt, device: tmpfs, type: tmpfs}", "mount[mnt].name: 'mnt' is not an absolute"),
+    ("{name: /mnt, state: mounted}", "mount[/mnt].state: Invalid enum value 'mounted'"),
+    ("{name: /mnt, device: tmpfs}", "mount[/mnt].type: needs a file system type"),
+    ("{name: /mnt, type: tmpfs}", "mount[/mnt].device: needs a device"),
+    ("{name: /mnt, device: x, type: 'ext 4'}", "mount[/mnt].type: 'ext 4' is not one"),
+    (
+        "{name: /mnt, device: x, type: tmpfs, options: {'a,b': ''}}",
+        "mount[/mnt].options: 'a,b' is not an option name",
+    ),
+    ("{name: /mnt, device: x, type: tmpfs, passno: 12}", "mount[/mnt].passno: must be between"),
+    (
+        "{name: /mnt, device: x, type: tmpfs, options: [ro]}",
+        "mount[/mnt].options: expected object, got array",
+    ),
+]
+
+
+@pytest.mark.parametrize(("item", "needle"), BAD_INPUT)
 def test_bad_input_is_exit_2_and_changes_nothing(
     tmp_path: Path, item: str, needle: str, host_untouched: None
 ) -> None:
     g = tmp_path / "g.yaml"
     g.write_text(f"graph: g\nresources:\n  mount:\n  - {item}\n")
+    err = graph_error(g)  # as `evergraph check` loads it, in process
+    assert needle in err
+    assert f"{g}:4:" in err
+    if (item, needle) != BAD_INPUT[0]:
+        return  # one of them end to end: exit 2, nothing changed
     r = run_cli("check", g)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from evergraph.testing.kinds import graph_error
 from tests.conftest import EVERGRAPH, run_cli, wait_for
 from tests.kinds.test_kind_hostname import NsAgent, ns_agents, ns_once
 
@@ -131,21 +132,26 @@ def test_a_missing_interface_is_a_clear_failure(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize(
-    ("item", "needle"),
-    [
-        ("{name: eg0, state: sideways}", "net[eg0].state: Invalid enum value 'sideways'"),
-        ("{name: waytoolonginterface, state: up}", "net[waytoolonginterface].name: "),
-        ("{name: eg0, addrs: [10.9.0.2]}", "net[eg0].addrs: '10.9.0.2' has no prefix length"),
-        ("{name: eg0, addrs: [10.9.0.300/24]}", "net[eg0].addrs: '10.9.0.300/24' is not an"),
-        ("{name: eg0, gateway: nope}", "net[eg0].gateway: 'nope' is not an IP address"),
-        ("{name: eg0, state: down, gateway: 10.0.0.1}", "net[eg0].gateway: a link kept down"),
-        ("{name: eg0, ip_forward: maybe}", "net[eg0].ip_forward: expected bool | null, got str"),
-    ],
-)
+BAD_INPUT = [
+    ("{name: eg0, state: sideways}", "net[eg0].state: Invalid enum value 'sideways'"),
+    ("{name: waytoolonginterface, state: up}", "net[waytoolonginterface].name: "),
+    ("{name: eg0, addrs: [10.9.0.2]}", "net[eg0].addrs: '10.9.0.2' has no prefix length"),
+    ("{name: eg0, addrs: [10.9.0.300/24]}", "net[eg0].addrs: '10.9.0.300/24' is not an"),
+    ("{name: eg0, gateway: nope}", "net[eg0].gateway: 'nope' is not an IP address"),
+    ("{name: eg0, state: down, gateway: 10.0.0.1}", "net[eg0].gateway: a link kept down"),
+    ("{name: eg0, ip_forward: maybe}", "net[eg0].ip_forward: expected bool | null, got str"),
+]
+
+
+@pytest.mark.parametrize(("item", "needle"), BAD_INPUT)
 def test_bad_input_is_exit_2_and_changes_nothing(tmp_path: Path, item: str, needle: str) -> None:
     g = tmp_path / "g.yaml"
     g.write_text(f"graph: g\nresources:\n  net:\n  - {item}\n")
+    err = graph_error(g)  # as `evergraph check` loads it, in process
+    assert needle in err
+    assert f"{g}:4:" in err
+    if (item, needle) != BAD_INPUT[0]:
+        return  # one of them end to end: exit 2, nothing changed
     r = run_cli("check", g)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from evergraph.testing.kinds import graph_error
 from tests.conftest import EVERGRAPH, run_cli, status_lines, wait_for
 
 FORWARD = "net.ipv4.ip_forward"
@@ -206,28 +207,32 @@ def test_unknown_parameter_is_a_failure_naming_it(tmp_path: Path) -> None:
     assert "/proc/sys/net/ipv4/no_such_thing does not exist" in r.stderr
 
 
-@pytest.mark.parametrize(
-    ("body", "needle"),
-    [
-        ("  - {name: net/ipv4/ip_forward, value: '1'}\n", "name: 'net/ipv4/ip_forward' contains a"),
-        ("  - {name: net..ip_forward, value: '1'}\n", "is not a dotted name"),
-        (f"  - {{name: {FORWARD}, value: ''}}\n", ".value: is empty"),
-        (f"  - {{name: {FORWARD}, value: ' 1'}}\n", "leading/trailing whitespace"),
-        (
-            f"  - {{name: {FORWARD}, value: '1', runtime: false, persist: false}}\n",
-            ".runtime: and persist are both false",
-        ),
-        (f"  - {{name: {FORWARD}, value: '1', path: rel.conf}}\n", "is not an absolute file"),
-        (f"  - {{name: {FORWARD}, value: '1', path: /etc/sysctl.d/x}}\n", "does not end in .conf"),
-        (f"  - {{name: {FORWARD}, value: '1', interval: 0}}\n", ".interval: must be between"),
-        (f"  - {{name: {FORWARD}, value: '1', unpersist: true}}\n", "cannot be combined"),
-        (f"  - {{name: {FORWARD}, value: '1', persistent: true}}\n", "persistent"),
-    ],
-)
+BAD_INPUT = [
+    ("  - {name: net/ipv4/ip_forward, value: '1'}\n", "name: 'net/ipv4/ip_forward' contains a"),
+    ("  - {name: net..ip_forward, value: '1'}\n", "is not a dotted name"),
+    (f"  - {{name: {FORWARD}, value: ''}}\n", ".value: is empty"),
+    (f"  - {{name: {FORWARD}, value: ' 1'}}\n", "leading/trailing whitespace"),
+    (
+        f"  - {{name: {FORWARD}, value: '1', runtime: false, persist: false}}\n",
+        ".runtime: and persist are both false",
+    ),
+    (f"  - {{name: {FORWARD}, value: '1', path: rel.conf}}\n", "is not an absolute file"),
+    (f"  - {{name: {FORWARD}, value: '1', path: /etc/sysctl.d/x}}\n", "does not end in .conf"),
+    (f"  - {{name: {FORWARD}, value: '1', interval: 0}}\n", ".interval: must be between"),
+    (f"  - {{name: {FORWARD}, value: '1', unpersist: true}}\n", "cannot be combined"),
+    (f"  - {{name: {FORWARD}, value: '1', persistent: true}}\n", "persistent"),
+]
+
+
+@pytest.mark.parametrize(("body", "needle"), BAD_INPUT)
 def test_bad_input_exit_2_nothing_changed(tmp_path: Path, body: str, needle: str) -> None:
     # a good resource beside the bad one: it must not be applied either
     good = f"  - {{name: {PORTS}, value: '40000 50000'}}\n"
     g = write(tmp_path / "g.yaml", good + body)
+    err = graph_error(g)  # as `evergraph check` loads it, in process
+    assert needle in err
+    if (body, needle) != BAD_INPUT[0]:
+        return  # one of them end to end: exit 2, nothing changed
     r = run_cli("check", g)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr, r.stderr

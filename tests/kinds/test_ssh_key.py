@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from evergraph.testing.kinds import graph_error
 from tests.conftest import Agent, run_cli, wait_for
 
 
@@ -379,23 +380,24 @@ def test_symlinks_in_a_users_ssh_dir_are_refused(tmp_path: Path, login: tuple[st
     assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o755, 0)  # not chmod/chown-ed
 
 
-@pytest.mark.parametrize(
-    ("params", "needle"),
-    [
-        ("file: FILE, type: ssh-ed25519, key: 'AAAA#not!base64'", "k].key: is not valid base64"),
-        ("file: FILE, type: ssh-rsa, key: ED", "k].type: is 'ssh-rsa' but the key is of type"),
-        ("type: ssh-ed25519, key: ED", "k].file: is empty: give `file` (a path) or `user`"),
-        ("file: FILE, user: root, type: ssh-ed25519, key: ED", "k].user: cannot be used with"),
-        ("file: rel/ak, type: ssh-ed25519, key: ED", "k].file: 'rel/ak' is not an absolute"),
-        ("file: FILE, type: ssh-ed2559, key: ED", "k].type: 'ssh-ed2559' is not a key type"),
-        ("file: FILE, type: ssh-ed25519, key: ED, options: ['a b']", "k].options: 'a b' is not"),
-        ("file: FILE, type: ssh-ed25519, key: ED, state: maybe", "k].state: Invalid enum value"),
-        ("file: FILE, type: ssh-ed25519, key: AAAAC3NzaC1lZDI1NTE5", "k].key: is not an ssh-ed"),
-    ],
-)
+BAD_PARAMS = [
+    ("file: FILE, type: ssh-ed25519, key: 'AAAA#not!base64'", "k].key: is not valid base64"),
+    ("file: FILE, type: ssh-rsa, key: ED", "k].type: is 'ssh-rsa' but the key is of type"),
+    ("type: ssh-ed25519, key: ED", "k].file: is empty: give `file` (a path) or `user`"),
+    ("file: FILE, user: root, type: ssh-ed25519, key: ED", "k].user: cannot be used with"),
+    ("file: rel/ak, type: ssh-ed25519, key: ED", "k].file: 'rel/ak' is not an absolute"),
+    ("file: FILE, type: ssh-ed2559, key: ED", "k].type: 'ssh-ed2559' is not a key type"),
+    ("file: FILE, type: ssh-ed25519, key: ED, options: ['a b']", "k].options: 'a b' is not"),
+    ("file: FILE, type: ssh-ed25519, key: ED, state: maybe", "k].state: Invalid enum value"),
+    ("file: FILE, type: ssh-ed25519, key: AAAAC3NzaC1lZDI1NTE5", "k].key: is not an ssh-ed"),
+]
+
+
+@pytest.mark.parametrize(("params", "needle"), BAD_PARAMS)
 def test_bad_parameters_are_load_errors_and_change_nothing(
     tmp_path: Path, params: str, needle: str
 ) -> None:
+    first = (params, needle) == BAD_PARAMS[0]
     ak = tmp_path / "ak"
     ok = tmp_path / "ok"
     params = params.replace("FILE", str(ak)).replace("ED", crafted())
@@ -404,6 +406,11 @@ def test_bad_parameters_are_load_errors_and_change_nothing(
         f"  ssh_authorized_key:\n  - {{name: k, {params}}}\n"
         + key_res("fine", f"file: {ok}", "ssh-ed25519", crafted()),
     )
+    err = graph_error(g)  # as `evergraph check` loads it, in process
+    assert f"ssh_authorized_key[{needle}" in err, err
+    assert f"{g}:4:" in err, err
+    if not first:
+        return  # one of them end to end: exit 2, nothing changed
     rc, err = run(g, tmp_path / "s")
     assert rc == 2, err
     assert f"ssh_authorized_key[{needle}" in err, err

@@ -42,6 +42,7 @@ from evergraph.engine.build import build
 from evergraph.engine.engine import Engine
 from evergraph.engine.model import GraphModel
 from evergraph.engine.prepare import prepare
+from evergraph.engine.services import Services
 from evergraph.engine.settings import Settings, default_state_dir
 from evergraph.engine.status import VertexStatus
 from evergraph.errors import InputError
@@ -290,6 +291,8 @@ class Agent:
 
     async def run(self, flush: tuple[Callable[[], None], float] | None) -> int:
         opened: OpenWorld | None = None
+        #: what the resources share (connections, locks, committer): closed at the end
+        self.shared = Services()
         try:
             # a run that exits the moment it converges watches no file (see
             # `Settings.one_shot`): its hub makes no inotify instance unless
@@ -331,6 +334,7 @@ class Agent:
             return 1
         finally:
             self._tg = None
+            await self.shared.aclose()
             if opened is not None:
                 await opened.close()
 
@@ -514,6 +518,7 @@ class Agent:
             watcher=hub,
             world=opened.kv if opened is not None else None,
             keys=self.keys,
+            services=self.shared,
         )
         for i, service in enumerate(self.extra):
             self._service(service(self), f"service-{i}")

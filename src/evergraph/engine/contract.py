@@ -33,6 +33,7 @@ from evergraph.world.names import hostname_problem
 
 if TYPE_CHECKING:
     from evergraph.cluster.hostkeys import HostKeys
+    from evergraph.engine.services import Services
     from evergraph.world.kv import KV
 
 
@@ -192,6 +193,12 @@ class Handle(Protocol):
         """The World (shared key-value store); ResourceError if the run has none."""
         ...
 
+    @property
+    def services(self) -> Services:
+        """What this agent's resources share (connections, locks, the durable-write
+        committer): made on first use, closed by the agent when the run ends."""
+        ...
+
     def ready(self) -> None:
         """The watch is set up: changes from now on will be reported."""
 
@@ -253,6 +260,11 @@ class PathSubscription(Protocol):
 
     def settle(self) -> None:
         """After creating the path's parent directories: watch the parent from now on."""
+
+
+#: the inotify bit a PathWatcher callback's mask has when an entry was renamed into
+#: place (IN_MOVED_TO; the watch's own constant, here so kinds need not import it)
+MOVED_TO = 0x00000080
 
 
 class PathWatcher(Protocol):

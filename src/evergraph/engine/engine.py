@@ -78,6 +78,8 @@ class Engine(Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
         finally:
             self.converger.close()
             self._tg = None
+            if self._own_services:
+                await self.services.aclose()
         return self.exit_status()
 
     def keys(self) -> HostKeys:

@@ -25,6 +25,7 @@ from evergraph.engine.converger import Converger
 from evergraph.engine.model import Edge, GraphModel
 from evergraph.engine.recap import Recaps
 from evergraph.engine.recap import took as _took
+from evergraph.engine.services import Services
 from evergraph.engine.settings import Settings
 from evergraph.engine.status import Observer, State
 from evergraph.engine.stop import StopSignal
@@ -89,10 +90,13 @@ class EngineState:
         world: KV | None = None,
         keys: Callable[[], HostKeys] | None = None,
         clock: Clock = SYSTEM,
+        services: Services | None = None,
     ) -> None:
         """Everything the resources may use is handed in by the owner (the agent):
         `watcher` (the running inotify hub; None: file watches are refused),
-        `world`, `keys` (called on first use: loading keys costs start-up time)."""
+        `world`, `keys` (called on first use: loading keys costs start-up time),
+        `services` (what the resources share; the owner closes them. None: the
+        engine makes its own and closes it when its run ends)."""
         self.settings = settings
         self.hostname = settings.host()
         self.observer = observer
@@ -103,6 +107,9 @@ class EngineState:
         self.world = world
         self._keys = keys
         self.clock = clock
+        #: what the resources share (connections, locks, the committer)
+        self.services = services if services is not None else Services()
+        self._own_services = services is None
         self._tg: asyncio.TaskGroup | None = None
         self._running = 0
         self._retrying = 0

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from evergraph.engine.contract import PathWatcher, Resource
 from evergraph.engine.masking import MaskingLogger, mask
+from evergraph.engine.services import Services
 from evergraph.engine.settings import Settings
 from evergraph.engine.status import Change, State, VertexStatus
 from evergraph.engine.store import vertex_dir
@@ -47,6 +48,11 @@ class VertexHost(Protocol):
 
     @property
     def world(self) -> KV | None: ...
+
+    @property
+    def services(self) -> Services:
+        """What the resources share (connections, locks, the committer)."""
+        ...
 
     def keys(self) -> HostKeys:
         """The host's key pairs (ResourceError if there are none)."""
@@ -249,6 +255,10 @@ class Vertex:
         if self.host.world is None:
             raise ResourceError("this run has no World")
         return self.host.world
+
+    @property
+    def services(self) -> Services:
+        return self.host.services
 
     def ready(self) -> None:
         self.host.vertex_ready(self)

@@ -36,7 +36,9 @@ from evergraph.engine.contract import (
     doc,
 )
 from evergraph.errors import ResourceError
+from evergraph.resources._oserror import os_error
 from evergraph.resources._output import OutputFile
+from evergraph.resources._owninode import OwnInode
 
 #: the state file holding the input digest and the output hash
 STATE = "archive.json"
@@ -56,7 +58,7 @@ def file_hash(path: str, shown: str = "") -> str | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise ResourceError(f"{shown or path}: {e.strerror or e}") from None
+        raise os_error(shown or path, e) from None
     return h.hexdigest()
 
 
@@ -97,7 +99,7 @@ class Archive(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True):
     async def init(self, handle: Handle) -> None:
         await super().init(handle)
         self._target = self._out()
-        self._own_ino = 0
+        self._own = OwnInode()
         self._subs: dict[str, PathSubscription] = {}
         for left in sweep_leftovers_of(self._target):
             handle.logger.info("%s: removed %s (an interrupted write's)", self.ident, left)
@@ -223,9 +225,6 @@ class Archive(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True):
         mode = stat.S_IMODE(st.st_mode) if st is not None else _NEW_MODE
         owner = (st.st_uid, st.st_gid) if st is not None else None
         try:
-            atomic_copy(tmp, self._target, mode=mode, owner=owner, before_rename=self._note_ino)
+            atomic_copy(tmp, self._target, mode=mode, owner=owner, before_rename=self._own.note)
         except OSError as e:
-            raise ResourceError(f"{self._target}: {e.strerror or e}") from None
-
-    def _note_ino(self, fd: int) -> None:
-        self._own_ino = os.fstat(fd).st_ino
+            raise os_error(self._target, e) from None

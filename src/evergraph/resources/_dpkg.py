@@ -179,19 +179,7 @@ async def policy_candidates(names: Sequence[str]) -> dict[str, str | None]:
 
 # -- changes -------------------------------------------------------------------
 
-#: dpkg takes one lock per machine: our own changes queue here instead of
-#: failing on it; other writers are waited for by apt (DPkg::Lock::Timeout)
-_change_lock: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
 LOCK_TIMEOUT = 120
-
-
-def _lock() -> asyncio.Lock:
-    loop = asyncio.get_running_loop()
-    lock = _change_lock.get(loop)
-    if lock is None:
-        _change_lock.clear()  # a loop of an earlier run is gone
-        lock = _change_lock[loop] = asyncio.Lock()
-    return lock
 
 
 def apt_argv(
@@ -222,11 +210,13 @@ def apt_argv(
 _SUMMARY = re.compile(r"^\d+ upgraded, .*$", re.MULTILINE)
 
 
-async def apt_get(argv: list[str]) -> str:
-    """Run one apt-get command; its summary line, or ResourceError with apt's last words."""
+async def apt_get(argv: list[str], lock: asyncio.Lock) -> str:
+    """Run one apt-get command; its summary line, or ResourceError with apt's last words.
+    dpkg takes one lock per machine: our own changes queue on `lock` (the agent's)
+    instead of failing on it; other writers are waited for by apt (DPkg::Lock::Timeout)."""
     env = dict(os.environ)
     env.update(DEBIAN_FRONTEND="noninteractive", APT_LISTCHANGES_FRONTEND="none")
-    async with _lock():
+    async with lock:
         done = await _run(argv, _proc.RunAs(env=env))
     shown = " ".join(a for a in argv if not a.startswith(("-", "DPkg::", "Dpkg::")))
     if done.returncode != 0:

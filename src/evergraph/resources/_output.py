@@ -9,15 +9,16 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from evergraph.engine.contract import Resource, parent_dir_keys
-from evergraph.watch.inotify import MOVED_TO
+from evergraph.engine.build import build
+from evergraph.engine.contract import Resource, default_registry, parent_dir_keys
+from evergraph.resources._owninode import OwnInode
 
 
 class OutputFile(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     if TYPE_CHECKING:  # set by the kind's init (not struct fields)
-        #: the output path, and the inode of our last write
+        #: the output path, and our last write's inode (until its rename is seen)
         _target: str
-        _own_ino: int
+        _own: OwnInode
 
     def _out(self) -> str:
         """The output file's normalised path."""
@@ -34,20 +35,13 @@ class OutputFile(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
 
     def _output_changed(self, mask: int) -> None:
         """The output file's watch callback: an event, unless it is our own write
-        renamed into place (`_own_ino`, noted just before the rename)."""
-        if mask & MOVED_TO and self._own_ino:
-            own, self._own_ino = self._own_ino, 0
-            try:
-                if os.lstat(self._target).st_ino == own:
-                    return
-            except OSError:
-                pass
-        self.handle.event()
+        renamed into place (see OwnInode)."""
+        if not self._own.renamed_in(mask, self._target):
+            self.handle.event()
 
     def reversal(self) -> Resource | None:
         """An output that did not exist is removed again; one that did is left."""
-        from evergraph.resources.file import File
-
         if os.path.lexists(self._out()):
             return None
-        return File(name=self._out(), state="absent")
+        # (by its kind's name: a kind never imports another kind)
+        return build(default_registry, "file", {"name": self._out(), "state": "absent"})

@@ -36,6 +36,7 @@ import msgspec
 from evergraph._util.atomic import atomic_write
 from evergraph.engine.contract import Handle, Resource, doc, parent_dir_keys, register
 from evergraph.errors import ResourceError
+from evergraph.resources._oserror import os_error
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -160,7 +161,7 @@ class Augeas(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         except FileNotFoundError:
             st, data = None, b""
         except OSError as e:
-            raise ResourceError(f"cannot read {path}: {e.strerror or e}") from None
+            raise os_error(f"cannot read {path}", e) from None
         try:
             text = data.decode()
         except UnicodeDecodeError:
@@ -177,7 +178,7 @@ class Augeas(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             try:
                 atomic_write(path, new.encode(), mode=mode, owner=owner, dir_mode=0o755)
             except OSError as e:
-                raise ResourceError(f"cannot write {path}: {e.strerror or e}") from None
+                raise os_error(f"cannot write {path}", e) from None
             nodes = ", ".join(node for node, _, _ in changes)
             self.handle.logger.info("%s: %s set in %s", self.ident, nodes, path)
         return False

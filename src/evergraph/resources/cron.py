@@ -36,16 +36,18 @@ from typing import Annotated, Literal
 from evergraph._util.atomic import atomic_write
 from evergraph.engine.contract import Handle, Resource, doc, register
 from evergraph.errors import ResourceError
-from evergraph.resources.svc import (
-    _ENABLED,
-    _FIXED,
-    _MASKED,
-    _RUNNING,
+from evergraph.resources._oserror import os_error
+from evergraph.resources._systemd import (
+    ENABLED,
+    FIXED,
+    MASKED,
     PROPERTIES,
     RELOAD_TIMEOUT,
+    RUNNING,
     SYSTEMD,
     UNIT,
-    _Systemd,
+    Systemd,
+    SystemdBuses,
 )
 
 TRIGGERS = (
@@ -192,8 +194,8 @@ class Cron(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     async def init(self, handle: Handle) -> None:
         await super().init(handle)
         self._timer = f"{self.name}.timer"
-        self._sd: _Systemd | None = None
-        self._sd = await _Systemd.acquire_for(self.session)
+        self._sd: Systemd | None = None
+        self._sd = await handle.services.get(SystemdBuses).acquire_for(self.session)
 
     async def cleanup(self) -> None:
         if getattr(self, "_sd", None) is not None:
@@ -201,14 +203,14 @@ class Cron(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             self._sd.release()
             self._sd = None
 
-    async def _systemd(self) -> _Systemd:
+    async def _systemd(self) -> Systemd:
         sd = self._sd
         if sd is not None and not sd.dead:
             return sd
         if sd is not None:
             self._sd = None
             sd.release()
-        self._sd = await _Systemd.acquire(self.session)
+        self._sd = await self.handle.services.get(SystemdBuses).acquire(self.session)
         return self._sd
 
     async def watch(self) -> None:
@@ -262,7 +264,7 @@ class Cron(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         if self.startup:
             clean = await self._startup(sd, path, apply) and clean
         active = await sd.unit_property(path, "ActiveState")
-        if active not in _RUNNING:
+        if active not in RUNNING:
             clean = False
             self.handle.changed("state", active, "active")
             if apply:
@@ -290,11 +292,11 @@ class Cron(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 try:
                     atomic_write(path, text.encode(), mode=0o644, dir_mode=0o755)
                 except OSError as e:
-                    raise ResourceError(f"cannot write {path}: {e.strerror or e}") from None
+                    raise os_error(f"cannot write {path}", e) from None
                 self.handle.logger.info("%s: wrote %s", self.ident, path)
         return changed
 
-    async def _stale(self, sd: _Systemd, path: str) -> bool:
+    async def _stale(self, sd: Systemd, path: str) -> bool:
         """systemd's copy of our units is older than their files (NeedDaemonReload)."""
         for unit in [self._timer, *([self._service()] if self.command else [])]:
             upath = path if unit == self._timer else await sd.unit_path(unit)
@@ -303,21 +305,21 @@ class Cron(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 return True
         return False
 
-    async def _startup(self, sd: _Systemd, path: str, apply: bool) -> bool:
+    async def _startup(self, sd: Systemd, path: str, apply: bool) -> bool:
         state = await sd.unit_property(path, "UnitFileState")
         want = self.startup == "enabled"
-        if want and state in _MASKED:
+        if want and state in MASKED:
             raise ResourceError(f"{self._timer} is masked: cannot enable it")
-        if state in _FIXED or (not want and state in _MASKED):
+        if state in FIXED or (not want and state in MASKED):
             return True
-        if (state in _ENABLED) == want:
+        if (state in ENABLED) == want:
             return True
         self.handle.changed("startup", state or None, self.startup)
         if apply:
             await self._enable(sd, want)
         return False
 
-    async def _enable(self, sd: _Systemd, on: bool) -> None:
+    async def _enable(self, sd: Systemd, on: bool) -> None:
         if on:
             await sd.manager("EnableUnitFiles", "asbb", [self._timer], False, True)
         else:
@@ -327,21 +329,21 @@ class Cron(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             "%s: %s %s", self.ident, "enabled" if on else "disabled", self._timer
         )
 
-    async def _job(self, sd: _Systemd, verb: str, done: str) -> None:
+    async def _job(self, sd: Systemd, verb: str, done: str) -> None:
         result = await sd.job(verb, self._timer)
         if result != "done":
             raise ResourceError(f"{verb} {self._timer}: job {result}")
         self.handle.logger.info("%s: %s %s", self.ident, done, self._timer)
 
-    async def _absent(self, sd: _Systemd, apply: bool) -> bool:
+    async def _absent(self, sd: Systemd, apply: bool) -> bool:
         clean = True
         path = await sd.unit_path(self._timer)
-        if await sd.unit_property(path, "ActiveState") in _RUNNING:
+        if await sd.unit_property(path, "ActiveState") in RUNNING:
             clean = False
             self.handle.changed("state", "active", "stopped")
             if apply:
                 await self._job(sd, "StopUnit", "stopped")
-        if await sd.unit_property(path, "UnitFileState") in _ENABLED:
+        if await sd.unit_property(path, "UnitFileState") in ENABLED:
             clean = False
             self.handle.changed("startup", "enabled", "disabled")
             if apply:
@@ -359,7 +361,7 @@ class Cron(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 except FileNotFoundError:
                     pass
                 except OSError as e:
-                    raise ResourceError(f"cannot remove {f}: {e.strerror or e}") from None
+                    raise os_error(f"cannot remove {f}", e) from None
                 self.handle.logger.info("%s: removed %s", self.ident, f)
         if gone and apply:
             await sd.manager("Reload", timeout=RELOAD_TIMEOUT)

@@ -35,6 +35,7 @@ from evergraph._util.atomic import atomic_write
 from evergraph.engine.contract import Handle, Resource, doc, register
 from evergraph.errors import ResourceError
 from evergraph.resources import _proc
+from evergraph.resources._oserror import os_error
 
 #: the commands with their own shell and cwd (mgmt's ifshell, ifcwd, ...)
 _OWN_PREFIX = {"watchcmd": "watch", "ifcmd": "if", "nifcmd": "nif", "donecmd": "done"}
@@ -258,7 +259,7 @@ class Exec(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             try:
                 modified = os.stat(path).st_mtime_ns
             except OSError as e:
-                raise ResourceError(f"mtimes: {path}: {e.strerror or e}") from None
+                raise os_error(f"mtimes: {path}", e) from None
             outdated = outdated or modified > ran
         return outdated
 

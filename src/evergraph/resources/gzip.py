@@ -20,6 +20,7 @@ from typing import IO, Annotated
 from evergraph.engine.contract import doc, register
 from evergraph.errors import ResourceError
 from evergraph.resources._archive import Archive, check_path, file_hash
+from evergraph.resources._oserror import os_error
 
 _CHUNK = 1 << 20
 HUFFMAN_ONLY = -2
@@ -81,5 +82,5 @@ class Gzip(Archive, kw_only=True, dict=True, forbid_unknown_fields=True):
             except FileNotFoundError:
                 raise ResourceError(f"input {path}: no such file") from None
             except OSError as e:
-                raise ResourceError(f"input {path}: {e.strerror or e}") from None
+                raise os_error(f"input {path}", e) from None
         out.write(z.flush())

@@ -42,6 +42,7 @@ from evergraph._util.atomic import atomic_write
 from evergraph.engine.contract import Handle, Resource, doc, register
 from evergraph.errors import ResourceError
 from evergraph.resources._dbus import call as dbus_call
+from evergraph.resources._oserror import os_error
 from evergraph.resources._pollpri import watch_pri
 
 if TYPE_CHECKING:
@@ -439,7 +440,7 @@ class Hostname(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             try:
                 socket.sethostname(transient)
             except OSError as e:
-                raise ResourceError(f"sethostname {transient}: {e.strerror}") from None
+                raise os_error(f"sethostname {transient}", e) from None
             self.handle.logger.info("%s: transient hostname set to %s", self.ident, transient)
         return False
 
@@ -447,4 +448,4 @@ class Hostname(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         try:
             _write(path, text)
         except OSError as e:
-            raise ResourceError(f"cannot write {path}: {e.strerror or e}") from None
+            raise os_error(f"cannot write {path}", e) from None

@@ -45,8 +45,10 @@ from evergraph.engine.contract import (
 )
 from evergraph.errors import ResourceError
 from evergraph.resources._archive import file_hash
+from evergraph.resources._modes import parse_mode
+from evergraph.resources._oserror import os_error
 from evergraph.resources._output import OutputFile
-from evergraph.resources.file import parse_mode
+from evergraph.resources._owninode import OwnInode
 
 #: the state file: the URL and the hash of the last download
 STATE = "download.json"
@@ -120,7 +122,7 @@ class HttpClient(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True
         self._mode = parse_mode(self.mode) if self.mode is not None else None
         self._want = self.sha256.lower()
         self._method = self.method.upper()
-        self._own_ino = 0
+        self._own = OwnInode()
         self._sub: PathSubscription | None = None
         for left in sweep_leftovers_of(self._target):
             handle.logger.info("%s: removed %s (an interrupted write's)", self.ident, left)
@@ -204,7 +206,7 @@ class HttpClient(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True
             try:
                 os.chmod(self._target, self._mode)
             except OSError as e:
-                raise ResourceError(f"{self._target}: {e.strerror or e}") from None
+                raise os_error(self._target, e) from None
         return False
 
     async def _download(self) -> tuple[str, str]:
@@ -245,12 +247,9 @@ class HttpClient(OutputFile, kw_only=True, dict=True, forbid_unknown_fields=True
             mode = stat.S_IMODE(st.st_mode) if st is not None else _NEW_MODE
         owner = (st.st_uid, st.st_gid) if st is not None else None
         try:
-            atomic_copy(tmp, self._target, mode=mode, owner=owner, before_rename=self._note_ino)
+            atomic_copy(tmp, self._target, mode=mode, owner=owner, before_rename=self._own.note)
         except OSError as e:
-            raise ResourceError(f"{self._target}: {e.strerror or e}") from None
-
-    def _note_ino(self, fd: int) -> None:
-        self._own_ino = os.fstat(fd).st_ino
+            raise os_error(self._target, e) from None
 
 
 def _short(digest: str | None) -> str | None:

@@ -34,7 +34,8 @@ from evergraph.engine.contract import (
     register,
 )
 from evergraph.errors import ResourceError
-from evergraph.watch.inotify import MOVED_TO
+from evergraph.resources._oserror import os_error
+from evergraph.resources._owninode import OwnInode
 
 _NEW_MODE = 0o666 & ~current_umask()
 
@@ -102,7 +103,7 @@ class Line(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         await super().init(handle)
         self._path = self._norm()
         self._block = self._lines()
-        self._own_ino = 0
+        self._own = OwnInode()
         self._watches: dict[str, PathSubscription] = {}
         for left in sweep_leftovers_of(self._path):
             handle.logger.info("%s: removed %s (an interrupted write's)", self.ident, left)
@@ -121,15 +122,8 @@ class Line(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         self._watches.clear()
 
     def _changed(self, mask: int) -> None:
-        if mask & MOVED_TO and self._own_ino:
-            # our own write renamed into place: nothing to repair
-            own, self._own_ino = self._own_ino, 0
-            try:
-                if os.stat(self._path).st_ino == own:
-                    return
-            except OSError:
-                pass
-        self.handle.event()
+        if not self._own.renamed_in(mask, self._path, follow=True):  # (ours: nothing to repair)
+            self.handle.event()
 
     async def check_apply(self, apply: bool) -> bool:
         # All in one go, without awaiting: lines sharing a file never interleave.
@@ -159,13 +153,10 @@ class Line(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         mode = stat.S_IMODE(st.st_mode) if st is not None else _NEW_MODE
         owner = (st.st_uid, st.st_gid) if st is not None else None
         try:
-            atomic_write(target, new, mode=mode, owner=owner, before_rename=self._note_ino)
+            atomic_write(target, new, mode=mode, owner=owner, before_rename=self._own.note)
         except OSError as e:
-            raise ResourceError(f"{self._path}: {e.strerror or e}") from None
+            raise os_error(self._path, e) from None
         return False
-
-    def _note_ino(self, fd: int) -> None:
-        self._own_ino = os.fstat(fd).st_ino
 
 
 def _load(path: str, shown: str) -> tuple[os.stat_result | None, bytes]:
@@ -176,7 +167,7 @@ def _load(path: str, shown: str) -> tuple[os.stat_result | None, bytes]:
     except FileNotFoundError:
         return None, b""
     except OSError as e:
-        raise ResourceError(f"{shown}: {e.strerror or e}") from None
+        raise os_error(shown, e) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -186,7 +177,7 @@ def _load(path: str, shown: str) -> tuple[os.stat_result | None, bytes]:
             chunks.append(chunk)
         return st, b"".join(chunks)
     except OSError as e:
-        raise ResourceError(f"{shown}: {e.strerror or e}") from None
+        raise os_error(shown, e) from None
     finally:
         os.close(fd)
 

@@ -45,6 +45,7 @@ from evergraph._util.atomic import atomic_write
 from evergraph.engine.contract import Resource, doc, parent_dir_keys, register
 from evergraph.errors import ResourceError
 from evergraph.resources import _proc
+from evergraph.resources._oserror import os_error
 from evergraph.resources._pollpri import watch_pri
 
 FSTAB = "/etc/fstab"
@@ -334,7 +335,7 @@ class Mount(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             mounts = watch_pri(MOUNTINFO, event)
         except OSError as e:
             fstab()
-            raise ResourceError(f"cannot watch {MOUNTINFO}: {e.strerror or e}") from None
+            raise os_error(f"cannot watch {MOUNTINFO}", e) from None
 
         def unsubscribe() -> None:
             fstab()
@@ -369,7 +370,7 @@ class Mount(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             try:
                 atomic_write(FSTAB, new.encode("utf-8", "surrogateescape"), mode=mode, owner=owner)
             except OSError as e:
-                raise ResourceError(f"cannot write {FSTAB}: {e.strerror or e}") from None
+                raise os_error(f"cannot write {FSTAB}", e) from None
             what = "removed from" if self.state == "absent" else "set in"
             self.handle.logger.info("%s: line %s %s", self.ident, what, FSTAB)
         return False
@@ -413,7 +414,7 @@ class Mount(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             try:
                 os.makedirs(point, mode=0o755, exist_ok=True)
             except OSError as e:
-                raise ResourceError(f"cannot make the mount point: {e.strerror or e}") from None
+                raise os_error("cannot make the mount point", e) from None
         opts = options_text(self.options)
         await self._run("mount", "-t", self.type, "-o", opts, "--", self.device, point)
         self.handle.logger.info("%s: mounted %s (%s, %s)", self.ident, self.device, self.type, opts)

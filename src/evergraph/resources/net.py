@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from evergraph.engine.contract import Handle, Resource, doc, register
 from evergraph.errors import ResourceError
+from evergraph.resources._oserror import os_error
 
 if TYPE_CHECKING:
     from pyroute2 import AsyncIPRoute
@@ -282,7 +283,7 @@ class Net(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             with open(_forwarding_path(self.name), "w") as f:
                 f.write(value)
         except OSError as e:
-            raise ResourceError(f"cannot set forwarding on {self.name}: {e.strerror}") from None
+            raise os_error(f"cannot set forwarding on {self.name}", e) from None
         self.handle.logger.info("%s: ip_forward set to %s", self.ident, value)
 
     async def _addresses(self, ipr: AsyncIPRoute, index: int, apply: bool) -> bool:

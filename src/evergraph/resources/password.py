@@ -37,7 +37,7 @@ from typing import Annotated, Any, ClassVar
 
 from evergraph._util.atomic import atomic_write
 from evergraph.engine.contract import Handle, PathSubscription, Resource, doc, register
-from evergraph.errors import ResourceError
+from evergraph.resources._oserror import os_error
 
 _ALPHABET = string.ascii_letters + string.digits
 _ALPHABET_BYTES = frozenset(_ALPHABET.encode())
@@ -166,7 +166,7 @@ class Password(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 try:
                     os.chmod(path, 0o600)
                 except OSError as e:
-                    raise ResourceError(f"saved: cannot set mode 0600: {e.strerror}") from None
+                    raise os_error("saved: cannot set mode 0600", e) from None
                 self.handle.logger.info("%s: %s mode set to 0600", self.ident, path)
             return False
         return True
@@ -178,7 +178,7 @@ class Password(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         except FileNotFoundError:
             return "missing", "", 0
         except OSError as e:
-            raise ResourceError(f"saved: cannot open {path}: {e.strerror}") from None
+            raise os_error(f"saved: cannot open {path}", e) from None
         try:
             mode = os.fstat(fd).st_mode & 0o7777
             token = b""
@@ -187,7 +187,7 @@ class Password(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 if len(token) > 65536:
                     return "foreign", "", mode  # far larger than any sealed password
         except OSError as e:
-            raise ResourceError(f"saved: cannot read {path}: {e.strerror}") from None
+            raise os_error(f"saved: cannot read {path}", e) from None
         finally:
             os.close(fd)
         try:
@@ -211,10 +211,10 @@ class Password(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 if self._sub is not None:
                     self._sub.settle()
         except OSError as e:
-            raise ResourceError(f"saved: cannot write in {directory}: {e.strerror}") from None
+            raise os_error(f"saved: cannot write in {directory}", e) from None
         try:
             atomic_write(path, token + b"\n", mode=0o600)
         except OSError as e:
-            raise ResourceError(f"saved: cannot write {path}: {e.strerror}") from None
+            raise os_error(f"saved: cannot write {path}", e) from None
         self._password = password
         self.handle.logger.info("%s: %s", self.ident, what)

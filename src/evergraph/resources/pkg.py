@@ -67,6 +67,10 @@ class Apt:
 
     name = "apt"
 
+    def __init__(self) -> None:
+        #: our own apt-get runs, one at a time (see _dpkg.apt_get)
+        self._lock = asyncio.Lock()
+
     def alive(self) -> bool:
         return True
 
@@ -84,35 +88,41 @@ class Apt:
             specs = [name if v is None else f"{name}={v}" for name, v in install]
             pinned = any(v is not None for _, v in install)
             argv = _dpkg.apt_argv("install", specs, allowuntrusted, downgrades=pinned)
-            done.append(await _dpkg.apt_get(argv))
+            done.append(await _dpkg.apt_get(argv, self._lock))
         if remove:
-            done.append(await _dpkg.apt_get(_dpkg.apt_argv("remove", remove, allowuntrusted)))
+            argv = _dpkg.apt_argv("remove", remove, allowuntrusted)
+            done.append(await _dpkg.apt_get(argv, self._lock))
         return done
 
 
-#: ids of group members while their leader watches for them (the engine
-#: subscribes the leader first, then each member)
-_led: set[int] = set()
+class Packages:
+    """A service (`handle.services.get(Packages)`): what the agent's pkg resources
+    share: the backend, chosen once, and the group members whose leader watches."""
 
-_chosen: dict[asyncio.AbstractEventLoop, Backend] = {}
-_choosing: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
+    def __init__(self) -> None:
+        #: ids of group members while their leader watches for them (the engine
+        #: subscribes the leader first, then each member)
+        self.led: set[int] = set()
+        self._chosen: Backend | None = None
+        self._choosing = asyncio.Lock()
 
-
-async def backend() -> Backend:
-    """The backend for this agent, chosen once (per event loop)."""
-    loop = asyncio.get_running_loop()
-    chosen = _chosen.get(loop)
-    if chosen is not None and chosen.alive():
+    async def backend(self) -> Backend:
+        """The backend for this agent, chosen once (again if it died)."""
+        chosen = self._chosen
+        if chosen is not None and chosen.alive():
+            return chosen
+        async with self._choosing:
+            chosen = self._chosen
+            if chosen is None or not chosen.alive():  # e.g. the bus daemon restarted
+                chosen = self._chosen = await _choose()
         return chosen
-    lock = _choosing.setdefault(loop, asyncio.Lock())
-    async with lock:
-        chosen = _chosen.get(loop)
-        if chosen is None or not chosen.alive():  # e.g. the bus daemon restarted: choose anew
-            for old in [x for x in _chosen if x is not loop]:  # loops of earlier runs
-                del _chosen[old]
-                _choosing.pop(old, None)
-            chosen = _chosen[loop] = await _choose()
-    return chosen
+
+    def close(self) -> None:
+        """Let go of the backend (PackageKit's bus connection)."""
+        close = getattr(self._chosen, "close", None)
+        self._chosen = None
+        if close is not None:
+            close()
 
 
 async def _choose() -> Backend:
@@ -199,9 +209,10 @@ class Pkg(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
 
     # -- watch ---------------------------------------------------------------------
     def subscribe(self) -> Callable[[], None] | None:
-        if id(self) in _led:
+        led = self.handle.services.get(Packages).led
+        if id(self) in led:
             return None  # a group member: the leader's one watch covers the whole group
-        _led.update(id(m) for m in self.group_members)
+        led.update(id(m) for m in self.group_members)
         loop = asyncio.get_running_loop()
         pending: list[asyncio.TimerHandle] = []
 
@@ -218,7 +229,7 @@ class Pkg(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             sub()
             while pending:
                 pending.pop().cancel()
-            _led.difference_update(id(m) for m in self.group_members)
+            led.difference_update(id(m) for m in self.group_members)
 
         return unsubscribe
 
@@ -245,7 +256,7 @@ class Pkg(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
 
     async def _converge(self, group: list[Pkg], apply: bool) -> bool:
         """One query for the whole group, then one transaction per change and trust level."""
-        be = await backend()
+        be = await self.handle.services.get(Packages).backend()
         found = await be.query([r.name for r in group], any(r.state == "newest" for r in group))
         todo: dict[bool, tuple[list[tuple[str, str | None]], list[str], list[str]]] = {}
         for res in group:

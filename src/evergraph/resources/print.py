@@ -18,7 +18,7 @@ import struct
 from typing import Annotated, Literal
 
 from evergraph.engine.contract import Handle, Resource, doc, register
-from evergraph.errors import ResourceError
+from evergraph.resources._oserror import os_error
 
 #: the systemd journal's native socket, and the local syslog socket (and the
 #: environment variables that name others)
@@ -61,7 +61,7 @@ def _send(path: str, data: bytes, what: str) -> None:
         try:
             s.sendto(data, path)
         except OSError as e:
-            raise ResourceError(f"{what}: {path}: {e.strerror or e}") from None
+            raise os_error(f"{what}: {path}", e) from None
 
 
 @register("print", "msg")

@@ -25,7 +25,6 @@ import errno
 import os
 import re
 import stat
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -33,6 +32,8 @@ from typing import Annotated, Literal
 from evergraph._util.atomic import atomic_write
 from evergraph.engine.contract import PathSubscription, Resource, doc, parent_dir_keys, register
 from evergraph.errors import ResourceError
+from evergraph.resources._locks import Locks
+from evergraph.resources._oserror import os_error
 
 PASSWD = "/etc/passwd"
 #: seconds to wait for a missing user (or home) that may be being made right now
@@ -147,23 +148,6 @@ class _Seen:
         if self.dir_fd is not None:
             os.close(self.dir_fd)
             self.dir_fd = None
-
-
-#: per event loop, per file: the lock around read-modify-write
-_locks: weakref.WeakKeyDictionary[
-    asyncio.AbstractEventLoop, weakref.WeakValueDictionary[str, asyncio.Lock]
-] = weakref.WeakKeyDictionary()
-
-
-def _file_lock(path: str) -> asyncio.Lock:
-    loop = asyncio.get_running_loop()
-    per_loop = _locks.get(loop)
-    if per_loop is None:
-        per_loop = _locks[loop] = weakref.WeakValueDictionary()
-    lock = per_loop.get(path)
-    if lock is None:
-        lock = per_loop[path] = asyncio.Lock()
-    return lock
 
 
 def _lookup_user(name: str) -> tuple[int, int, str] | None:
@@ -356,7 +340,8 @@ class SshAuthorizedKey(Resource, kw_only=True, dict=True, forbid_unknown_fields=
         self._report(target, seen, had_dir, plan[0])
         if not apply:
             return False
-        async with _file_lock(target.path):
+        # per file, the agent's: the lock around read-modify-write
+        async with self.handle.services.get(Locks).lock(f"authorized_keys:{target.path}"):
             # re-read inside the lock: a sibling resource may have written since
             return await asyncio.to_thread(self._fix, target)
 
@@ -418,7 +403,7 @@ class SshAuthorizedKey(Resource, kw_only=True, dict=True, forbid_unknown_fields=
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise ResourceError(f"{t.dir} is not a directory (a symlink?)") from None
-            raise ResourceError(f"{t.dir}: {e.strerror}") from None
+            raise os_error(t.dir, e) from None
         seen = _Seen(dir_fd, True, None, None)
         try:
             if t.home:
@@ -441,7 +426,7 @@ class SshAuthorizedKey(Resource, kw_only=True, dict=True, forbid_unknown_fields=
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise ResourceError(f"{t.path} is a symlink: refusing to follow it") from None
-            raise ResourceError(f"{t.path}: {e.strerror}") from None
+            raise os_error(t.path, e) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -509,9 +494,9 @@ class SshAuthorizedKey(Resource, kw_only=True, dict=True, forbid_unknown_fields=
         except FileNotFoundError as e:
             if t.home:  # the home went away under us (a userdel -r by hand?)
                 raise _NoHome(f"{t.path}: {e.strerror}") from None
-            raise ResourceError(f"{t.path}: {e.strerror}") from None
+            raise os_error(t.path, e) from None
         except OSError as e:
-            raise ResourceError(f"{t.path}: {e.strerror or e}") from None
+            raise os_error(t.path, e) from None
         finally:
             seen.close()
         return False

@@ -30,334 +30,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import re
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import Annotated, Literal
 
 from evergraph.engine.contract import Handle, Resource, doc, register
 from evergraph.errors import ResourceError
-from evergraph.resources._dbus import call as dbus_call
-
-if TYPE_CHECKING:
-    from dbus_fast import Message
-    from dbus_fast.aio import MessageBus
-
-SYSTEMD = "org.freedesktop.systemd1"
-MANAGER_PATH = "/org/freedesktop/systemd1"
-MANAGER = "org.freedesktop.systemd1.Manager"
-UNIT = "org.freedesktop.systemd1.Unit"
-PROPERTIES = "org.freedesktop.DBus.Properties"
-DBUS = "org.freedesktop.DBus"
-
-#: unit types systemd knows; any other suffix is part of a service's name
-_UNIT_TYPES = frozenset(
-    {"service", "socket", "target", "device", "mount", "automount"}
-    | {"swap", "timer", "path", "slice", "scope"}
+from evergraph.resources._systemd import (
+    ENABLED,
+    FIXED,
+    MASKED,
+    PROPERTIES,
+    RELOAD_TIMEOUT,
+    RUNNING,
+    STOPPED,
+    SYSTEMD,
+    Systemd,
+    SystemdBuses,
+    unit_name,
 )
+
 _UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]+")
-#: UnitFileState values: on at boot, and ones enable/disable cannot change
-_ENABLED = frozenset({"enabled", "enabled-runtime", "alias"})
-_FIXED = frozenset({"static", "generated", "transient"})
-_MASKED = frozenset({"masked", "masked-runtime"})
-_RUNNING = frozenset({"active", "reloading"})
-_STOPPED = frozenset({"inactive", "failed"})
-#: seconds to connect and authenticate before calling the bus unreachable
-CONNECT_TIMEOUT = 10.0
-#: seconds to wait for the answer to a call (libdbus's default), and to a daemon reload;
-#: a job (start, stop) is waited for without a bound: `meta.timeout` sets one
-CALL_TIMEOUT = 25.0
-RELOAD_TIMEOUT = 120.0
-
-
-def unit_name(name: str) -> str:
-    """`nginx` -> `nginx.service`; a known type suffix is kept."""
-    return name if name.rpartition(".")[2] in _UNIT_TYPES and "." in name else f"{name}.service"
-
-
-def bus_address(session: bool) -> str:
-    if session:
-        return (
-            os.environ.get("DBUS_SESSION_BUS_ADDRESS") or f"unix:path=/run/user/{os.getuid()}/bus"
-        )
-    return os.environ.get("DBUS_SYSTEM_BUS_ADDRESS") or "unix:path=/run/dbus/system_bus_socket"
-
-
-class CallFailed(ResourceError):
-    """systemd (or the bus) answered a call with an error; `name` is the D-Bus error name."""
-
-    def __init__(self, message: str, name: str) -> None:
-        super().__init__(message)
-        self.name = name
-
-
-class Unreachable(ResourceError):
-    """systemd's D-Bus API cannot be reached (no bus, or no systemd on it)."""
-
-
-def _unusable(fut: asyncio.Future[_Systemd]) -> bool:
-    """A finished connection attempt that failed, or whose bus is gone since."""
-    if not fut.done():
-        return False
-    return fut.cancelled() or fut.exception() is not None or fut.result().dead
-
-
-class _Systemd:
-    """One connection to systemd per bus address and event loop, shared by every svc.
-
-    It dispatches signals: PropertiesChanged by unit object path, manager
-    signals to everyone, JobRemoved to the caller waiting for that job.
-    """
-
-    _shared: ClassVar[dict[tuple[int, str], asyncio.Future[_Systemd]]] = {}
-
-    def __init__(self, bus: MessageBus, key: tuple[int, str]) -> None:
-        self.bus = bus
-        self.key = key
-        self.users = 0
-        self._units: dict[str, list[Callable[[], None]]] = {}
-        self._everyone: list[Callable[[], None]] = []
-        self._jobs: dict[str, asyncio.Future[str]] = {}
-        #: JobRemoved results that arrived before the job's caller asked for them
-        self._finished: dict[str, str] = {}
-        self._expecting = 0
-        self.gone: asyncio.Future[None] = asyncio.ensure_future(
-            bus.wait_for_disconnect()  # type: ignore[no-untyped-call]
-        )
-        self.gone.add_done_callback(self._lost)
-        bus.add_message_handler(self._on_message)
-
-    # -- sharing --------------------------------------------------------------
-    @classmethod
-    async def acquire_for(cls, session: bool) -> _Systemd:
-        """`acquire`, with an unreachable bus as the resource's failure (one line)."""
-        try:
-            return await cls.acquire(session)
-        except Unreachable as e:
-            bus = "user" if session else "system"
-            raise ResourceError(
-                f"systemd's D-Bus API is not reachable on the {bus} bus: {e}"
-            ) from None
-
-    @classmethod
-    async def acquire(cls, session: bool) -> _Systemd:
-        address = bus_address(session)
-        key = (id(asyncio.get_running_loop()), address)
-        fut = cls._shared.get(key)
-        if fut is None or _unusable(fut):
-            fut = cls._shared[key] = asyncio.ensure_future(cls._connect(address, key))
-            # retrieved even if every caller waiting for it was cancelled
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        if fut.done():
-            sd = fut.result()  # without yielding: a release cannot slip in between
-        else:
-            try:
-                sd = await asyncio.shield(fut)
-            except BaseException:
-                if cls._shared.get(key) is fut and fut.done():
-                    del cls._shared[key]  # the next one tries again
-                raise
-        sd.users += 1
-        return sd
-
-    def release(self) -> None:
-        self.users -= 1
-        if self.users <= 0:
-            fut = self._shared.get(self.key)
-            if fut is not None and not _unusable(fut) and fut.result() is self:
-                del self._shared[self.key]
-            self.bus.disconnect()
-
-    @property
-    def dead(self) -> bool:
-        return self.gone.done()
-
-    @staticmethod
-    def _lost(fut: asyncio.Future[None]) -> None:
-        if not fut.cancelled():
-            fut.exception()  # retrieved: a lost bus is reported by the watch
-
-    @classmethod
-    async def _connect(cls, address: str, key: tuple[int, str]) -> _Systemd:
-        from dbus_fast import BusType
-        from dbus_fast.aio import MessageBus
-
-        where = address.removeprefix("unix:path=")
-        bus = MessageBus(bus_address=address, bus_type=BusType.SYSTEM)
-        try:
-            async with asyncio.timeout(CONNECT_TIMEOUT):
-                await bus.connect()
-        except TimeoutError:
-            raise Unreachable(f"no answer from the bus at {where}") from None
-        except OSError as e:
-            raise Unreachable(f"no bus at {where} ({e.strerror or e})") from None
-        except Exception as e:
-            raise Unreachable(f"cannot connect to the bus at {where} ({e})") from None
-        sd = cls(bus, key)
-        try:
-            # Asking for the owner does not activate a service (a call would).
-            owned = await sd.call(DBUS, "/org/freedesktop/DBus", DBUS, "NameHasOwner", "s", SYSTEMD)
-            if not owned.body[0]:
-                raise Unreachable(f"the bus at {where} has no {SYSTEMD} (is systemd running?)")
-            await sd._subscribe()
-        except BaseException:
-            bus.disconnect()
-            raise
-        return sd
-
-    async def _subscribe(self) -> None:
-        """Ask systemd for its signals and the bus for the ones we handle."""
-        # by member: the manager also announces every unit loaded or unloaded
-        for member in ("JobRemoved", "UnitFilesChanged", "Reloading"):
-            await self.add_match(
-                f"type='signal',sender='{SYSTEMD}',interface='{MANAGER}',"
-                f"path='{MANAGER_PATH}',member='{member}'"
-            )
-        await self.add_match(
-            f"type='signal',sender='{DBUS}',interface='{DBUS}',"
-            f"member='NameOwnerChanged',arg0='{SYSTEMD}'"
-        )
-        await self._subscribe_manager()
-
-    async def _subscribe_manager(self) -> None:
-        # Without a subscriber systemd sends no job or unit signals. After its
-        # bus restarted, systemd may still know our (reused) name: fine too.
-        try:
-            await self.call(SYSTEMD, MANAGER_PATH, MANAGER, "Subscribe")
-        except CallFailed as e:
-            if e.name != "org.freedesktop.systemd1.AlreadySubscribed":
-                raise
-
-    async def add_match(self, rule: str) -> None:
-        await self.call(DBUS, "/org/freedesktop/DBus", DBUS, "AddMatch", "s", rule)
-
-    def remove_match(self, rule: str) -> None:
-        """Without waiting for the answer: called while a watch is being cancelled."""
-        from dbus_fast import Message, MessageFlag
-
-        if self.dead:
-            return
-        msg = Message(
-            destination=DBUS,
-            path="/org/freedesktop/DBus",
-            interface=DBUS,
-            member="RemoveMatch",
-            signature="s",
-            body=[rule],
-            flags=MessageFlag.NO_REPLY_EXPECTED,
-        )
-        with contextlib.suppress(Exception):
-            sent = self.bus.send(msg)
-            sent.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-    # -- calls ----------------------------------------------------------------
-    async def call(
-        self,
-        dest: str,
-        path: str,
-        iface: str,
-        member: str,
-        signature: str = "",
-        *body: Any,
-        timeout: float = CALL_TIMEOUT,
-    ) -> Message:
-        from dbus_fast import MessageType
-
-        reply = await dbus_call(self.bus, dest, path, iface, member, signature, body, timeout)
-        if reply.message_type is MessageType.ERROR:
-            detail = reply.body[0] if reply.body else ""
-            raise CallFailed(f"{member}: {detail or reply.error_name}", reply.error_name or "")
-        return reply
-
-    async def manager(
-        self, member: str, signature: str = "", *body: Any, timeout: float = CALL_TIMEOUT
-    ) -> Message:
-        return await self.call(
-            SYSTEMD, MANAGER_PATH, MANAGER, member, signature, *body, timeout=timeout
-        )
-
-    async def unit_path(self, unit: str) -> str:
-        """The unit's object path; LoadUnit (unlike GetUnit) works for unloaded units."""
-        reply = await self.manager("LoadUnit", "s", unit)
-        return str(reply.body[0])
-
-    async def unit_property(self, path: str, name: str) -> str:
-        reply = await self.call(SYSTEMD, path, PROPERTIES, "Get", "ss", UNIT, name)
-        return str(reply.body[0].value)
-
-    async def job(self, member: str, unit: str, mode: str = "replace") -> str:
-        """Queue a job (StartUnit, StopUnit, ...) and wait until it finished; its result."""
-        loop = asyncio.get_running_loop()
-        self._expecting += 1
-        try:
-            reply = await self.manager(member, "ss", unit, mode)
-            job = str(reply.body[0])
-            result = self._finished.pop(job, None)
-            if result is not None:
-                return result
-            fut: asyncio.Future[str] = loop.create_future()
-            self._jobs[job] = fut
-            try:
-                waits: list[asyncio.Future[Any]] = [fut, self.gone]
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                self._jobs.pop(job, None)
-            if not fut.done():
-                raise ResourceError(f"lost the bus while waiting for {member} {unit}")
-            return fut.result()
-        finally:
-            self._expecting -= 1
-            if not self._expecting:
-                self._finished.clear()
-
-    # -- signals --------------------------------------------------------------
-    def on_unit(self, path: str, callback: Callable[[], None]) -> Callable[[], None]:
-        """Call `callback` on any change of the unit or of systemd; returns the unsubscribe."""
-        self._units.setdefault(path, []).append(callback)
-        self._everyone.append(callback)
-
-        def unsubscribe() -> None:
-            with contextlib.suppress(ValueError):
-                self._units.get(path, []).remove(callback)
-            with contextlib.suppress(ValueError):
-                self._everyone.remove(callback)
-            if not self._units.get(path):
-                self._units.pop(path, None)
-
-        return unsubscribe
-
-    def _on_message(self, msg: Message) -> None:
-        from dbus_fast import MessageType
-
-        if msg.message_type is not MessageType.SIGNAL:
-            return
-        if msg.interface == PROPERTIES and msg.member == "PropertiesChanged":
-            for cb in list(self._units.get(msg.path or "", ())):
-                cb()
-        elif msg.interface == MANAGER:
-            if msg.member == "JobRemoved":
-                _id, job, _unit, result = msg.body
-                fut = self._jobs.pop(job, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(result)
-                elif self._expecting:
-                    self._finished[job] = result
-            elif msg.member in ("UnitFilesChanged", "Reloading"):
-                self._tell_everyone()
-        elif msg.interface == DBUS and msg.member == "NameOwnerChanged":
-            if msg.body[0] == SYSTEMD and msg.body[2]:
-                # systemd re-executed: it forgot our subscription
-                task = asyncio.ensure_future(self._resubscribe())
-                task.add_done_callback(lambda t: t.cancelled() or t.exception())
-            self._tell_everyone()
-
-    async def _resubscribe(self) -> None:
-        await self._subscribe_manager()
-        self._tell_everyone()
-
-    def _tell_everyone(self) -> None:
-        for cb in list(self._everyone):
-            cb()
 
 
 @register("svc")
@@ -397,10 +89,10 @@ class Svc(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     async def init(self, handle: Handle) -> None:
         await super().init(handle)
         self._unit = unit_name(self.name)
-        self._sd: _Systemd | None = None
-        self._sd = await _Systemd.acquire_for(self.session)
+        self._sd: Systemd | None = None
+        self._sd = await handle.services.get(SystemdBuses).acquire_for(self.session)
 
-    async def _systemd(self) -> _Systemd:
+    async def _systemd(self) -> Systemd:
         """The shared connection; a new one if the bus went away since."""
         sd = self._sd
         if sd is not None and not sd.dead:
@@ -408,7 +100,7 @@ class Svc(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         if sd is not None:
             self._sd = None
             sd.release()
-        fresh = await _Systemd.acquire(self.session)
+        fresh = await self.handle.services.get(SystemdBuses).acquire(self.session)
         if self._sd is not None:  # the watch and a check reconnected at once
             fresh.release()
             return self._sd
@@ -453,10 +145,10 @@ class Svc(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             want = self.startup == "enabled"
             if want and (load == "not-found" or not file_state):
                 raise ResourceError(f"{unit}: no such unit file: cannot enable it")
-            if want and file_state in _MASKED:
+            if want and file_state in MASKED:
                 raise ResourceError(f"{unit} is masked: cannot enable it")
-            settled = file_state in _FIXED or (not want and file_state in _MASKED)
-            if not settled and (file_state in _ENABLED) != want:
+            settled = file_state in FIXED or (not want and file_state in MASKED)
+            if not settled and (file_state in ENABLED) != want:
                 clean = False
                 self.handle.changed("startup", file_state, self.startup)
                 if apply:  # (noop goes on: what else would change is reported too)
@@ -468,7 +160,7 @@ class Svc(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             want_run = self.state == "running"
             if want_run and load == "not-found":
                 raise ResourceError(f"{unit}: no such unit: cannot start it")
-            if active not in (_RUNNING if want_run else _STOPPED):
+            if active not in (RUNNING if want_run else STOPPED):
                 clean = False
                 self.handle.changed("state", active, self.state)
                 if apply:
@@ -485,12 +177,12 @@ class Svc(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             clean = False
         return clean
 
-    async def _refreshable(self, sd: _Systemd, path: str) -> bool:
+    async def _refreshable(self, sd: Systemd, path: str) -> bool:
         if self.state == "stopped":
             return False
-        return self.state == "running" or await sd.unit_property(path, "ActiveState") in _RUNNING
+        return self.state == "running" or await sd.unit_property(path, "ActiveState") in RUNNING
 
-    async def _enable(self, sd: _Systemd, on: bool) -> None:
+    async def _enable(self, sd: Systemd, on: bool) -> None:
         unit = self._unit
         if on:
             await sd.manager("EnableUnitFiles", "asbb", [unit], False, True)
@@ -500,7 +192,7 @@ class Svc(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         await sd.manager("Reload", timeout=RELOAD_TIMEOUT)
         self.handle.logger.info("%s: %s %s", self.ident, "enabled" if on else "disabled", unit)
 
-    async def _job(self, sd: _Systemd, verb: str, done: str) -> None:
+    async def _job(self, sd: Systemd, verb: str, done: str) -> None:
         result = await sd.job(verb, self._unit)
         if result != "done":
             raise ResourceError(

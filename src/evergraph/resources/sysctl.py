@@ -43,6 +43,7 @@ from evergraph.engine.contract import (
     seconds_problem,
 )
 from evergraph.errors import ResourceError
+from evergraph.resources._oserror import os_error
 from evergraph.resources._pollpri import watch_pri
 
 PROC_SYS = "/proc/sys"
@@ -236,8 +237,8 @@ class Sysctl(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 os.close(fd)
         except OSError as e:
             if e.errno == errno.EINVAL:
-                raise ResourceError(f"the kernel refused {self.value!r}: {e.strerror}") from None
-            raise ResourceError(f"{self._file}: {e.strerror or e}") from None
+                raise os_error(f"the kernel refused {self.value!r}", e) from None
+            raise os_error(self._file, e) from None
         after = _read(self._file)
         self._seen = after
         if after is None or _norm(after) != _norm(self.value):
@@ -255,7 +256,7 @@ class Sysctl(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         except FileNotFoundError:
             have = None
         except OSError as e:
-            raise ResourceError(f"{self._path}: {e.strerror or e}") from None
+            raise os_error(self._path, e) from None
         if have == want:
             return True
         self.handle.changed("persisted", have, want, content=True)
@@ -263,7 +264,7 @@ class Sysctl(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             try:
                 atomic_write(self._path, want, mode=0o644, dir_mode=0o755)
             except OSError as e:
-                raise ResourceError(f"{self._path}: {e.strerror or e}") from None
+                raise os_error(self._path, e) from None
         return False
 
     def _check_unpersisted(self, apply: bool) -> bool:
@@ -276,7 +277,7 @@ class Sysctl(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             except FileNotFoundError:
                 pass
             except OSError as e:
-                raise ResourceError(f"{self._path}: {e.strerror or e}") from None
+                raise os_error(self._path, e) from None
         return False
 
 
@@ -288,4 +289,4 @@ def _read(path: str) -> str | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
-        raise ResourceError(f"{path}: {e.strerror or e}") from None
+        raise os_error(path, e) from None

@@ -26,6 +26,7 @@ from typing import IO, Annotated
 from evergraph.engine.contract import doc, register
 from evergraph.errors import ResourceError
 from evergraph.resources._archive import Archive, check_path, file_hash
+from evergraph.resources._oserror import os_error
 
 #: mgmt's format numbers (Go's archive/tar) -> Python's
 FORMATS = {
@@ -86,7 +87,7 @@ class Tar(Archive, kw_only=True, dict=True, forbid_unknown_fields=True):
             except FileNotFoundError:
                 raise ResourceError(f"inputs: {path}: no such file or directory") from None
             except OSError as e:
-                raise ResourceError(f"inputs: {path}: {e.strerror or e}") from None
+                raise os_error(f"inputs: {path}", e) from None
             if stat.S_ISDIR(st.st_mode):
                 prefix = "" if inp.endswith("/") else os.path.basename(path) + "/"
                 found = [(prefix, path, st)] if prefix else []
@@ -137,7 +138,7 @@ def _walk(top: str, prefix: str) -> Iterator[_Entry]:
     try:
         names = sorted(os.listdir(top))
     except OSError as e:
-        raise ResourceError(f"inputs: {top}: {e.strerror or e}") from None
+        raise os_error(f"inputs: {top}", e) from None
     for n in names:
         p = f"{top.rstrip('/')}/{n}"
         try:
@@ -155,7 +156,7 @@ def _readlink(path: str) -> str:
     try:
         return os.readlink(path)
     except OSError as e:
-        raise ResourceError(f"inputs: {path}: {e.strerror or e}") from None
+        raise os_error(f"inputs: {path}", e) from None
 
 
 def _add(tar: tarfile.TarFile, name: str, path: str, st: os.stat_result) -> None:

@@ -25,7 +25,6 @@ import asyncio
 import os
 import re
 import shutil
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -33,6 +32,8 @@ from typing import Annotated, Literal
 from evergraph.engine.contract import Resource, doc, register
 from evergraph.errors import ResourceError
 from evergraph.resources import _proc
+from evergraph.resources._locks import Locks
+from evergraph.resources._oserror import os_error
 
 PASSWD = "/etc/passwd"
 GROUP = "/etc/group"
@@ -167,24 +168,16 @@ def read_group(path: str = GROUP) -> GroupDb:
 
 # -- running the tools ------------------------------------------------------------
 
-#: one lock per event loop (an asyncio.Lock belongs to the loop that first waits on it)
-_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
-    weakref.WeakKeyDictionary()
-)
 _SBIN = "/usr/sbin:/sbin:/usr/bin:/bin"
 
 
-async def _shadow(argv: list[str]) -> None:
-    """Run one shadow-utils command, one at a time; ResourceError on failure."""
+async def _shadow(res: Resource, argv: list[str]) -> None:
+    """Run one shadow-utils command, one at a time in the agent; ResourceError on failure."""
     # an agent started from a user's shell may lack /usr/sbin in PATH
     prog = shutil.which(argv[0], path=os.environ.get("PATH", "") + ":" + _SBIN)
     if prog is None:
         raise ResourceError(f"{argv[0]} not found (install the `passwd` package)")
-    loop = asyncio.get_running_loop()
-    lock = _locks.get(loop)
-    if lock is None:
-        lock = _locks[loop] = asyncio.Lock()
-    async with lock:
+    async with res.handle.services.get(Locks).lock("shadow-utils"):
         done = await _proc.run([prog, *argv[1:]])
     if done.returncode != 0:
         detail = " | ".join((done.stderr.strip() or done.stdout.strip()).splitlines()[-3:])
@@ -267,7 +260,7 @@ def _make_home(home: str, uid: int, gid: int) -> None:
         os.chmod(home, _home_mode())
         os.chown(home, uid, gid)
     except OSError as e:
-        raise ResourceError(f"cannot make home directory {home}: {e.strerror or e}") from None
+        raise os_error(f"cannot make home directory {home}", e) from None
 
 
 class _MissingGroup(Exception):
@@ -432,7 +425,7 @@ class User(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 return True
             self.handle.changed("state", "exists", "absent")
             if apply:
-                await _shadow(["userdel", *(["-r"] if self.managehome else []), self.name])
+                await _shadow(self, ["userdel", *(["-r"] if self.managehome else []), self.name])
             return False
         for attempt in (1, 2):
             try:
@@ -496,10 +489,10 @@ class User(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         if self.allowduplicateuid and "-u" in flags:
             flags = ["-o", *flags]  # a uid in use by another account is meant
         if pw is None:
-            await _shadow(["useradd", *flags, "-m" if self.managehome else "-M", self.name])
+            await _shadow(self, ["useradd", *flags, "-m" if self.managehome else "-M", self.name])
             return
         if flags:
-            await _shadow(["usermod", *flags, self.name])
+            await _shadow(self, ["usermod", *flags, self.name])
         if make_home is not None:
             now = read_passwd().get(self.name, pw)
             await asyncio.to_thread(_make_home, make_home, now.uid, now.gid)
@@ -612,7 +605,7 @@ class Group(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
                 return True
             self.handle.changed("state", "exists", "absent")
             if apply:
-                await _shadow(["groupdel", self.name])
+                await _shadow(self, ["groupdel", self.name])
             return False
         if gr is not None and (self.gid is None or gr.gid == self.gid):
             return True
@@ -623,5 +616,5 @@ class Group(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         if not apply:
             return False
         gid = [] if self.gid is None else ["-g", str(self.gid)]
-        await _shadow(["groupadd" if gr is None else "groupmod", *gid, self.name])
+        await _shadow(self, ["groupadd" if gr is None else "groupmod", *gid, self.name])
         return False

@@ -1,0 +1,19 @@
+"""What the kind tests share: a graph with a bad input refused end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.conftest import run_cli
+
+
+def refused_end_to_end(g: Path, needle: str, state: Path, *, one_line: bool = False) -> None:
+    """`evergraph check G` and `evergraph run G` both exit 2, saying `needle`, with
+    no traceback (`one_line`: and nothing but one line)."""
+    for cmd in (["check", g], ["run", g, "--state-dir", state, "--converged-exit"]):
+        r = run_cli(*cmd)
+        assert r.returncode == 2, r.stderr
+        assert needle in r.stderr, r.stderr
+        if one_line:
+            assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "Traceback" not in r.stderr
