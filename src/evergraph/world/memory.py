@@ -52,7 +52,9 @@ class MemoryStore:
         self.history: list[tuple[int, list[Event]]] = []
         self.leases: dict[int, tuple[float, set[str], _Timer | None]] = {}
         self._ids = itertools.count(0x1000)
-        self._changed = asyncio.Event()
+        #: what watches wait on: each a future of its own loop (a store may outlive
+        #: the loop of a test, and its clients may run in the next one)
+        self._waiters: set[asyncio.Future[None]] = set()
         #: a new one for each World this store holds (see reset)
         self.world_id = secrets.token_hex(8)
         #: how many times the World was replaced (reset)
@@ -88,9 +90,17 @@ class MemoryStore:
         self.wake()
 
     def wake(self) -> None:
-        """Every watch of every client looks again (one event to wait on, no race)."""
-        self._changed.set()
-        self._changed = asyncio.Event()
+        """Every watch of every client looks again."""
+        waiters, self._waiters = self._waiters, set()
+        for f in waiters:
+            if not f.done() and not f.get_loop().is_closed():
+                f.set_result(None)
+
+    def waiter(self) -> asyncio.Future[None]:
+        """A future done at the next `wake` (take it before looking: no race)."""
+        f: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.add(f)
+        return f
 
     def next_rev(self) -> int:
         self.revision += 1
@@ -255,7 +265,7 @@ class MemoryKV(KV):
             if nxt <= st.compacted and nxt <= st.revision:
                 # also when a live watch fell behind a compaction
                 raise Compacted(nxt, st.compacted)
-            changed = st._changed
+            changed = st.waiter()
             i = bisect.bisect_left(st.history, nxt, key=lambda h: h[0])
             for rev, events in st.history[i:]:
                 mine = [e for e in events if e.key.startswith(prefix)]
@@ -263,8 +273,12 @@ class MemoryKV(KV):
                 if mine:
                     yield mine
             if nxt <= st.revision:
+                st._waiters.discard(changed)
                 continue
-            await changed.wait()  # a commit, a reset, or a client closed (see close)
+            try:
+                await changed  # a commit, a reset, or a client closed (see close)
+            finally:
+                st._waiters.discard(changed)
 
     async def close(self) -> None:
         self._closed.set()
