@@ -7,40 +7,18 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from evergraph.errors import InputError
 from evergraph.frontends.base import Frontend
+from evergraph.frontends.open import frontend_for, trust_deployers
 from evergraph.world.open import BACKENDS, WorldOptions
 
 if TYPE_CHECKING:
     from evergraph.agent.run import FarmOptions, Service
-    from evergraph.frontends.python import Graph
+    from evergraph.frontends.open import Graph
 
 log = logging.getLogger("evergraph")
-
-
-def frontend_for(target: Frontend | Graph | str | os.PathLike[str] | None) -> Frontend:
-    """The frontend for what `run` was given: a Graph, a .yaml/.yml/.py path, or
-    None (follow the newest deploy in the World)."""
-    from evergraph.frontends.base import Static
-    from evergraph.frontends.open import builtin_registry, open_frontend
-
-    if isinstance(target, Frontend):
-        return target
-    if target is None:
-        from evergraph.frontends.deploy import DeployFrontend
-
-        return DeployFrontend(builtin_registry())
-    if isinstance(target, str | os.PathLike):
-        return open_frontend(target, builtin_registry())
-    # imported here: the Python frontend (and the World's exports under it) is
-    # not needed for a graph file of another kind
-    from evergraph.frontends.python import Graph
-
-    if isinstance(target, Graph):
-        return Static(target.model(), label=target.name or "graph")
-    raise InputError(f"run() takes a Graph or a path to a graph file, not {type(target).__name__}")
 
 
 def _world(world: WorldOptions | str | None) -> WorldOptions | None:
@@ -60,27 +38,14 @@ def run(
     graph: Graph | str | os.PathLike[str] | Frontend | None,
     *,
     state_dir: str | os.PathLike[str] | None = None,
-    hostname: str = "",
-    converged_timeout: float | None = None,
-    converged_exit: bool = False,
-    converged_status_file: str | os.PathLike[str] | None = None,
-    max_runtime: float | None = None,
-    repair_backoff_max: float = 300.0,
     world: WorldOptions | str | None = "sqlite",
-    noop: bool = False,
-    noop_commands: bool = True,
-    diff: bool = False,
-    watch: bool = True,
-    sema: int = 0,
-    autoedges: bool = True,
-    autogroup: bool = True,
-    graphviz: str | os.PathLike[str] | None = None,
     handle_signals: bool = True,
     replace: bool = False,
     services: Sequence[Service] = (),
     farm: FarmOptions | None = None,
     deployers: list[str] | None = None,
     _flush: tuple[Callable[[], None], float] | None = None,
+    **settings: Any,
 ) -> int:
     """Converge `graph` and keep it converged; returns the CLI's exit status
     (0 clean, 1 a resource failed, 2 bad input; 3: `noop` with `converged_exit`
@@ -100,19 +65,30 @@ def run(
     worker and/or run the farm's matcher when elected (see `FarmOptions`).
     `repair_backoff_max`: a resource failed for good is tried again at its next
     event, or by a timer doubling from 1 s up to this (0: events only).
+    `settings`: the fields of `engine.settings.Settings` (`hostname`, `noop`,
+    `noop_commands`, `diff`, `sema`, `watch`, `autoedges`, `autogroup`,
+    `converged_timeout`, `converged_exit`, `converged_status_file`, `max_runtime`,
+    `repair_backoff_max`, `graphviz`, `stop_grace`), each documented there with the
+    flag of `evergraph run` that sets it; another keyword is a TypeError naming it.
     Runs its own event loop: call it from synchronous code.
     """
     from evergraph.agent.run import prepare_state_dir, run_agent
-    from evergraph.engine.settings import Settings
+    from evergraph.engine.settings import Settings, run_keywords
     from evergraph.world.names import hostname_problem
 
-    if converged_exit and converged_timeout is None:
-        converged_timeout = 0.0
+    known = run_keywords()
+    for name in settings:
+        if name not in known:
+            raise TypeError(f"run() got an unexpected keyword argument {name!r}")
+    for name in ("converged_status_file", "graphviz"):  # paths given as str
+        value = settings.get(name)
+        settings[name] = Path(value) if value else None
+    if settings.get("converged_exit") and settings.get("converged_timeout") is None:
+        settings["converged_timeout"] = 0.0
+    hostname: str = settings.get("hostname", "")
     try:
         frontend = frontend_for(graph)
         if deployers:  # following deploys: only these keys' (base64 verify keys)
-            from evergraph.frontends.deploy import trust_deployers
-
             trust_deployers(frontend, deployers)
         frontend.preload()
         opts = _world(world)
@@ -128,29 +104,16 @@ def run(
             why = hostname_problem(hostname)
             if why:
                 raise InputError(why, "--hostname")
-        settings = Settings(
+        prepared = Settings(
             state_dir=prepare_state_dir(Path(state_dir) if state_dir is not None else None),
-            hostname=hostname,
-            noop=noop,
-            noop_commands=noop_commands,
-            diff=diff,
-            sema=sema,
-            watch=watch,
-            autoedges=autoedges,
-            autogroup=autogroup,
-            converged_timeout=converged_timeout,
-            converged_exit=converged_exit,
-            converged_status_file=Path(converged_status_file) if converged_status_file else None,
-            max_runtime=max_runtime,
-            repair_backoff_max=repair_backoff_max,
-            graphviz=Path(graphviz) if graphviz else None,
+            **settings,
         )
     except InputError as e:
         log.error("%s", e)
         return 2
     return asyncio.run(
         run_agent(
-            settings,
+            prepared,
             frontend,
             handle_signals=handle_signals,
             flush=_flush,

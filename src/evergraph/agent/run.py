@@ -48,8 +48,7 @@ from evergraph.engine.status import VertexStatus
 from evergraph.errors import InputError
 from evergraph.frontends.base import Context, Frontend, merged
 from evergraph.frontends.collect import exports_of, merge
-from evergraph.frontends.open import builtin_registry
-from evergraph.frontends.yaml import parse_yaml
+from evergraph.frontends.open import builtin_registry, parse_fragment
 from evergraph.watch import InotifyHub
 from evergraph.world.kv import KV, WorldError
 from evergraph.world.names import hostname_problem
@@ -583,7 +582,7 @@ class Agent:
         merge(raw, [grant])
         if job.fragment:
             try:
-                frag = parse_yaml(
+                frag = parse_fragment(
                     job.fragment, f"request {job.request}'s fragment", builtin_registry()
                 )
             except InputError as e:
@@ -683,20 +682,28 @@ async def _unless_stopped(
     work: Awaitable[T], stop: asyncio.Event, timeout: float | None
 ) -> T | None:
     """`work`'s result, or None (work cancelled) if `stop` is set or `timeout`
-    passes first."""
-    task = asyncio.ensure_future(work)
-    stopper = asyncio.create_task(stop.wait())
-    try:
+    passes first. Both waits are owned by a TaskGroup: neither outlives the call."""
+    outcome: list[tuple[bool, Any]] = []
+
+    async def body() -> None:
+        try:
+            outcome.append((True, await work))
+        except Exception as e:  # raised to the caller as it is, not in a group
+            outcome.append((False, e))
+
+    async with asyncio.TaskGroup() as tg:
+        task = tg.create_task(body())
+        stopper = tg.create_task(stop.wait())
         await asyncio.wait({task, stopper}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
+        task.cancel()
         stopper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await stopper
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    return None if task.cancelled() else task.result()
+    if not outcome:
+        return None
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    result: T = value
+    return result
 
 
 async def _every(fn: Callable[[], None], seconds: float) -> None:

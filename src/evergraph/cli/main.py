@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from evergraph._version import __version__
-from evergraph.cli.entry import CHECK_TIMEOUT, check_summary, error_line, load_for_check, one_line
-from evergraph.cli.runner import ETCD_PASSWORD_ENV, run_command, world_opts
+from evergraph.cli.common import CHECK_TIMEOUT, check_summary, error_line, load_for_check, one_line
+from evergraph.cli.options import WORLD_OPTIONS, run_options
+from evergraph.cli.runner import run_command, world_opts
 from evergraph.errors import InputError
 
 if TYPE_CHECKING:
+    from evergraph.engine.settings import Flag
     from evergraph.world.open import WorldOptions
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -83,332 +85,49 @@ def _world_opts(world: dict[str, object]) -> WorldOptions:
     return world_opts(world)
 
 
-def world_options(f: Callable[..., None]) -> Callable[..., None]:
-    """The options that say which World to use (shared by run, world, members, exports)."""
-    opts = [
-        click.option(
-            "--world",
-            "world_backend",
-            type=click.Choice(["sqlite", "memory", "etcd"]),
-            default="sqlite",
-            show_default=True,
-            help="Where shared state lives: sqlite (a file in the state dir), memory "
-            "(this process only), etcd (--seeds or --etcd embedded).",
-        ),
-        click.option(
-            "--world-db",
-            type=click.Path(dir_okay=False, path_type=Path),
-            default=None,
-            help="The sqlite World's file. [default: STATE_DIR/world.sqlite]",
-        ),
-        click.option(
-            "--seeds",
-            default="",
-            metavar="URL,...",
-            help="etcd client URLs, e.g. https://10.0.0.1:2379 (implies --world etcd).",
-        ),
-        click.option(
-            "--etcd",
-            "etcd_mode",
-            type=click.Choice(["embedded"]),
-            default=None,
-            help="Start an etcd server as a child process, data under the state dir.",
-        ),
-        click.option(
-            "--etcd-ca",
-            type=click.Path(dir_okay=False, path_type=Path),
-            default=None,
-            help="CA certificate that signed the etcd servers' certificates.",
-        ),
-        click.option(
-            "--etcd-cert",
-            type=click.Path(dir_okay=False, path_type=Path),
-            default=None,
-            help="Client certificate for etcd (with --etcd-key).",
-        ),
-        click.option(
-            "--etcd-key",
-            type=click.Path(dir_okay=False, path_type=Path),
-            default=None,
-            help="Client key for etcd.",
-        ),
-        click.option("--etcd-user", default=None, help="etcd user name (auth enabled)."),
-        click.option(
-            "--etcd-password-file",
-            type=click.Path(dir_okay=False, path_type=Path),
-            default=None,
-            help=f"Read the etcd password from this file (or set {ETCD_PASSWORD_ENV}).",
-        ),
-        click.option(
-            "--etcd-password",
-            default=None,
-            help="etcd password; visible to every user in `ps`: prefer --etcd-password-file.",
-        ),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
+def click_option(o: Flag) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """The click option of one setting (engine/settings.py's `Flag`)."""
+    kw: dict[str, Any] = {"help": o.help}
+    if o.kind == "flag":
+        kw["is_flag"] = True
+    elif o.kind == "count":
+        kw["count"] = True
+    elif o.multiple:
+        kw["multiple"] = True
+    else:
+        ranged = o.low is not None or o.high is not None
+        if o.kind == "int":
+            kw["type"] = click.IntRange(o.low, o.high) if ranged else int  # type: ignore[arg-type]
+        elif o.kind == "float":
+            kw["type"] = click.FloatRange(o.low, o.high, min_open=o.low_open) if ranged else float
+        elif o.kind == "choice":
+            kw["type"] = click.Choice(list(o.choices))
+        elif o.kind == "path":
+            kw["type"] = click.Path(dir_okay=False, path_type=Path)
+        elif o.kind == "dir":
+            # a str: an empty value must be told from "." (see runner.check_path)
+            kw["type"] = click.Path(file_okay=False)
+        if o.default is not None:
+            kw["default"] = o.default
+    if o.show_default:
+        kw["show_default"] = True
+    if o.metavar is not None:
+        kw["metavar"] = o.metavar
+    return click.option(*o.flags, o.param, **kw)
+
+
+def _with(options: Iterable[Flag], f: Callable[..., None]) -> Callable[..., None]:
+    for o in reversed(list(options)):
+        f = click_option(o)(f)
     return f
 
 
-@cli.command(context_settings=CONTEXT)
-@click.argument("file", type=click.Path(dir_okay=False, path_type=Path), required=False)
-@click.option(
-    "--state-dir",
-    # a str: an empty value must be told from "." (see runner.check_path)
-    type=click.Path(file_okay=False),
-    help="Where vertex state lives. [default: /var/lib/evergraph as root, "
-    "else ~/.local/state/evergraph]",
-)
-@click.option(
-    "--hostname", default="", help="This host's name in the cluster. [default: the system hostname]"
-)
-@click.option(
-    "--noop",
-    is_flag=True,
-    help="Check only; report what would change, with diffs, and whom it would notify; "
-    "change nothing. User commands: exec's guards (ifcmd, nifcmd) and watchcmd still run, "
-    "as in mgmt and Salt (they decide what would change); cmd and donecmd never do.",
-)
-@click.option(
-    "--noop-no-commands",
-    is_flag=True,
-    help="--noop, and run no user command at all, not even the guards: an exec whose "
-    "guards would decide is reported 'unknown' in the recap (exit 3 like a change).",
-)
-@click.option(
-    "--diff",
-    is_flag=True,
-    help="Log what each change changed with diffs on real runs too (as --noop does).",
-)
-@click.option(
-    "--sema",
-    type=click.IntRange(min=0, max=1_000_000),
-    default=0,
-    show_default=True,
-    help="At most N check_apply calls at once (0 = no bound).",
-)
-@click.option(
-    "--no-watch",
-    is_flag=True,
-    help="Check each resource once, do not watch; exit once converged (as --converged-exit).",
-)
-@click.option(
-    "--no-autoedges",
-    is_flag=True,
-    help="No automatic edges (file after its parent directory, ...).",
-)
-@click.option("--no-autogroup", is_flag=True, help="No automatic grouping of groupable resources.")
-@click.option(
-    "--converged-timeout",
-    type=float,
-    default=None,
-    help="Seconds all vertices must stay clean and idle to count as converged "
-    "(fractions allowed). [default: never, or 0 with --converged-exit]",
-)
-@click.option(
-    "--converged-exit",
-    is_flag=True,
-    help="Exit once converged: status 0 if every vertex is clean, 1 if any failed; "
-    "with --noop, 3 if something would change.",
-)
-@click.option(
-    "--converged-status-file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Append `true`/`false` to this file on each converged transition.",
-)
-@click.option(
-    "--max-runtime",
-    type=float,
-    default=None,
-    help="Stop after this many seconds, cancelling applies still running (0.001 to a year); "
-    "exit 1 if no graph was loaded by then.",
-)
-@click.option(
-    "--repair-backoff-max",
-    type=float,
-    default=300.0,
-    show_default=True,
-    help="A resource whose retries are spent stays failed only until its next event or "
-    "a timer: 1 s, doubling up to this many seconds (0: events only).",
-)
-@click.option(
-    "--graphviz",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Write the running graph as Graphviz dot to this file (on each swap).",
-)
-@click.option(
-    "--log-format",
-    type=click.Choice(["text", "json"]),
-    default="text",
-    show_default=True,
-    help="Log lines as text or as one JSON object per line.",
-)
-@click.option(
-    "--http",
-    "http_addr",
-    metavar="ADDR",
-    help="Serve the HTTP API on ADDR (HOST:PORT, e.g. 127.0.0.1:9233): health, graph status.",
-)
-@click.option(
-    "--http-socket",
-    "http_socket",
-    metavar="PATH",
-    help="Serve the HTTP API on a Unix socket at PATH too (mode 0666): root's "
-    "connections (SO_PEERCRED) read a vertex's parameters without a token; others, "
-    "as on --http, need an admin token.",
-)
-@click.option(
-    "--http-max-body",
-    type=click.IntRange(min=1024, max=1 << 30),
-    default=1 << 20,
-    show_default=True,
-    metavar="BYTES",
-    help="With --http: a request body over this many bytes is refused (413) unread.",
-)
-@click.option(
-    "--farm-anonymous",
-    metavar="GROUP",
-    help="With --http: serve tokenless (legacy Boruta) clients as a non-admin user of GROUP.",
-)
-@click.option("--worker", is_flag=True, help="Lease this host to farm users (a farm worker).")
-@click.option(
-    "--cap",
-    "caps",
-    multiple=True,
-    metavar="K=V",
-    help="A capability of this worker (repeatable); arch, os, cpus, memory_mb and hostname "
-    "are discovered.",
-)
-@click.option("--group", "groups", multiple=True, help="A farm group of this worker (repeatable).")
-@click.option(
-    "--ssh-port",
-    type=click.IntRange(1, 65535),
-    default=22,
-    show_default=True,
-    help="The sshd port farm users reach this worker on.",
-)
-@click.option(
-    "--ssh-user",
-    default="root",
-    show_default=True,
-    help="The account farm users log in as (their job's key is authorized for it).",
-)
-@click.option(
-    "--authorized-keys",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="The authorized_keys file a job's key goes to. [default: the --ssh-user's own]",
-)
-@click.option(
-    "--farm-server",
-    "farm_servers",
-    multiple=True,
-    metavar="NAME=KEY",
-    help="A farm server (an agent with --http) this worker or API server trusts "
-    "(repeatable; this host always is one): KEY as `evergraph hosts key` prints it on "
-    "NAME, pinned explicitly. Only farm servers sign the records a worker acts on and "
-    "receive its job keys; API servers accept tokens signed by them. NAME alone: only "
-    "if `evergraph hosts trust NAME KEY` pinned it already.",
-)
-@click.option(
-    "--fragment-kinds",
-    metavar="KIND,...",
-    help="The resource kinds a request's graph fragment may use on this worker (e.g. "
-    "file,pkg); a fragment with another kind is refused, the job runs without it. "
-    "[default: any kind]",
-)
-@click.option(
-    "--farm-job-period",
-    type=click.FloatRange(0, min_open=True),
-    metavar="S",
-    help="With --http: a job's length, and what one prolong adds. [default: 3600]",
-)
-@click.option(
-    "--farm-max-prolong",
-    type=click.IntRange(0),
-    metavar="N",
-    help="With --http: how many times a job may be prolonged. [default: 3]",
-)
-@click.option(
-    "--farm-invalid-grace",
-    type=click.FloatRange(0),
-    metavar="S",
-    help="With --http: a waiting request becomes INVALID only after no registered worker "
-    "could serve it for S seconds. [default: 60]",
-)
-@click.option(
-    "--farm-alive-grace",
-    type=click.FloatRange(0),
-    metavar="S",
-    help="With --http: a worker whose agent's lease expired becomes FAILED only after S "
-    "seconds more (a slow World fails no live worker). [default: 10]",
-)
-@click.option(
-    "--farm-election-ttl",
-    type=click.FloatRange(0.5),
-    metavar="S",
-    help="With --http: the farm election's lease; a dead leader's matcher is taken over "
-    "within about S seconds. [default: 10]",
-)
-@click.option(
-    "--replace",
-    is_flag=True,
-    help="Take the hostname over from another live agent (which then stops).",
-)
-@world_options
-@click.option(
-    "--deployer",
-    "deployers",
-    multiple=True,
-    metavar="KEY",
-    help="Without FILE: run only deploys signed by this verify key (base64, as `evergraph "
-    "deploy` prints it; repeatable). [default: the first signer seen, pinned]",
-)
-@click.option(
-    "-v",
-    "--verbose",
-    count=True,
-    help="More log output: -v each check and how long it took, -vv also commands' output.",
-)
-def run(
-    file: Path | None,
-    state_dir: Path | None,
-    hostname: str,
-    noop: bool,
-    noop_no_commands: bool,
-    diff: bool,
-    sema: int,
-    no_watch: bool,
-    no_autoedges: bool,
-    no_autogroup: bool,
-    converged_timeout: float | None,
-    converged_exit: bool,
-    converged_status_file: Path | None,
-    max_runtime: float | None,
-    repair_backoff_max: float,
-    graphviz: Path | None,
-    log_format: str,
-    replace: bool,
-    http_addr: str | None,
-    http_socket: str | None,
-    http_max_body: int,
-    farm_anonymous: str | None,
-    worker: bool,
-    caps: tuple[str, ...],
-    groups: tuple[str, ...],
-    ssh_port: int,
-    ssh_user: str,
-    authorized_keys: Path | None,
-    farm_servers: tuple[str, ...],
-    fragment_kinds: str | None,
-    farm_job_period: float | None,
-    farm_max_prolong: int | None,
-    farm_invalid_grace: float | None,
-    farm_alive_grace: float | None,
-    farm_election_ttl: float | None,
-    verbose: int,
-    deployers: tuple[str, ...],
-    **world: object,
-) -> None:
+def world_options(f: Callable[..., None]) -> Callable[..., None]:
+    """The options that say which World to use (shared by run, world, members, exports)."""
+    return _with(WORLD_OPTIONS, f)
+
+
+def run(file: Path | None, **params: Any) -> None:
     """Converge the graph in FILE, then keep it converged.
 
     FILE is a YAML graph (.yaml/.yml) or a Python module (.py) defining
@@ -429,10 +148,16 @@ def run(
       evergraph run site.yaml --diff                        # show each change's diff
       evergraph run site.yaml --converged-timeout 5 --converged-status-file /run/eg.status
     """
-    params = dict(locals())
-    params.update(params.pop("world"))
     # the console script's fast path calls the same (cli/entry.py)
-    run_command(params)
+    run_command({"file": file, **params})
+
+
+# its options, generated from their one spelling (cli/options.py, engine/settings.py)
+run = cli.command(context_settings=CONTEXT)(
+    click.argument("file", type=click.Path(dir_okay=False, path_type=Path), required=False)(
+        _with(run_options(), run)
+    )
+)
 
 
 def _check_timeout(_ctx: click.Context, _param: click.Parameter, value: float) -> float:

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from evergraph.cli.entry import collector_on, error_line
+from evergraph.cli.common import collector_on, error_line
+from evergraph.cli.options import DEFAULTS, ETCD_PASSWORD_ENV, SETTINGS_PARAMS, WORLD_PARAMS
 from evergraph.errors import InputError
 
 if TYPE_CHECKING:
@@ -20,75 +21,6 @@ if TYPE_CHECKING:
 
     from evergraph.agent.run import Agent, FarmOptions, Service
     from evergraph.world.open import WorldOptions
-
-#: where the etcd password may come from, rather than a command line
-ETCD_PASSWORD_ENV = "EVERGRAPH_ETCD_PASSWORD"
-
-#: every parameter of `run` with click's default (tests/agent/test_startup.py checks them
-#: against the click command's)
-DEFAULTS: dict[str, Any] = {
-    "file": None,
-    "state_dir": None,
-    "hostname": "",
-    "noop": False,
-    "noop_no_commands": False,
-    "diff": False,
-    "sema": 0,
-    "no_watch": False,
-    "no_autoedges": False,
-    "no_autogroup": False,
-    "converged_timeout": None,
-    "converged_exit": False,
-    "converged_status_file": None,
-    "max_runtime": None,
-    "repair_backoff_max": 300.0,
-    "graphviz": None,
-    "log_format": "text",
-    "http_addr": None,
-    "http_socket": None,
-    "http_max_body": 1 << 20,
-    "farm_anonymous": None,
-    "worker": False,
-    "caps": (),
-    "groups": (),
-    "ssh_port": 22,
-    "ssh_user": "root",
-    "authorized_keys": None,
-    "farm_servers": (),
-    "fragment_kinds": None,
-    "farm_job_period": None,
-    "farm_max_prolong": None,
-    "farm_invalid_grace": None,
-    "farm_alive_grace": None,
-    "farm_election_ttl": None,
-    "replace": False,
-    "world_backend": "sqlite",
-    "world_db": None,
-    "seeds": "",
-    "etcd_mode": None,
-    "etcd_ca": None,
-    "etcd_cert": None,
-    "etcd_key": None,
-    "etcd_user": None,
-    "etcd_password_file": None,
-    "etcd_password": None,
-    "deployers": (),
-    "verbose": 0,
-}
-
-#: the World's options among them (passed on as `world`)
-WORLD_PARAMS = (
-    "world_backend",
-    "world_db",
-    "seeds",
-    "etcd_mode",
-    "etcd_ca",
-    "etcd_cert",
-    "etcd_key",
-    "etcd_user",
-    "etcd_password_file",
-    "etcd_password",
-)
 
 
 def die(e: InputError) -> NoReturn:
@@ -368,20 +300,17 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     """Run the agent with `run`'s parameters (`DEFAULTS` keys), then leave the process
     with its exit status; bad input: one line, exit 2."""
     file: Path | None = params["file"]
+    # the engine's settings, by Settings field (an inverted flag: `--no-watch` is watch=False)
+    settings: dict[str, Any] = {
+        field: (not params[p]) if invert else params[p]
+        for p, (field, invert) in SETTINGS_PARAMS.items()
+        if field != "state_dir"
+    }
+    settings["noop"] = settings["noop"] or not settings["noop_commands"]
     state_dir: Path | str | None = params["state_dir"]
-    hostname: str = params["hostname"]
-    noop_no_commands: bool = params["noop_no_commands"]
-    noop: bool = params["noop"] or noop_no_commands
-    diff: bool = params["diff"]
-    sema: int = params["sema"]
-    no_watch: bool = params["no_watch"]
-    no_autoedges: bool = params["no_autoedges"]
-    no_autogroup: bool = params["no_autogroup"]
     converged_timeout: float | None = params["converged_timeout"]
-    converged_exit: bool = params["converged_exit"]
     converged_status_file: Path | None = params["converged_status_file"]
     max_runtime: float | None = params["max_runtime"]
-    repair_backoff_max: float = params["repair_backoff_max"]
     graphviz: Path | None = params["graphviz"]
     log_format: str = params["log_format"]
     replace: bool = params["replace"]
@@ -407,11 +336,11 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     verbose: int = params["verbose"]
     deployers: tuple[str, ...] = params["deployers"]
     world = {k: params[k] for k in WORLD_PARAMS}
-    from evergraph.agent.api import frontend_for
     from evergraph.agent.api import run as run_graph
     from evergraph.cli.logs import flush_logs, flusher, setup_logging, terminal_handler
     from evergraph.cli.progress import service as progress_service
     from evergraph.engine.settings import check_times
+    from evergraph.frontends.open import frontend_for, trust_deployers
 
     importlib.import_module("evergraph.agent.run")  # (api.run's) with the GC paused too
     collector_on()  # the console script paused it for the imports
@@ -431,8 +360,6 @@ def run_command(params: dict[str, Any]) -> NoReturn:
             check_path(file, "FILE")
         frontend = frontend_for(file)
         if deployers:
-            from evergraph.frontends.deploy import trust_deployers
-
             trust_deployers(frontend, deployers)
         frontend.preload()
         opts = world_opts(world)
@@ -461,21 +388,8 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     try:
         status = run_graph(
             frontend,
+            **settings,
             state_dir=state_dir,
-            hostname=hostname,
-            noop=noop,
-            noop_commands=not noop_no_commands,
-            diff=diff,
-            sema=sema,
-            watch=not no_watch,
-            autoedges=not no_autoedges,
-            autogroup=not no_autogroup,
-            converged_timeout=converged_timeout,
-            converged_exit=converged_exit,
-            converged_status_file=converged_status_file,
-            max_runtime=max_runtime,
-            repair_backoff_max=repair_backoff_max,
-            graphviz=graphviz,
             world=opts,
             replace=replace,
             deployers=list(deployers),

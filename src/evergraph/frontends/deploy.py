@@ -97,18 +97,9 @@ class DeployFrontend(Frontend):
             if retrust is None:
                 return await self._next(ctx)
             retrust.clear()
-            nxt = asyncio.ensure_future(self._next(ctx))
-            changed = asyncio.ensure_future(retrust.wait())
-            try:
-                await asyncio.wait({nxt, changed}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                changed.cancel()
-                if not nxt.done():
-                    nxt.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await nxt
-            if not nxt.cancelled():
-                return nxt.result()
+            found = await self._next_unless(ctx, retrust)
+            if found is not None:
+                return found
             assert ctx.kv is not None
             assert self._trust_now is not None
             old, self._stream = self._stream, None
@@ -116,6 +107,30 @@ class DeployFrontend(Frontend):
                 await old.aclose()
             log.info("the trusted deployers changed (pins.json): following their deploys")
             self._stream = deploys.follow(ctx.kv, self._trust_now, after=self._after)
+
+    async def _next_unless(
+        self, ctx: Context, retrust: asyncio.Event
+    ) -> tuple[Frontend, GraphModel] | None:
+        """`_next`, or None if `retrust` is set first: the first of two, both owned by
+        a TaskGroup (neither outlives the call)."""
+        found: list[tuple[Frontend, GraphModel]] = []
+        failed: list[Exception] = []
+
+        async def next_deploy() -> None:
+            try:
+                found.append(await self._next(ctx))
+            except Exception as e:  # raised to the caller as it is, not in a group
+                failed.append(e)
+
+        async with asyncio.TaskGroup() as tg:
+            nxt = tg.create_task(next_deploy())
+            changed = tg.create_task(retrust.wait())
+            await asyncio.wait({nxt, changed}, return_when=asyncio.FIRST_COMPLETED)
+            nxt.cancel()
+            changed.cancel()
+        if failed:
+            raise failed[0]
+        return found[0] if found else None
 
     async def _next(self, ctx: Context) -> tuple[Frontend, GraphModel]:
         """The next deploy that loads (waiting for one to be published)."""

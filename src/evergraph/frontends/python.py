@@ -611,7 +611,11 @@ class PythonFrontend(Frontend):
             return
         kv = ctx.kv
         wake: asyncio.Queue[str] = asyncio.Queue()
+        #: every watch of a World prefix graph() read, owned by this stream: cancelled
+        #: when graph() stops reading it (then kept in `retired`) or the stream ends,
+        #: and awaited at its end (a TaskGroup cannot span this generator's `yield`)
         watching: dict[str, asyncio.Task[None]] = {}
+        retired: list[asyncio.Task[None]] = []
 
         async def watch(prefix: str) -> None:
             # follow(): backoff, resume and resync in one place. Its first batch
@@ -629,7 +633,10 @@ class PythonFrontend(Frontend):
         def rewatch() -> None:
             want = _prefixes(ctx, self._reads) if kv is not None else set()
             for p in set(watching) - want:
-                watching.pop(p).cancel()
+                t = watching.pop(p)
+                t.cancel()
+                retired.append(t)  # still ours: awaited when this stream ends
+            retired[:] = [t for t in retired if not t.done()]
             for p in want - set(watching):
                 watching[p] = asyncio.create_task(watch(p))
 
@@ -676,3 +683,5 @@ class PythonFrontend(Frontend):
             for t in watching.values():
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
+            # what a watch cancelled before ended with is of no interest (as before)
+            await asyncio.gather(*retired, return_exceptions=True)

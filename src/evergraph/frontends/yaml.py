@@ -25,22 +25,31 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import yaml_rs
 
 from evergraph._util.gc import gc_paused
 from evergraph.engine.build import PathPart, build_resource, known_kinds_hint, msgspec_path
-from evergraph.engine.contract import R, Registry, Resource
+from evergraph.engine.contract import Registry, Resource
 from evergraph.engine.model import CollectSpec, Edge, GraphCycleError, GraphModel
 from evergraph.errors import InputError
 from evergraph.frontends.base import Context, Frontend, file_changes, merged, read_graph_file
 from evergraph.frontends.collect import Built, matching, merge, to_resources
+from evergraph.frontends.yaml_entries import (
+    Entries,
+    Known,
+    Reparse,
+    copy_resource,
+    split_entries,
+)
+from evergraph.frontends.yaml_load import Locator, load_text, long_number_at
+
+#: what other modules take from here (`Entries` and `split_entries` live in yaml_entries.py)
+__all__ = ["Entries", "YamlFrontend", "load_yaml", "parse_yaml", "split_entries"]
 
 log = logging.getLogger("evergraph.frontend.yaml")
 
 _TOP_KEYS = ("graph", "resources", "edges", "collect", "comment")
 _EDGE_KEYS = ("name", "from", "to", "notify")
 _END_KEYS = ("kind", "name")
-_LINE_COL = re.compile(r"line (\d+), column (\d+)")
 
 # -- mgmt's layout ---------------------------------------------------------------
 #: keys mgmt's own code no longer has (its reader ignores unknown keys): accepted
@@ -75,102 +84,9 @@ MGMT_KINDS = frozenset(
 )  # fmt: skip
 #: msgspec's complaint about an integer given for a field that takes text
 _INT_FOR_TEXT = re.compile(r"^Expected `(?P<types>[^`]*)`, got `int`$")
-#: how an integer may be written in YAML (decimal, octal, hex, with `_`)
-_INT_SOURCE = re.compile(r"[-+]?[0-9][0-9a-fA-FoObBxX_]*")
 
 if TYPE_CHECKING:
     from evergraph.cluster.exports import Exported
-
-
-class _Locator:
-    """Maps a data path (keys and indexes) to `file:line:col`, parsing lazily with PyYAML."""
-
-    def __init__(self, filename: str, text: str) -> None:
-        self.filename = filename
-        self.text = text
-        self._root: Any = None
-        self._parsed = False
-
-    def _tree(self) -> Any:
-        if not self._parsed:
-            import yaml  # only on the error path
-
-            self._parsed = True
-            try:
-                # libyaml's loader where there is one: 5x faster on a large file
-                loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-                self._root = yaml.compose(self.text, Loader=loader)
-            except yaml.YAMLError:
-                self._root = None
-        return self._root
-
-    def _walk(self, path: tuple[PathPart, ...]) -> tuple[Any, Any, bool]:
-        """(deepest node reached on `path`, the last key node passed, reached the end)."""
-        node = self._tree()
-        best = node
-        last_key = None
-        for part in path:
-            if node is None:
-                return best, None, False
-            nxt = None
-            last_key = None
-            if isinstance(part, int) and node.id == "sequence":
-                if part < len(node.value):
-                    nxt = node.value[part]
-            elif node.id == "mapping":
-                for k, v in node.value:
-                    if k.value == part:
-                        nxt, last_key = v, k
-                        break
-            if nxt is None:
-                return best, None, False
-            node = best = nxt
-        return best, last_key, True
-
-    def at(self, path: tuple[PathPart, ...], key: bool = False) -> str:
-        """Location of the value at `path` (with key=True: of the last key itself)."""
-        best, last_key, _ = self._walk(path)
-        target = last_key if key and last_key is not None else best
-        if target is None:
-            return self.filename
-        m = target.start_mark
-        return f"{self.filename}:{m.line + 1}:{m.column + 1}"
-
-    def int_text(self, path: tuple[PathPart, ...]) -> str | None:
-        """The source text of the plain integer scalar at `path` (`0741`), or None."""
-        node, _, found = self._walk(path)
-        # plain style: None (libyaml's loader: ""), not quoted
-        if not found or node is None or node.id != "scalar" or node.style:
-            return None
-        text = str(node.value)
-        return text if _INT_SOURCE.fullmatch(text) else None
-
-    def complex_key(self) -> str:
-        """Location of the first mapping key that is a mapping or a list."""
-        return self._first_key(lambda k, seen: k.id != "scalar")
-
-    def duplicate_key(self) -> str:
-        """Location of the first repeated mapping key (yaml_rs does not tell)."""
-        return self._first_key(lambda k, seen: k.id == "scalar" and k.value in seen)
-
-    def _first_key(self, bad: Callable[[Any, set[object]], bool]) -> str:
-        """Location of the first mapping key `bad(key, scalar keys before it)` is true for."""
-        root = self._tree()
-        stack = [root] if root is not None else []
-        while stack:
-            n = stack.pop()
-            if n.id == "mapping":
-                seen: set[object] = set()
-                for k, v in n.value:
-                    if bad(k, seen):
-                        m = k.start_mark
-                        return f"{self.filename}:{m.line + 1}:{m.column + 1}"
-                    if k.id == "scalar":
-                        seen.add(k.value)
-                    stack.append(v)
-            elif n.id == "sequence":
-                stack.extend(n.value)
-        return self.filename
 
 
 def parse_yaml(
@@ -202,18 +118,8 @@ def parse_yaml(
             raise InputError(
                 f"a number of more than {sys.get_int_max_str_digits()} digits: "
                 "quote it if it is text",
-                _long_number(text, filename),
+                long_number_at(text, filename),
             ) from None
-
-
-def _long_number(text: str, filename: str) -> str:
-    """`file:line:col` of the first number too long to print."""
-    m = re.search(rf"\d{{{sys.get_int_max_str_digits() + 1},}}", text)
-    if m is None:
-        return filename
-    line = text.count("\n", 0, m.start()) + 1
-    col = m.start() - (text.rfind("\n", 0, m.start()) + 1) + 1
-    return f"{filename}:{line}:{col}"
 
 
 def _parse_yaml(
@@ -224,47 +130,23 @@ def _parse_yaml(
     valid: Mapping[str, Resource] | None,
     entries: Entries | None,
 ) -> GraphModel:
-    loc = _Locator(filename, text)
+    loc = Locator(filename, text)
     if entries is not None:
         found = entries.reuse(text)
         if found is not None:
             doc, items, kinds = found
             try:
                 model, kept = _model(doc, items, filename, registry, loc, warn, valid, text, True)
-            except _Reparse:
+            except Reparse:
                 pass  # a key ignored for mgmt's sake: the whole text, to warn as it does
             else:
                 entries.keep(text, kept, kinds)
                 return model
-    doc = _load(text, filename, loc)
+    doc = load_text(text, filename, loc)
     model, kept = _model(doc, None, filename, registry, loc, warn, valid, text, entries is not None)
     if entries is not None:
         entries.keep(text, kept, None)
     return model
-
-
-def _load(text: str, filename: str, loc: _Locator) -> Any:
-    """The whole text, parsed (InputError naming `file:line:col`)."""
-    try:
-        return yaml_rs.loads(text)
-    except yaml_rs.YAMLDecodeError as e:
-        msg = str(e)
-        m = _LINE_COL.search(msg)
-        if m:
-            reason = msg.strip().splitlines()[-1]
-            raise InputError(f"YAML syntax error: {reason}", f"{filename}:{m[1]}:{m[2]}") from None
-        if msg.startswith("duplicate mapping key"):
-            raise InputError(msg, loc.duplicate_key()) from None
-        raise InputError(f"YAML error: {msg}", filename) from None
-    except RecursionError:
-        raise
-    except TypeError as e:  # a mapping or a list as a mapping key: unhashable
-        raise InputError(
-            f"YAML error: a mapping key must be a scalar, not a mapping or a list ({e})",
-            loc.complex_key(),
-        ) from None
-    except Exception as e:  # the parser refused the text in some other way
-        raise InputError(f"YAML error: {e}", filename) from None
 
 
 def _model(
@@ -272,17 +154,17 @@ def _model(
     reused: dict[str, list[Any]] | None,
     filename: str,
     registry: Registry,
-    loc: _Locator,
+    loc: Locator,
     warn: bool,
     valid: Mapping[str, Resource] | None,
     text: str,
     keep: bool,
-) -> tuple[GraphModel, dict[str, list[Resource | _Known]] | None]:
+) -> tuple[GraphModel, dict[str, list[Resource | Known]] | None]:
     """The checked model of a parsed document, and its resource entries as built
-    (per kind as written, a pristine copy of each, as `_Known` where it was
+    (per kind as written, a pristine copy of each, as `Known` where it was
     exported or seen before; None when a key was ignored). `reused`: per
-    kind, the entries of a re-parse: `_Known` where the text was seen before, else
-    parsed data; then a key to ignore raises `_Reparse`. `keep`: return the
+    kind, the entries of a re-parse: `Known` where the text was seen before, else
+    parsed data; then a key to ignore raises `Reparse`. `keep`: return the
     entries as built (else None)."""
 
     def fail(msg: str, path: tuple[PathPart, ...] = (), key: bool = False) -> InputError:
@@ -293,7 +175,7 @@ def _model(
 
     def ignored(what: str, path: tuple[PathPart, ...], hint: str, group: str = "") -> None:
         if reused is not None:
-            raise _Reparse
+            raise Reparse
         group = group or what
         warned[group] = warned.get(group, 0) + 1
         if warn and warned[group] <= WARN_EACH:
@@ -332,7 +214,7 @@ def _model(
         raise fail("`resources` must map each kind to a list of resources", ("resources",))
     kinds = registry.kinds()
     may_export = _may_hold_export(text)
-    kept: dict[str, list[Resource | _Known]] = {}
+    kept: dict[str, list[Resource | Known]] = {}
     #: each kind's resources as added, for errors found later (where each was declared)
     added: list[tuple[str, list[Resource]]] = []
     graph = model.resources
@@ -351,7 +233,7 @@ def _model(
                 ("resources", kind),
                 key=True,
             )
-        known: list[Resource | _Known] | None = None
+        known: list[Resource | Known] | None = None
         if keep:
             kept[kind] = known = []
         if reused is not None and kind in reused:
@@ -425,15 +307,15 @@ def _built(
     kind: str,
     items: list[Any],
     fail: Callable[..., InputError],
-    loc: _Locator,
+    loc: Locator,
     ignored: Callable[..., None],
     may_export: bool,
-    known: list[Resource | _Known] | None,
+    known: list[Resource | Known] | None,
 ) -> tuple[list[Resource], set[int]]:
     """A kind's resources (each a new object) and the indexes of those exported;
-    `known` (if given) gets each entry as built. `items`: parsed entries, or `_Known` ones
+    `known` (if given) gets each entry as built. `items`: parsed entries, or `Known` ones
     (built before from the same text) among them."""
-    fresh = [i for i, it in enumerate(items) if type(it) is not _Known]
+    fresh = [i for i, it in enumerate(items) if type(it) is not Known]
     raw = items if len(fresh) == len(items) else [items[i] for i in fresh]
     exported: set[int] = set()
     if raw and (may_export or kind in DROPPED_PARAMS):
@@ -448,288 +330,22 @@ def _built(
         if known is not None:  # a plain copy stands for an entry not exported
             known.extend([r.__copy__() for r in new])  # type: ignore[attr-defined]
             for i in exported:
-                known[i] = _Known(known[i], True)  # type: ignore[arg-type]
+                known[i] = Known(known[i], True)  # type: ignore[arg-type]
         return new, exported
     built: list[Resource] = []
     fresh_at = dict(zip(fresh, new, strict=True))
-    assert known is not None  # `_Known` items come with a cache to keep them in
+    assert known is not None  # `Known` items come with a cache to keep them in
     for i, it in enumerate(items):
         res = fresh_at.get(i)
         if res is None:
             known.append(it)
-            built.append(_copy(it.template))
+            built.append(copy_resource(it.template))
             if it.exported:
                 exported.add(i)
         else:
-            known.append(_Known(_copy(res), True) if i in exported else _copy(res))
+            known.append(Known(copy_resource(res), True) if i in exported else copy_resource(res))
             built.append(res)
     return built, exported
-
-
-# -- re-parsing only the entries that changed ----------------------------------
-def _copy(res: R) -> R:
-    """A new object of `res`'s fields alone (not its state: `__dict__`), ~0.1 us."""
-    return res.__copy__()  # type: ignore[attr-defined,no-any-return]
-
-
-class _Reparse(Exception):
-    """The entry-wise re-parse cannot tell exactly what the whole text does."""
-
-
-class _Known:
-    """A resource entry built before: a pristine copy of it (never handed out:
-    each graph gets a copy of its own, as the engine and autogroup keep state on
-    theirs), and whether it was exported (`@@name`)."""
-
-    __slots__ = ("exported", "template")
-
-    def __init__(self, template: Resource, exported: bool) -> None:
-        self.template = template
-        self.exported = exported
-
-
-#: the `resources:` key alone on its line
-_RESOURCES_LINE = re.compile(r"resources:(?:[ ]+(?:#.*)?)?\n")
-#: a kind's key alone on its line (after the indentation)
-_KIND_LINE = re.compile(r"([A-Za-z_][\w:.\-]*):(?:[ ]+(?:#.*)?)?")
-#: the next line with content (not a comment): its indentation and first character
-_NEXT_CONTENT = re.compile(r"\n( *)([^ \n#])")
-#: a line at column 0 (not a comment): the end of `resources:`
-_TOP_LINE = re.compile(r"\n[^ #\n]")
-#: a `*` that may start an alias (`/tmp/*.log` cannot)
-_ALIAS = re.compile(r"(?:^|[\s\[{,])\*", re.M)
-
-
-def _may_alias(text: str) -> bool:
-    return "*" in text and _ALIAS.search(text) is not None
-
-
-#: re-parse entry by entry while at most this share of them changed (else the
-#: whole text in one parser call is faster)
-_REPARSE_SHARE = 4
-#: per indentation k of the kinds: a line at k, not an entry or a comment
-_KIND_AT: dict[int, re.Pattern[str]] = {}
-
-
-def _kind_line(k: int) -> re.Pattern[str]:
-    pat = _KIND_AT.get(k)
-    if pat is None:
-        pat = _KIND_AT[k] = re.compile(rf"\n {{{k}}}([^ \n#-][^\n]*)")
-    return pat
-
-
-#: per indentation d of a kind's entries: a line among them that is neither an
-#: entry (`-` at d, then a space or the end of the line), a comment, nor more indented
-_OFF_LINE: dict[int, re.Pattern[str]] = {}
-
-
-def _off_line(d: int) -> re.Pattern[str]:
-    pat = _OFF_LINE.get(d)
-    if pat is None:
-        pat = _OFF_LINE[d] = re.compile(
-            rf"\n(?: {{0,{d - 1}}}[^ \n#]| {{{d}}}(?:[^ \n#-]|-[^ \n]))"
-        )
-    return pat
-
-
-#: a text split into entries: (the skeleton, per kind (as written): the
-#: indentation of its entries and each entry's text after its `-`, whether
-#: the last entry ends the text)
-Split = tuple[str, list[tuple[str, int, list[str]]], bool]
-
-
-def split_entries(text: str) -> Split | None:
-    """The text without its resource entries (the skeleton: the rest, kinds'
-    keys included), and each kind's entries as source text, in order. Entries
-    are the items of the block sequences under `resources:`'s kinds, each from
-    its `-` to the next line at the same or a lower indentation. None when the
-    text is not laid out that way for certain (tabs or CRs at line starts,
-    directives, flow style, anything else under `resources:`)."""
-    if (
-        "\r" in text
-        or ("\t" in text and ("\n\t" in text or text.startswith("\t")))
-        or ("%" in text and ("\n%" in text or text.startswith("%")))
-        or not text.endswith("\n")
-    ):
-        return None
-    at = 0 if text.startswith("resources:") else text.find("\nresources:") + 1
-    m = _RESOURCES_LINE.match(text, at) if at > 0 or text.startswith("resources:") else None
-    if m is None or text.find("\nresources:", at) >= 0:
-        return None
-    start = m.end() - 1  # the `\n` ending the `resources:` line
-    top = _TOP_LINE.search(text, start)
-    end = top.start() if top is not None else len(text) - 1  # the `\n` ending the section
-    first = _NEXT_CONTENT.search(text, start, end)
-    if first is None:
-        return None
-    k = len(first[1])
-    heads = [(km.start(), km.end(), km[1]) for km in _kind_line(k).finditer(text, start, end + 1)]
-    if not heads or heads[0][0] != first.start():
-        return None
-    kinds: list[tuple[str, int, list[str]]] = []
-    removed: list[tuple[int, int]] = []
-    for j, (_, head_end, head) in enumerate(heads):
-        km = _KIND_LINE.fullmatch(head)
-        if km is None:
-            return None
-        block_end = heads[j + 1][0] if j + 1 < len(heads) else end
-        entry = _NEXT_CONTENT.search(text, head_end, block_end)
-        if entry is None:
-            kinds.append((km[1], -1, []))  # no entries (comments at most)
-            continue
-        d = len(entry[1])
-        if entry[2] != "-" or d < k or _off_line(d).search(text, entry.start(), block_end):
-            return None
-        chunks = text[entry.start() : block_end].split(f"\n{' ' * d}-")
-        kinds.append((km[1], d, chunks[1:]))
-        removed.append((entry.start(), block_end))
-    parts: list[str] = []
-    pos = 0
-    for a, b in removed:
-        parts.append(text[pos:a])
-        pos = b
-    parts.append(text[pos:])
-    return "".join(parts), kinds, top is None and bool(kinds) and bool(kinds[-1][2])
-
-
-#: parsed entries per kind (`_Known` where built before), by kind as written
-_Items = dict[str, list[Any]]
-
-
-class Entries:
-    """The resource entries of the last text parsed (a live frontend keeps one),
-    by their source text: a re-parse builds only the entries whose text changed.
-
-    Sure or not at all: the text is split by `split_entries`, each new entry is
-    parsed alone and must be one item, the skeleton (all but the entries) is
-    parsed alone and must hold each kind's key with nothing under it; no alias
-    may reach across (an entry or skeleton with a possible `*alias` is parsed
-    whole), and a key ignored for mgmt's sake makes it parse whole (to warn as
-    it always does). Otherwise the whole text is parsed as before. Errors are
-    the same either way: they name `file:line:col` in the whole text."""
-
-    def __init__(self) -> None:
-        self._text = ""
-        #: the last text's entries as built, per kind (None: not to be reused)
-        self._kept: dict[str, list[Resource | _Known]] | None = None
-        #: the same by source text (per kind: its entries' indentation, then by
-        #: text), once the last text was split
-        self._by_text: dict[str, tuple[int, dict[str, _Known]]] | None = None
-
-    def keep(
-        self, text: str, kept: dict[str, list[Resource | _Known]] | None, split: Split | None
-    ) -> None:
-        """After a parse of `text`: its entries as built (`split`: its split, if made)."""
-        self._text, self._kept, self._by_text = text, kept, None
-        if kept is not None and split is not None:
-            self._by_text = _paired(split, kept, False)
-
-    def _known(self) -> dict[str, tuple[int, dict[str, _Known]]] | None:
-        if self._by_text is None and self._kept is not None:
-            split = split_entries(self._text)
-            aliases = _may_alias(self._text)
-            self._by_text = None if split is None else _paired(split, self._kept, aliases)
-            if self._by_text is None:
-                self._kept = None  # this text does not split: not again
-        return self._by_text
-
-    def reuse(self, text: str) -> tuple[Any, _Items, Split] | None:
-        """The parsed skeleton of `text` and its entries (`_Known` where their
-        text is known), and its split; None: parse the whole text."""
-        known = self._known()
-        if known is None:
-            return None
-        split = split_entries(text)
-        if split is None:
-            return None
-        skeleton, kinds, last_at_end = split
-        if _may_alias(skeleton):
-            return None
-        misses = 0
-        limit = max(64, sum(len(texts) for _, _, texts in kinds) // _REPARSE_SHARE)
-        items: _Items = {}
-        #: the entry that ends the text is never reused: its end may read differently
-        at_end = (len(kinds) - 1, len(kinds[-1][2]) - 1) if last_at_end else (-1, -1)
-        for j, (kind, d, texts) in enumerate(kinds):
-            was_d, seen = known.get(kind, (-1, {}))
-            if was_d != d:
-                seen = {}
-            got: list[Any] = []
-            for i, t in enumerate(texts):
-                end = (j, i) == at_end
-                hit = None if end else seen.get(t)
-                if hit is not None:
-                    got.append(hit)
-                    continue
-                misses += 1
-                if misses > limit or _may_alias(t):
-                    return None
-                parsed = _entry(d, t, end)
-                if parsed is None:
-                    return None
-                got.append(parsed[0])
-            if texts:
-                items[kind] = got
-        try:
-            doc = yaml_rs.loads(skeleton)
-        except Exception:
-            return None
-        res = doc.get("resources") if type(doc) is dict else None
-        if type(res) is not dict or list(res) != [kind for kind, _, _ in kinds]:
-            return None
-        if any(texts and res[kind] is not None for kind, _, texts in kinds):
-            return None
-        return doc, items, split
-
-
-def _entry(d: int, text: str, at_end: bool) -> list[Any] | None:
-    """One entry's text (after its `-`) parsed alone, as a list holding its
-    value; None if it is not exactly one entry. Followed by a next entry as
-    in the text (yaml_rs reads an empty block scalar at the very end as a line
-    break, elsewhere as empty), unless `at_end`: it ends the text."""
-    indent = " " * d
-    parsed: Any
-    try:
-        if at_end:
-            parsed = yaml_rs.loads(f"{indent}-{text}")
-        else:
-            parsed = yaml_rs.loads(f"{indent}-{text}\n{indent}- 0\n")
-    except Exception:  # the whole text's parse says what and where
-        return None
-    if type(parsed) is not list or len(parsed) != 1 + (not at_end):
-        return None
-    if not at_end and (type(parsed[1]) is not int or parsed[1] != 0):
-        return None
-    return parsed
-
-
-def _paired(
-    split: Split, kept: dict[str, list[Resource | _Known]], aliases: bool
-) -> dict[str, tuple[int, dict[str, _Known]]] | None:
-    """A text's entries by source text, from its parse's entries (`kept`): one
-    to one when each kind has as many entries as the split found. `aliases`:
-    the text may hold one: an entry with a possible alias is left out (its
-    value may come from elsewhere); so is an entry that ends the text (its
-    end may read differently elsewhere)."""
-    if [kind for kind, _, _ in split[1]] != list(kept):
-        return None
-    out: dict[str, tuple[int, dict[str, _Known]]] = {}
-    for j, (kind, d, texts) in enumerate(split[1]):
-        built = kept[kind]
-        if len(built) != len(texts):
-            return None
-        pairs = zip(texts, built, strict=True)
-        if split[2] and j == len(split[1]) - 1:
-            pairs = zip(texts[:-1], built[:-1], strict=True)
-        out[kind] = (
-            d,
-            {
-                t: b if type(b) is _Known else _Known(b, False)  # type: ignore[arg-type]
-                for t, b in pairs
-                if not (aliases and _may_alias(t))
-            },
-        )
-    return out
 
 
 def _did_you_mean(word: object, choices: tuple[str, ...]) -> str:
@@ -791,7 +407,7 @@ def _build(
     item: object,
     path: tuple[PathPart, ...],
     fail: Callable[..., InputError],
-    loc: _Locator,
+    loc: Locator,
 ) -> Resource:
     """One resource. An integer given where text is wanted takes its source text,
     as mgmt's reader hands it over (`mode: 0741` is "0741", not 741)."""
@@ -811,7 +427,7 @@ def _build(
 
 
 def _with_int_texts(
-    item: object, sub: tuple[PathPart, ...], where: tuple[PathPart, ...], loc: _Locator
+    item: object, sub: tuple[PathPart, ...], where: tuple[PathPart, ...], loc: Locator
 ) -> object | None:
     """`item` with the integer at `sub` (or, for a mapping there, every integer value
     in it: msgspec does not name a mapping's key) replaced by its source text; None
@@ -879,7 +495,7 @@ def _collect_spec(
     return CollectSpec(cls.kind, host, name, params)
 
 
-def _where_resource(where: str, declared: dict[str, tuple[PathPart, ...]], loc: _Locator) -> str:
+def _where_resource(where: str, declared: dict[str, tuple[PathPart, ...]], loc: Locator) -> str:
     """`kind[name].field` -> `file:line:col: kind[name].field` when the field is found
     (`declared`: each identity's data path, under the kind's name or alias as written)."""
     m = re.match(r"^([\w:]+\[.*?\])(?:\.(.+))?$", where)
