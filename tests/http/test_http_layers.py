@@ -19,6 +19,7 @@ ALLOWED = {
     "evergraph.engine.masking": "status masks a vertex's parameters with it",
     "evergraph.engine.model": "Edge, what GraphQuery.edges returns",
     "evergraph.engine.contract": "the types status and model name",
+    "evergraph.engine.services": "the contract's Handle names it (typing only)",
 }
 
 
