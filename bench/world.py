@@ -169,28 +169,35 @@ async def _export_trials(
     which changes per trial (the others stay: a change among N must cost one)."""
     from asyncinotify import Inotify, Mask
 
-    from evergraph.cluster.exports import (
-        SeqCounter,
-        decode_hostkeys,
+    from evergraph.cluster.exports import SeqCounter, decode_hostkeys, export_key, make_record
+    from evergraph.cluster.exports.index import (
+        Content,
         entry_name,
-        export_key,
-        index_key,
-        make_index,
-        make_record,
+        index_contents,
+        layout,
+        make_content,
         record_digest,
     )
     from evergraph.cluster.hostkeys import HostKeys
     from evergraph.world.kv import Put
 
     seq = SeqCounter()
-    #: what host A's index names (an agent's publisher writes the record and its
-    #: index in one txn: no replay)
+    #: what host A's index names (an agent's publisher writes the record and the
+    #: index records that changed, a bucket of its index past 16 entries, in one txn:
+    #: no replay)
     entries: dict[str, tuple[int, str]] = {}
+    written: dict[str, Content] = {}
+    of: list[int | None] = [None]
 
     async def write(key: str, value: bytes, n: int) -> None:
         entries[entry_name(key)] = (n, record_digest(value))
-        index = make_index(keys, "hosta", "hostb", seq.next(), dict(entries))
-        await kv.txn([], [Put(key, value), Put(index_key("hostb", "hosta"), index)])
+        of[0] = layout(len(entries), of[0])
+        ops = []
+        for ikey, content in index_contents("hostb", "hosta", entries, of[0]).items():
+            if written.get(ikey) != content:
+                written[ikey] = content
+                ops.append(Put(ikey, make_content(keys, "hosta", "hostb", seq.next(), content)))
+        await kv.txn([], [*ops, Put(key, value)])
 
     keys = HostKeys(state_a)
     kv = make_kv()
