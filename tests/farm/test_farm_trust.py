@@ -149,6 +149,7 @@ def _start(
     kv: Callable[[], KV],
     *,
     attacker_first: bool = False,
+    srv_flags: tuple[str, ...] = (),
 ) -> Farm:
     g = tmp / "g.yaml"
     g.write_text(GRAPH)
@@ -157,7 +158,7 @@ def _start(
 
     def start_srv() -> Agent:
         # (no grace before INVALID: a test waits for a request no worker can take)
-        flags = ("--http", "127.0.0.1:0", "--farm-invalid-grace", "0")
+        flags = ("--http", "127.0.0.1:0", "--farm-invalid-grace", "0", *srv_flags)
         a: Agent = agents(g, tmp / "srv", "--hostname", "srv", *world, *flags)
         a.wait_converged()
         return a
@@ -342,6 +343,46 @@ def test_a_deleted_worker_record_comes_back(farm: Farm) -> None:
     f.call(lambda kv: delete(kv, f"{ALIVE}{f.uuid}"))
     wait_for(lambda: f.get(f"{ALIVE}{f.uuid}") is not None, what="the alive key back")
     f.no_effect()
+
+
+# -- 6b. the worker's alive key forged ----------------------------------------------------------
+@pytest.mark.slow
+def test_a_forged_alive_key_is_put_back_and_keeps_no_dead_worker_alive(
+    tmp_path: Path, agents: Any
+) -> None:
+    """`farm/alive/<uuid>` is signed by the worker's host: one written by anyone else
+    is put back by the live worker at once, and keeps no dead worker from FAILED
+    (nor sends its acquires to the attacker's servers)."""
+    db = tmp_path / "world.sqlite"
+    world = ("--world-db", str(db))
+    f = _start(tmp_path, agents, world, lambda: SQLiteKV(db), srv_flags=("--farm-alive-grace", "1"))
+    key = f"{ALIVE}{f.uuid}"
+    mallory = HostKeys(tmp_path / "mallory")
+    forged = seal(mallory, "wk1", key, msgspec.json.encode({"servers": ["mallory"]}))
+    # on a live worker: its agent puts its own back at once
+    f.put((key, forged))
+
+    def put_back() -> bool:
+        got = f.get(key)
+        return got is not None and got[0] != forged
+
+    wait_for(put_back, what="the alive key put back by the worker")
+    wait_for(
+        lambda: "changed by someone else: put back" in f.wk.log.read_text(),
+        what="the worker's warning",
+    )
+    f.no_effect()
+    # the worker's agent stops (its lease ends, its alive key with it); the forged
+    # key (signed by another key, and one with no signature) keeps it from nothing
+    assert f.wk.stop() == 0
+    wait_for(lambda: f.get(key) is None, what="the alive key gone with the worker's lease")
+    rev = f.put((key, forged))
+    wait_refused(f.srv, key, rev, "the forged alive key")
+    wait_for(lambda: f.worker().state == model.FAILED, what="the dead worker FAILED")
+    rev = f.put((key, b'{"servers": []}'))
+    wait_refused(f.srv, key, rev, "an unsigned alive key")
+    assert f.worker().state == model.FAILED
+    assert "Traceback" not in f.srv.log.read_text()
 
 
 @pytest.mark.slow

@@ -26,8 +26,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
-
 from evergraph._util.clock import SYSTEM, Clock
 from evergraph.cluster.election import election_key
 from evergraph.cluster.exports import Publisher
@@ -38,7 +36,7 @@ from evergraph.farm.service import (
     ACCESS,
     ALIVE,
     DEMAND,
-    Alive,
+    alive_value,
     encode,
     open_request,
     open_worker,
@@ -104,6 +102,8 @@ class WorkerHost:
         #: the newest trusted version of our record: its mod revision (an older
         #: version put back is a replay) and its content (what a restore keeps)
         self._high = 0
+        #: the alive key's value as this host wrote it last
+        self._alive = b""
         self._last: Worker | None = None
         self._epoch = kv.epoch
         self._refused: set[str] = set()
@@ -160,7 +160,7 @@ class WorkerHost:
 
     async def alive(self) -> None:
         """(Re)write `farm/alive/<uuid>` under the agent's lease."""
-        value = msgspec.json.encode(Alive(servers=sorted(self.key_servers)))
+        value = self._alive = alive_value(self.trust, self.uuid, sorted(self.key_servers))
         await self.kv.put(f"{ALIVE}{self.uuid}", value, lease=self.lease())
 
     def job_key(self, rid: int) -> str | None:
@@ -181,11 +181,17 @@ class WorkerHost:
             tg.create_task(follow(self.kv, DEMAND, demands))
 
     async def _keep_alive_key(self) -> None:
-        """Put `farm/alive/<uuid>` back whenever it vanishes while we live."""
+        """Put `farm/alive/<uuid>` back whenever it vanishes or someone else changes it
+        while we live (readers ignore one not signed by this host: a forged one would
+        not keep us alive)."""
         async with contextlib.aclosing(watch_one(self.kv, f"{ALIVE}{self.uuid}")) as snaps:
             async for snap in snaps:
-                if isinstance(snap, Tombstone) and self.lease():
-                    log.warning("farm: %s%s vanished: put back", ALIVE, self.uuid)
+                if not self.lease():
+                    continue
+                gone = isinstance(snap, Tombstone)
+                if gone or (isinstance(snap, KeyValue) and snap.value != self._alive):
+                    what = "vanished" if gone else "changed by someone else"
+                    log.warning("farm: %s%s %s: put back", ALIVE, self.uuid, what)
                     try:
                         await self.alive()
                     except WorldError as e:
