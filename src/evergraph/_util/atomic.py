@@ -591,3 +591,45 @@ def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+class ThrottledFile:
+    """A small state file rewritten atomically at most once a `period` (seconds):
+    `changed()` says its content (`render()`, read at write time) may have moved,
+    and a timer of the running loop writes it once the period is over, so a burst
+    of changes costs one write and one fsync, not one each. `flush()` writes now
+    (at a clean stop). Replay marks use it: losing the last period's marks to a
+    crash costs only their growth in that period."""
+
+    def __init__(self, path: Path, render: Callable[[], bytes], period: float = 1.0) -> None:
+        import asyncio
+
+        self.path = path
+        self.render = render
+        self.period = period
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = None
+        self._written: bytes | None = None
+        #: writes done (tests)
+        self.writes = 0
+
+    def changed(self) -> None:
+        if self._timer is None:
+            self._timer = self._loop.call_later(self.period, self.flush)
+
+    def flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        data = self.render()
+        if data == self._written:
+            return
+        try:
+            atomic_write(self.path, data, mode=0o600)
+        except OSError as e:
+            import logging
+
+            logging.getLogger("evergraph").warning("cannot write %s: %s", self.path, e)
+            return
+        self._written = data
+        self.writes += 1

@@ -40,7 +40,7 @@ follows it), `publisher`, `collector`; the host key book is `cluster/hostbook.py
 This module gathers their public names.
 """
 
-from evergraph.cluster.exports.collector import Collector
+from evergraph.cluster.exports.collector import MARKS_FILE, Collector, encode_marks, load_marks
 from evergraph.cluster.exports.index import (
     INDEX,
     PER_BUCKET,
@@ -88,6 +88,7 @@ __all__ = [
     "EXPORTED",
     "HOSTKEYS",
     "INDEX",
+    "MARKS_FILE",
     "PER_BUCKET",
     "RECHECK",
     "SEQ_FILE",
@@ -106,10 +107,12 @@ __all__ = [
     "SeqCounter",
     "bucket_key",
     "decode_hostkeys",
+    "encode_marks",
     "entry_name",
     "export_key",
     "index_key",
     "is_index_key",
+    "load_marks",
     "make_bucket",
     "make_index",
     "make_record",

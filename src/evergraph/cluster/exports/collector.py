@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
 
 from evergraph.cluster.exports.index import (
     INDEX,
@@ -33,6 +36,33 @@ from evergraph.world.follow import Follower, follow
 from evergraph.world.kv import KV, KeyValue
 
 log = logging.getLogger("evergraph.exports")
+
+
+#: the file in the state dir holding the collector's replay marks
+MARKS_FILE = "export-marks.json"
+#: replay marks: pair -> (head's highest sequence, {bucket: highest sequence})
+Marks = dict[Pair, tuple[int, dict[int, int]]]
+_marks_decoder = msgspec.json.Decoder(list[tuple[str, str, int, dict[int, int]]])
+
+
+def encode_marks(marks: Marks) -> bytes:
+    rows = [(to, src, h, b) for (to, src), (h, b) in sorted(marks.items())]
+    return msgspec.json.encode(rows)
+
+
+def load_marks(state_dir: Path) -> Marks:
+    """The marks an earlier run kept in `state_dir` (none if absent or unreadable:
+    logged; the exporters' indexes are then trusted from their first sight, as on a
+    host that never ran)."""
+    path = state_dir / MARKS_FILE
+    try:
+        rows = _marks_decoder.decode(path.read_bytes())
+    except FileNotFoundError:
+        return {}
+    except (OSError, msgspec.DecodeError) as e:
+        log.error("%s: cannot read the export replay marks (%s): starting without", path, e)
+        return {}
+    return {(to, src): (h, b) for to, src, h, b in rows}
 
 
 class Collector(Follower[KeyValue]):
@@ -95,8 +125,8 @@ class Collector(Follower[KeyValue]):
         #: called with (pair, index) whenever an index's replay marks may have grown
         #: (the agent keeps them in its state dir)
         self.on_marks: Callable[[Pair, PairIndex], None] | None = None
-        #: replay marks carried over from an earlier run: pair -> (head, {bucket: seq})
-        self._marks: dict[Pair, tuple[int, dict[int, int]]] = {}
+        #: replay marks carried over from an earlier run, or of pairs gone
+        self._marks: Marks = {}
         book.listen(self._key_changed)
 
     @property
@@ -112,12 +142,12 @@ class Collector(Follower[KeyValue]):
     _gone_verified = 0
     _refused = 0
 
-    def restore_marks(self, marks: dict[Pair, tuple[int, dict[int, int]]]) -> None:
+    def restore_marks(self, marks: Marks) -> None:
         """The highest sequences seen by an earlier run (before `run()`): an index
         older than them is refused after a restart too."""
         self._marks = dict(marks)
 
-    def marks(self) -> dict[Pair, tuple[int, dict[int, int]]]:
+    def marks(self) -> Marks:
         """The highest sequences seen, by pair (to keep across restarts)."""
         out = dict(self._marks)
         for pair, p in self._index.items():
