@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import random
@@ -529,3 +530,87 @@ def test_a_record_of_a_host_not_yet_known_is_checked_again(tmp_path: Path) -> No
     before, after = asyncio.run(main())
     assert before == []
     assert [x.uuid for x in after] == [uuid]
+
+
+# -- the worker's replay mark kept across restarts -----------------------------------------------
+@pytest.mark.parametrize("kept", [True, False], ids=["mark-kept", "control-no-state-dir"])
+def test_a_restarted_worker_refuses_its_record_older_than_it_saw(
+    tmp_path: Path, kept: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker keeps the newest version of its record it saw (per World) in its
+    state dir: an older signed version put back while it was down is refused after
+    its restart. (Without a state dir, the control: it is taken.)"""
+    import logging
+
+    from evergraph.cluster.exports import HostKeyBook, Publisher
+    from evergraph.cluster.pins import Pins
+    from evergraph.farm.host import WorkerHost
+    from evergraph.farm.signed import FarmTrust
+    from evergraph.world.memory import MemoryKV, MemoryStore
+
+    uuid = "5f0c0e8a-1111-4222-8333-944445555666"
+    key = worker_key(uuid)
+    skeys, wkeys = HostKeys(tmp_path / "srv"), HostKeys(tmp_path / "wk1")
+    strust = FarmTrust(skeys, "srv")
+    state = tmp_path / "wk1-state" if kept else None
+
+    def worker(kv: KV) -> WorkerHost:
+        book = HostKeyBook(kv, Pins(tmp_path / "wk1"), "wk1")
+        return WorkerHost(
+            kv,
+            uuid=uuid,
+            host="wk1",
+            caps={"hostname": "wk1"},
+            groups=[],
+            address="127.0.0.1",
+            port=22,
+            username="t",
+            lease=lambda: 0,
+            publisher=Publisher(kv, wkeys, "wk1", book, lambda: 0),
+            key_servers={"srv"},
+            trust=FarmTrust(wkeys, "wk1", {"srv": skeys.verify}),
+            state_dir=state,
+        )
+
+    async def server_sets(kv: KV, state_name: str) -> bytes:
+        item = await kv.get(key)
+        assert item is not None
+        w = msgspec.json.decode(msgspec.json.decode(item.value)["body"])
+        w["state"] = state_name
+        value = strust.seal(key, msgspec.json.encode(w), prev=item.mod_revision)
+        await kv.put(key, value)
+        return value
+
+    async def main() -> None:
+        kv = MemoryKV(MemoryStore())
+        w1 = worker(kv)
+        await w1.register()
+        task = asyncio.create_task(w1._follow_record())
+        await server_sets(kv, model.IDLE)
+        old = await server_sets(kv, model.MAINTENANCE)
+        await server_sets(kv, model.IDLE)
+        high = (await kv.get(key)).mod_revision  # type: ignore[union-attr]
+        while w1._high != high:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if w1._marks is not None:
+            w1._marks.flush()
+        # the worker is down; the attacker puts back the older version
+        await kv.put(key, old)
+        w2 = worker(kv)
+        assert w2._high == (high if kept else 0)
+        with caplog.at_level(logging.WARNING, "evergraph.farm"):
+            task = asyncio.create_task(w2._follow_record())
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if "older than a version already seen" in caplog.text or w2._last:
+                    break
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        refused = "older than a version already seen" in caplog.text
+        assert refused == kept
+
+    asyncio.run(main())

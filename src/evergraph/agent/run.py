@@ -476,6 +476,7 @@ class Agent:
                 publisher=self.publisher,
                 key_servers={host, *opts.key_servers},
                 trust=self.farm_trust,
+                state_dir=self.settings.state_dir,
             )
             await worker.alive()
             await worker.register()
