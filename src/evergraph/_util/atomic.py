@@ -597,16 +597,25 @@ class ThrottledFile:
     """A small state file rewritten atomically at most once a `period` (seconds):
     `changed()` says its content (`render()`, read at write time) may have moved,
     and a timer of the running loop writes it once the period is over, so a burst
-    of changes costs one write and one fsync, not one each. `flush()` writes now
-    (at a clean stop). Replay marks use it: losing the last period's marks to a
-    crash costs only their growth in that period."""
+    of changes costs one write, not one each. `flush()` writes now (at a clean
+    stop). Replay marks use it: losing the last period's marks to a crash costs
+    only their growth in that period, so the write is atomic (a reader sees the
+    old marks or the new) but not fsynced unless `durable`: an fsync on the event
+    loop every second showed in the export latency's p99 (bench/world.py)."""
 
-    def __init__(self, path: Path, render: Callable[[], bytes], period: float = 1.0) -> None:
+    def __init__(
+        self,
+        path: Path,
+        render: Callable[[], bytes],
+        period: float = 1.0,
+        durable: bool = False,
+    ) -> None:
         import asyncio
 
         self.path = path
         self.render = render
         self.period = period
+        self.durable = durable
         self._loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = None
         self._written: bytes | None = None
@@ -625,7 +634,7 @@ class ThrottledFile:
         if data == self._written:
             return
         try:
-            atomic_write(self.path, data, mode=0o600)
+            atomic_write(self.path, data, mode=0o600, durable=self.durable)
         except OSError as e:
             import logging
 
