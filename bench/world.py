@@ -169,28 +169,35 @@ async def _export_trials(
     which changes per trial (the others stay: a change among N must cost one)."""
     from asyncinotify import Inotify, Mask
 
-    from evergraph.cluster.exports import (
-        SeqCounter,
-        decode_hostkeys,
+    from evergraph.cluster.exports import SeqCounter, decode_hostkeys, export_key, make_record
+    from evergraph.cluster.exports.index import (
+        Content,
         entry_name,
-        export_key,
-        index_key,
-        make_index,
-        make_record,
+        index_contents,
+        layout,
+        make_content,
         record_digest,
     )
     from evergraph.cluster.hostkeys import HostKeys
     from evergraph.world.kv import Put
 
     seq = SeqCounter()
-    #: what host A's index names (an agent's publisher writes the record and its
-    #: index in one txn: no replay)
+    #: what host A's index names (an agent's publisher writes the record and the
+    #: index records that changed, a bucket of its index past 16 entries, in one txn:
+    #: no replay)
     entries: dict[str, tuple[int, str]] = {}
+    written: dict[str, Content] = {}
+    of: list[int | None] = [None]
 
     async def write(key: str, value: bytes, n: int) -> None:
         entries[entry_name(key)] = (n, record_digest(value))
-        index = make_index(keys, "hosta", "hostb", seq.next(), dict(entries))
-        await kv.txn([], [Put(key, value), Put(index_key("hostb", "hosta"), index)])
+        of[0] = layout(len(entries), of[0])
+        ops = []
+        for ikey, content in index_contents("hostb", "hosta", entries, of[0]).items():
+            if written.get(ikey) != content:
+                written[ikey] = content
+                ops.append(Put(ikey, make_content(keys, "hosta", "hostb", seq.next(), content)))
+        await kv.txn([], [*ops, Put(key, value)])
 
     keys = HostKeys(state_a)
     kv = make_kv()
@@ -303,6 +310,88 @@ def _export_latency(quick: bool, backend: str, exports: int) -> dict[str, Any]:
     return _stats(lat) | {"trials": len(lat), "exports": exports, "cpu_per_change_s": cpu}
 
 
+def _collector_cpu(exports: int, changes: int, repeats: int) -> float:
+    """The collector's own CPU per change (us), one change among `exports` to this
+    host: its follow callbacks fed the World events a publisher's txn makes (the
+    record and the index records that changed), no World and no event loop turns;
+    `thread_time` over `changes`, the minimum of `repeats`."""
+    from evergraph.cluster.exports import (
+        Collector,
+        HostKeyBook,
+        export_key,
+        make_record,
+        publish_hostkeys,
+    )
+    from evergraph.cluster.exports.index import (
+        Content,
+        entry_name,
+        index_contents,
+        layout,
+        make_content,
+        record_digest,
+    )
+    from evergraph.cluster.hostkeys import HostKeys
+    from evergraph.cluster.pins import Pins
+    from evergraph.world.kv import KeyValue
+    from evergraph.world.memory import MemoryKV
+
+    d = Path(temp_dir_until_exit("/var/tmp"))
+    ka, kb = HostKeys(d / "a"), HostKeys(d / "b")
+    seq, rev = [1000], [1]
+    entries: dict[str, tuple[int, str]] = {}
+    written: dict[str, Content] = {}
+    world: dict[str, KeyValue] = {}
+    of: list[int | None] = [None]
+
+    def change(name: str, content: str) -> list[tuple[KeyValue | None, KeyValue]]:
+        seq[0] += 1
+        value = make_record(
+            ka, "hosta", "hostb", "file", name, {"content": content}, kb.public, seq[0]
+        )
+        key = export_key("hostb", "hosta", "file", name)
+        entries[entry_name(key)] = (seq[0], record_digest(value))
+        of[0] = layout(len(entries), of[0])
+        ops = []
+        for ik, c in index_contents("hostb", "hosta", entries, of[0]).items():
+            if written.get(ik) != c:
+                written[ik] = c
+                seq[0] += 1
+                ops.append((ik, make_content(ka, "hosta", "hostb", seq[0], c)))
+        rev[0] += 1
+        out = []
+        for k, v in [*ops, (key, value)]:
+            prev = world.get(k)
+            world[k] = KeyValue(k, v, prev.create_revision if prev else rev[0], rev[0])
+            out.append((prev, world[k]))
+        return out
+
+    async def main() -> float:
+        kv = MemoryKV()
+        await publish_hostkeys(kv, ka, "hosta")
+        book = HostKeyBook(kv, Pins(d / "b"), "hostb")
+        for item in (await kv.range("hostkeys/"))[0]:
+            await book.new(book.decode(item))
+        await book.batch_done()
+        col = Collector(kv, kb, "hostb", book)
+        for i in range(exports):
+            for _prev, new in change(f"f{i}", "0"):
+                await col.new(new)
+        await col.batch_done()
+        best = float("inf")
+        for r in range(repeats):
+            batches = [change("f0", f"v{r}-{c}") for c in range(changes)]
+            t0 = time.thread_time()
+            for ops in batches:
+                for prev, new in ops:
+                    await (col.new(new) if prev is None else col.updated(prev, new))
+                await col.batch_done()
+            best = min(best, (time.thread_time() - t0) / changes * 1e6)
+        await kv.close()
+        return best
+
+    return asyncio.run(main())
+
+
 def run(quick: bool) -> tuple[dict[str, Any], str]:
     res, rows = _kv_rows(quick)
     text = table(
@@ -329,6 +418,16 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
                     yes_no(exp["p99"] <= TARGET_EXPORT_P99_S),
                 ]
             )
+    cpu_rows = []
+    for n in (1, 100, 1000):
+        us = _collector_cpu(n, 100 if quick else 300, 3 if quick else 7)
+        res[f"collector_cpu_{n}_us"] = us
+        cpu_rows.append([str(n), f"{us:.1f} us"])
+    text += "\n\n" + table(
+        "The export collector alone: CPU per change among N (min of repeats)",
+        ["exports", "collector CPU/change"],
+        cpu_rows,
+    )
     text += "\n\n" + table(
         "Export -> collected -> applied (host A record -> file on agent B, one World; "
         "one of N exports changes per trial; CPU = agent B's per change)",

@@ -131,3 +131,61 @@ def test_a_withdrawn_export_put_back_without_a_lease_is_not_applied(
     assert not p.target.exists()
     assert p.eb.proc.poll() is None
     assert p.eb.stop() == 0
+
+
+def test_a_restarted_collector_refuses_an_index_older_than_it_saw(tmp_path: Path) -> None:
+    """The highest index sequences a collector saw are kept in its state dir (one
+    throttled write for a burst of changes): an older index and record put back
+    while it was down are refused after its restart. (Without the marks, the same
+    put-back is applied: the control.)"""
+    import asyncio
+
+    from evergraph._util.atomic import ThrottledFile
+    from evergraph.cluster.exports import (
+        MARKS_FILE,
+        encode_marks,
+        export_key,
+        index_key,
+        load_marks,
+        publish_hostkeys,
+    )
+    from evergraph.world.memory import MemoryKV, MemoryStore
+    from tests.cluster.test_identity import Host, _params
+
+    async def main() -> None:
+        store = MemoryStore()
+        kv = MemoryKV(store)
+        a = Host(MemoryKV(store), tmp_path / "a", "hosta")
+        b = Host(MemoryKV(store), tmp_path / "b", "hostb")
+        key, ikey = export_key("hostb", "hosta", "file", "/x"), index_key("hostb", "hosta")
+        await publish_hostkeys(kv, b.keys, "hostb")
+        async with a.running():
+            a.publisher.set([("hostb", "file", "/x", _params("v1"))])
+            await a.publisher.acknowledged.wait()
+            old = [(k, item.value) for k in (key, ikey) if (item := await kv.get(k))]
+            async with b.running():
+                marks = ThrottledFile(
+                    tmp_path / "b" / MARKS_FILE, lambda: encode_marks(b.collector.marks())
+                )
+                b.collector.on_marks = lambda _p, _i: marks.changed()
+                for v in ("v2", "v3", "v4"):
+                    a.publisher.set([("hostb", "file", "/x", _params(v))])
+                    while [e.params["content"] for e in b.collector.current()] != [v]:
+                        await b.next_change()
+                marks.flush()
+                assert marks.writes == 1  # a burst, one write
+        # a (down now too, its records stay: lease 0 here) and b are down; the
+        # attacker puts back the v1 index and record
+        for k, value in old:
+            await kv.put(k, value)
+        for restored in (True, False):
+            c = Host(MemoryKV(store), tmp_path / "b", "hostb")
+            if restored:
+                c.collector.restore_marks(load_marks(tmp_path / "b"))
+            async with c.running():
+                await asyncio.sleep(0)  # (it read everything before `running` returned)
+                got = [e.params["content"] for e in c.collector.current()]
+                assert got == ([] if restored else ["v1"])
+                assert (c.collector.refused >= 1) == restored
+
+    asyncio.run(main())

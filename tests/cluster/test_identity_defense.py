@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -196,3 +197,35 @@ def test_hosts_marks_a_garbled_key_record(tmp_path: Path) -> None:
     assert r.returncode == 1
     assert r.stdout.splitlines() == ["web1\t-\t-\tbad-record"]
     assert "hostkeys/web1: not a host key record" in r.stderr
+
+
+def test_the_start_up_sweep_spares_a_temp_file_another_process_is_writing(
+    tmp_path: Path,
+) -> None:
+    """An agent starting on a state dir sweeps what a kill left (temporary files),
+    but not `hosts trust` writing pins.json beside it at that moment: a temporary
+    file younger than a minute may be a write in flight."""
+    from evergraph._util.atomic import TEMP_GRACE, sweep_temps, temp_name
+    from evergraph.agent.run import sweep_state_dir
+
+    state = tmp_path / "state"
+    state.mkdir()
+    in_flight = state / temp_name("pins.json")
+    left = state / temp_name("export-seq")
+    old_dir = state / "deploys" / ".fetch.0123456789ab.tmp"
+    young_dir = state / "deploys" / ".fetch.ba9876543210.tmp"
+    old_dir.mkdir(parents=True)
+    young_dir.mkdir()
+    in_flight.write_text("{}")
+    left.write_text("1\n")
+    long_ago = time.time() - TEMP_GRACE - 5
+    os.utime(left, (long_ago, long_ago))
+    os.utime(old_dir, (long_ago, long_ago))
+    sweep_state_dir(state)
+    assert in_flight.exists()
+    assert young_dir.exists()
+    assert not left.exists()
+    assert not old_dir.exists()
+    # a minute later, the same temp file is a kill's leftover
+    removed = sweep_temps(state, now=time.time() + TEMP_GRACE + 1, temp_dirs_in=("deploys",))
+    assert sorted(removed) == sorted([str(in_flight), str(young_dir)])

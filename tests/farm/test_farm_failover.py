@@ -17,7 +17,15 @@ from evergraph.cluster.election import Election, election_key
 from evergraph.cluster.hostkeys import HostKeys
 from evergraph.farm import model
 from evergraph.farm.leader import FarmLeader
-from evergraph.farm.service import ALIVE, REQS, Farm, encode, open_request, worker_key
+from evergraph.farm.service import (
+    ALIVE,
+    REQS,
+    Farm,
+    alive_value,
+    encode,
+    open_request,
+    worker_key,
+)
 from evergraph.farm.signed import FarmTrust
 from evergraph.farm.tokens import User
 from evergraph.world.follow import SimpleFollower, follow
@@ -61,7 +69,7 @@ def _run(factory: Factory, rng: random.Random, keys: HostKeys) -> None:
             )
             w = model.complete_prepare(model.set_state(w, model.IDLE))
             await kv.put(worker_key(u), farm.trust.seal(worker_key(u), encode(w)))
-            await kv.put(f"{ALIVE}{u}", b"1")
+            await kv.put(f"{ALIVE}{u}", alive_value(farm.trust, u, []))
 
         # the invariant: at every revision, a worker runs at most one request
         violations: list[str] = []

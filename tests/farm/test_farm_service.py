@@ -20,7 +20,7 @@ from evergraph.farm import model
 from evergraph.farm.host import WorkerHost
 from evergraph.farm.leader import FarmLeader
 from evergraph.farm.model import Refused
-from evergraph.farm.service import ALIVE, Farm, FarmSettings, Forbidden, NotFound
+from evergraph.farm.service import ALIVE, Farm, FarmSettings, Forbidden, NotFound, alive_value
 from evergraph.farm.signed import FarmTrust
 from evergraph.farm.tokens import User
 from evergraph.world.kv import Put
@@ -206,7 +206,8 @@ def test_a_stale_worker_record_never_fails_a_running_request(tmp_path: Path) -> 
         wkey, rkey = worker_key(uuid), req_key(1)
         idle_rec = trust.seal(wkey, encode(idle))
         rev_idle = await kv.put(wkey, idle_rec)
-        await kv.put(f"{ALIVE}{uuid}", b"1")
+        alive_rec = alive_value(trust, uuid, [])
+        await kv.put(f"{ALIVE}{uuid}", alive_rec)
         farm = Farm(kv, trust=trust)
         rid = await farm.new_request(ALICE, priority=1)
         req = await farm.request(ALICE, rid)
@@ -219,7 +220,7 @@ def test_a_stale_worker_record_never_fails_a_running_request(tmp_path: Path) -> 
         assert rev is not None
         stale = {wkey: KeyValue(wkey, idle_rec, 1, rev_idle)}
         reqs = {rkey: KeyValue(rkey, started_rec, 1, rev)}
-        alive = {f"{ALIVE}{uuid}": KeyValue(f"{ALIVE}{uuid}", b"1", 1, 1)}
+        alive = {f"{ALIVE}{uuid}": KeyValue(f"{ALIVE}{uuid}", alive_rec, 1, 1)}
         await leader.step(reqs, stale, alive)
         item = await kv.get(req_key(rid))
         assert item is not None

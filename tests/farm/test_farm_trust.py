@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import random
@@ -149,6 +150,7 @@ def _start(
     kv: Callable[[], KV],
     *,
     attacker_first: bool = False,
+    srv_flags: tuple[str, ...] = (),
 ) -> Farm:
     g = tmp / "g.yaml"
     g.write_text(GRAPH)
@@ -157,7 +159,7 @@ def _start(
 
     def start_srv() -> Agent:
         # (no grace before INVALID: a test waits for a request no worker can take)
-        flags = ("--http", "127.0.0.1:0", "--farm-invalid-grace", "0")
+        flags = ("--http", "127.0.0.1:0", "--farm-invalid-grace", "0", *srv_flags)
         a: Agent = agents(g, tmp / "srv", "--hostname", "srv", *world, *flags)
         a.wait_converged()
         return a
@@ -344,6 +346,46 @@ def test_a_deleted_worker_record_comes_back(farm: Farm) -> None:
     f.no_effect()
 
 
+# -- 6b. the worker's alive key forged ----------------------------------------------------------
+@pytest.mark.slow
+def test_a_forged_alive_key_is_put_back_and_keeps_no_dead_worker_alive(
+    tmp_path: Path, agents: Any
+) -> None:
+    """`farm/alive/<uuid>` is signed by the worker's host: one written by anyone else
+    is put back by the live worker at once, and keeps no dead worker from FAILED
+    (nor sends its acquires to the attacker's servers)."""
+    db = tmp_path / "world.sqlite"
+    world = ("--world-db", str(db))
+    f = _start(tmp_path, agents, world, lambda: SQLiteKV(db), srv_flags=("--farm-alive-grace", "1"))
+    key = f"{ALIVE}{f.uuid}"
+    mallory = HostKeys(tmp_path / "mallory")
+    forged = seal(mallory, "wk1", key, msgspec.json.encode({"servers": ["mallory"]}))
+    # on a live worker: its agent puts its own back at once
+    f.put((key, forged))
+
+    def put_back() -> bool:
+        got = f.get(key)
+        return got is not None and got[0] != forged
+
+    wait_for(put_back, what="the alive key put back by the worker")
+    wait_for(
+        lambda: "changed by someone else: put back" in f.wk.log.read_text(),
+        what="the worker's warning",
+    )
+    f.no_effect()
+    # the worker's agent stops (its lease ends, its alive key with it); the forged
+    # key (signed by another key, and one with no signature) keeps it from nothing
+    assert f.wk.stop() == 0
+    wait_for(lambda: f.get(key) is None, what="the alive key gone with the worker's lease")
+    rev = f.put((key, forged))
+    wait_refused(f.srv, key, rev, "the forged alive key")
+    wait_for(lambda: f.worker().state == model.FAILED, what="the dead worker FAILED")
+    rev = f.put((key, b'{"servers": []}'))
+    wait_refused(f.srv, key, rev, "an unsigned alive key")
+    assert f.worker().state == model.FAILED
+    assert "Traceback" not in f.srv.log.read_text()
+
+
 @pytest.mark.slow
 def test_a_deleted_request_is_put_back_by_the_leader(farm: Farm) -> None:
     """The farm never deletes a request: one that vanishes was deleted by someone
@@ -488,3 +530,87 @@ def test_a_record_of_a_host_not_yet_known_is_checked_again(tmp_path: Path) -> No
     before, after = asyncio.run(main())
     assert before == []
     assert [x.uuid for x in after] == [uuid]
+
+
+# -- the worker's replay mark kept across restarts -----------------------------------------------
+@pytest.mark.parametrize("kept", [True, False], ids=["mark-kept", "control-no-state-dir"])
+def test_a_restarted_worker_refuses_its_record_older_than_it_saw(
+    tmp_path: Path, kept: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker keeps the newest version of its record it saw (per World) in its
+    state dir: an older signed version put back while it was down is refused after
+    its restart. (Without a state dir, the control: it is taken.)"""
+    import logging
+
+    from evergraph.cluster.exports import HostKeyBook, Publisher
+    from evergraph.cluster.pins import Pins
+    from evergraph.farm.host import WorkerHost
+    from evergraph.farm.signed import FarmTrust
+    from evergraph.world.memory import MemoryKV, MemoryStore
+
+    uuid = "5f0c0e8a-1111-4222-8333-944445555666"
+    key = worker_key(uuid)
+    skeys, wkeys = HostKeys(tmp_path / "srv"), HostKeys(tmp_path / "wk1")
+    strust = FarmTrust(skeys, "srv")
+    state = tmp_path / "wk1-state" if kept else None
+
+    def worker(kv: KV) -> WorkerHost:
+        book = HostKeyBook(kv, Pins(tmp_path / "wk1"), "wk1")
+        return WorkerHost(
+            kv,
+            uuid=uuid,
+            host="wk1",
+            caps={"hostname": "wk1"},
+            groups=[],
+            address="127.0.0.1",
+            port=22,
+            username="t",
+            lease=lambda: 0,
+            publisher=Publisher(kv, wkeys, "wk1", book, lambda: 0),
+            key_servers={"srv"},
+            trust=FarmTrust(wkeys, "wk1", {"srv": skeys.verify}),
+            state_dir=state,
+        )
+
+    async def server_sets(kv: KV, state_name: str) -> bytes:
+        item = await kv.get(key)
+        assert item is not None
+        w = msgspec.json.decode(msgspec.json.decode(item.value)["body"])
+        w["state"] = state_name
+        value = strust.seal(key, msgspec.json.encode(w), prev=item.mod_revision)
+        await kv.put(key, value)
+        return value
+
+    async def main() -> None:
+        kv = MemoryKV(MemoryStore())
+        w1 = worker(kv)
+        await w1.register()
+        task = asyncio.create_task(w1._follow_record())
+        await server_sets(kv, model.IDLE)
+        old = await server_sets(kv, model.MAINTENANCE)
+        await server_sets(kv, model.IDLE)
+        high = (await kv.get(key)).mod_revision  # type: ignore[union-attr]
+        while w1._high != high:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if w1._marks is not None:
+            w1._marks.flush()
+        # the worker is down; the attacker puts back the older version
+        await kv.put(key, old)
+        w2 = worker(kv)
+        assert w2._high == (high if kept else 0)
+        with caplog.at_level(logging.WARNING, "evergraph.farm"):
+            task = asyncio.create_task(w2._follow_record())
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if "older than a version already seen" in caplog.text or w2._last:
+                    break
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        refused = "older than a version already seen" in caplog.text
+        assert refused == kept
+
+    asyncio.run(main())

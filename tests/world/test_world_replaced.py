@@ -715,3 +715,74 @@ def test_deploys_follow_yields_the_new_worlds_deploy(worlds: Worlds) -> None:
                 await it.aclose()  # type: ignore[attr-defined]
 
     run(body)
+
+
+# -- a forged world/id (issue 22, round 2, item 4) ------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "etcd"])
+def test_a_forged_world_id_makes_agents_republish_never_stop_nor_adopt(
+    kind: str, tmp_path: Path, agents: Any, servers: list[Any], shm: Path
+) -> None:
+    """Whoever writes the World can rewrite `world/id` (a new id, an epoch far
+    ahead, garbage): each agent takes it for another World and re-publishes what it
+    owns (its lease, member record, host key, exports), compared by content: a
+    resync. No agent stops, nothing it applied is dropped or swapped, and nothing
+    the attacker wrote alongside (an export forged "from" the exporter) is applied."""
+    from evergraph.cluster.hostkeys import HostKeys
+    from evergraph.world.kv import Put
+    from tests.conftest import wait_for
+    from tests.kit.identity_attacks import (
+        COLLECT_FILES,
+        AttackWorld,
+        file_export_graph,
+        forged_export,
+    )
+
+    world = AttackWorld(kind, tmp_path, servers, shm)
+    target = tmp_path / "on-b" / "conf"
+    ga, gb = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    ga.write_text(file_export_graph("a", target, "v1\n"))
+    gb.write_text(COLLECT_FILES)
+    eb = agents(gb, tmp_path / "sb", "--hostname", "eb", *world.args)
+    eb.wait_converged()
+    ea = agents(ga, tmp_path / "sa", "--hostname", "ea", *world.args)
+    wait_for(lambda: target.exists() and target.read_text() == "v1\n", what="v1 on eb")
+    wait_for(lambda: eb.log.read_text().count("collected exports changed") >= 1, what="eb swap")
+    swaps = eb.log.read_text().count("collected exports changed")
+    known = world.get("world/id")
+    assert known is not None
+    mallory = HostKeys(tmp_path / "mallory")
+    forged_path = tmp_path / "on-b" / "forged"
+    forged_id = json.dumps({"id": "0123456789abcdef", "epoch": 999, "created": 1.0}).encode()
+    for value in (forged_id, b"not a world id"):
+
+        async def attack(kv: KV, value: bytes = value) -> None:
+            rev = await kv.txn(
+                [], [Put("world/id", value), *forged_export(mallory, "ea", "*", forged_path, "x")]
+            )
+            assert rev is not None
+
+        world.call(attack)
+        for a in (ea, eb):
+            wait_for(
+                lambda a=a, n=int(value != forged_id): (
+                    a.log.read_text().count("the World was replaced") > n
+                ),
+                what=f"{a.log.parent.name} re-publishing after the forged world/id",
+            )
+        # what each owns is in the World again, under a live lease
+        for key in ("hostkeys/ea", "hostkeys/eb", "members/ea", "members/eb"):
+            wait_for(lambda key=key: world.get(key) is not None, what=f"{key} there")
+        assert ea.proc.poll() is None
+        assert eb.proc.poll() is None
+    # eb never dropped the export (no swap), and applied nothing forged
+    assert target.read_text() == "v1\n"
+    assert eb.log.read_text().count("collected exports changed") == swaps
+    assert not forged_path.exists()
+    # (the garbage stays the World's id: only a change of the record matters, and
+    # the next one is noticed the same way)
+    for a in (ea, eb):
+        assert "Traceback" not in a.log.read_text()
+    assert ea.stop() == 0
+    assert eb.stop() == 0

@@ -25,14 +25,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from evergraph._util.atomic import sweep_temps
+from evergraph._util.atomic import ThrottledFile, sweep_temps
 from evergraph._version import __version__
 from evergraph.agent.observe import ObserverHub, TimedKV
 from evergraph.cluster.exports import (
+    MARKS_FILE,
     Collector,
     HostKeyBook,
     Publisher,
     SeqCounter,
+    encode_marks,
+    load_marks,
     publish_hostkeys,
 )
 from evergraph.cluster.hostkeys import HostKeys, KeyError_
@@ -369,7 +372,14 @@ class Agent:
         self.publisher = Publisher(
             kv, keys, host, book, lambda: membership.lease, SeqCounter(self.settings.state_dir)
         )
-        self.collector = Collector(kv, keys, host, book, own=self.publisher.noticed)
+        self.collector = collector = Collector(kv, keys, host, book, own=self.publisher.noticed)
+        # the highest index sequences seen, kept across restarts (an older index put
+        # back while this agent was down is refused too)
+        collector.restore_marks(load_marks(self.settings.state_dir))
+        marks = ThrottledFile(
+            self.settings.state_dir / MARKS_FILE, lambda: encode_marks(collector.marks())
+        )
+        collector.on_marks = lambda _pair, _idx: marks.changed()
         membership.on_regrant(self.publisher.resync)
 
         def rebuild(why: str) -> None:
@@ -469,6 +479,7 @@ class Agent:
                 publisher=self.publisher,
                 key_servers={host, *opts.key_servers},
                 trust=self.farm_trust,
+                state_dir=self.settings.state_dir,
             )
             await worker.alive()
             await worker.register()

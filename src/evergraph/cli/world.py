@@ -223,11 +223,11 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
             HOSTKEYS,
             decode_hostkeys,
             entry_name,
-            open_index,
+            is_index_key,
             open_record_seq,
-            parse_index_key,
             parse_key,
             record_digest,
+            verified_entries,
         )
         from evergraph.cluster.hostkeys import HostKeys, KeyError_
         from evergraph.cluster.pins import Pins, PinsError
@@ -261,20 +261,16 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
                     return None
                 return seen, "ok" if seen == own else "ok-unpinned"
 
-            indexes: dict[tuple[str, str], dict[str, tuple[int, str]] | None] = {}
+            verify: dict[str, str | None] = {}
             for item in items:
-                pair = parse_index_key(item.key)
-                if pair is None:
-                    continue
-                found = key_of(pair[1])
-                try:
-                    idx = open_index(item, found[0]) if found else None
-                    indexes[pair] = idx.entries if idx is not None else None
-                except ValueError:
-                    indexes[pair] = None
+                if is_index_key(item.key):
+                    src = item.key.split("/")[2]
+                    found = key_of(src)
+                    verify[src] = found[0] if found else None
+            indexes = verified_entries(items, verify)
             bad = 0
             for item in items:
-                if parse_index_key(item.key) is not None:
+                if is_index_key(item.key):
                     continue
                 where = parse_key(item.key)
                 if where is None:

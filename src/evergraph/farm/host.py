@@ -25,9 +25,11 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 
+from evergraph._util.atomic import ThrottledFile
 from evergraph._util.clock import SYSTEM, Clock
 from evergraph.cluster.election import election_key
 from evergraph.cluster.exports import Publisher
@@ -38,7 +40,7 @@ from evergraph.farm.service import (
     ACCESS,
     ALIVE,
     DEMAND,
-    Alive,
+    alive_value,
     encode,
     open_request,
     open_worker,
@@ -48,6 +50,19 @@ from evergraph.farm.service import (
 from evergraph.farm.signed import Envelope, FarmTrust, Untrusted
 from evergraph.world.follow import SimpleFollower, Tombstone, follow, watch_one
 from evergraph.world.kv import KV, Compare, KeyValue, Put, WorldError
+
+#: the file in the state dir holding the worker's replay mark
+MARKS_FILE = "farm-marks.json"
+
+
+class _Mark(msgspec.Struct, frozen=True):
+    """The newest version (mod revision) of this worker's record seen, in `world`."""
+
+    world: str
+    high: int
+
+
+_marks_dec = msgspec.json.Decoder(_Mark)
 
 #: the election whose leader assigns jobs (and whose term an assignment carries)
 FARM_ELECTION = "farm"
@@ -83,11 +98,14 @@ class WorkerHost:
         key_servers: set[str],
         trust: FarmTrust,
         clock: Clock = SYSTEM,
+        state_dir: Path | None = None,
     ) -> None:
         """`key_servers`: the agents this worker hands job keys to (`--farm-server`):
         a demand names a host, and anyone may write one, so only these (whose keys
         are pinned explicitly) ever receive a key, sealed to them. `trust`: this
-        host's signer and the farm servers it pins."""
+        host's signer and the farm servers it pins. `state_dir`: where the replay
+        mark (the newest version of our record seen, per World) is kept across
+        restarts."""
         self.kv = kv
         self.uuid = uuid
         self.host = host
@@ -104,6 +122,11 @@ class WorkerHost:
         #: the newest trusted version of our record: its mod revision (an older
         #: version put back is a replay) and its content (what a restore keeps)
         self._high = 0
+        self._marks_path = state_dir / MARKS_FILE if state_dir is not None else None
+        self._marks: ThrottledFile | None = None
+        self._load_marks()
+        #: the alive key's value as this host wrote it last
+        self._alive = b""
         self._last: Worker | None = None
         self._epoch = kv.epoch
         self._refused: set[str] = set()
@@ -112,6 +135,31 @@ class WorkerHost:
         self._private: bytes = b""
         self._listeners: list[Callable[[], None]] = []
         self._demands: set[str] = set()
+
+    def _load_marks(self) -> None:
+        """The replay mark an earlier run kept, if it is of this World (a World
+        replaced since, or another one: its revisions mean nothing here)."""
+        if self._marks_path is None:
+            return
+        try:
+            mark = _marks_dec.decode(self._marks_path.read_bytes())
+        except FileNotFoundError:
+            return
+        except (OSError, msgspec.DecodeError) as e:
+            log.error("farm: %s: cannot read the replay mark (%s)", self._marks_path, e)
+            return
+        if mark.world and mark.world == self.kv.world_id:
+            self._high = mark.high
+
+    def _high_changed(self) -> None:
+        if self._marks_path is None:
+            return
+        if self._marks is None:
+            world = self.kv.world_id
+            self._marks = ThrottledFile(
+                self._marks_path, lambda: msgspec.json.encode(_Mark(world=world, high=self._high))
+            )
+        self._marks.changed()
 
     def listen(self, fn: Callable[[], None]) -> Callable[[], None]:
         """`fn()` after the job changed (the agent re-merges the job's resources)."""
@@ -160,7 +208,7 @@ class WorkerHost:
 
     async def alive(self) -> None:
         """(Re)write `farm/alive/<uuid>` under the agent's lease."""
-        value = msgspec.json.encode(Alive(servers=sorted(self.key_servers)))
+        value = self._alive = alive_value(self.trust, self.uuid, sorted(self.key_servers))
         await self.kv.put(f"{ALIVE}{self.uuid}", value, lease=self.lease())
 
     def job_key(self, rid: int) -> str | None:
@@ -181,11 +229,17 @@ class WorkerHost:
             tg.create_task(follow(self.kv, DEMAND, demands))
 
     async def _keep_alive_key(self) -> None:
-        """Put `farm/alive/<uuid>` back whenever it vanishes while we live."""
+        """Put `farm/alive/<uuid>` back whenever it vanishes or someone else changes it
+        while we live (readers ignore one not signed by this host: a forged one would
+        not keep us alive)."""
         async with contextlib.aclosing(watch_one(self.kv, f"{ALIVE}{self.uuid}")) as snaps:
             async for snap in snaps:
-                if isinstance(snap, Tombstone) and self.lease():
-                    log.warning("farm: %s%s vanished: put back", ALIVE, self.uuid)
+                if not self.lease():
+                    continue
+                gone = isinstance(snap, Tombstone)
+                if gone or (isinstance(snap, KeyValue) and snap.value != self._alive):
+                    what = "vanished" if gone else "changed by someone else"
+                    log.warning("farm: %s%s %s: put back", ALIVE, self.uuid, what)
                     try:
                         await self.alive()
                     except WorldError as e:
@@ -200,6 +254,7 @@ class WorkerHost:
                 ):
                     # another World (revisions started again): what we saw is void
                     self._epoch, self._high = self.kv.epoch, 0
+                    self._marks = None  # (a mark of the World now)
                 # neither a vanished nor an untrusted record changes the job: the
                 # record is put back (as last seen) and the leader, finding it
                 # ours, signs it again or releases the job
@@ -218,6 +273,7 @@ class WorkerHost:
                     await self._restore()
                     continue
                 high, self._high = self._high, snap.mod_revision
+                self._high_changed()
                 running = w.job if w.state == model.RUNNING else None
                 if running is not None and self.job is not None and self.job.request == running:
                     self._last = w

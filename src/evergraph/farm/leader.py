@@ -36,6 +36,7 @@ from evergraph.farm.service import (
     WORKERS,
     FarmSettings,
     encode,
+    open_alive,
     open_request,
     open_worker,
     req_key,
@@ -137,6 +138,8 @@ class FarmLeader:
         #: key -> mod revision of the newest trusted version seen: a version whose
         #: `prev` is older was put back (a replay) and is refused
         self._high: dict[str, int] = {}
+        #: alive key -> (mod revision, worker's host, signed by that host)
+        self._alive_seen: dict[str, tuple[int, str, bool]] = {}
         #: running jobs found on taking office, signed by an earlier leader:
         #: worker uuid -> (request id, its mod revision), to sign again for our term
         self._inherited: dict[str, tuple[int, int]] | None = None
@@ -163,6 +166,27 @@ class FarmLeader:
             obj = None
         self._cache[kv.key] = (kv.mod_revision, obj)
         return obj
+
+    def _alive_ok(self, kv: KeyValue, w: Worker) -> bool:
+        """Whether an alive key is the worker's own (signed by its host): a forged one
+        keeps no dead worker from FAILED (refused, logged once)."""
+        host = w.caps.get("hostname", "")
+        hit = self._alive_seen.get(kv.key)
+        if hit is not None and hit[:2] == (kv.mod_revision, host):
+            return hit[2]
+        try:
+            open_alive(self.trust, kv, w)
+            ok = True
+        except UnknownSigner as e:
+            self.trust.refuse(kv, str(e))
+            return False  # (not remembered: its host's key may come in a moment)
+        except Untrusted as e:
+            self.trust.refuse(kv, str(e))
+            ok = False
+        if len(self._alive_seen) > 2 * len(self._cache) + 100:
+            self._alive_seen.clear()
+        self._alive_seen[kv.key] = (kv.mod_revision, host, ok)
+        return ok
 
     def _fresh(self, kv: KeyValue, record: object, env: Envelope) -> None:
         """Untrusted if this version is older than one already seen (put back). A
@@ -231,7 +255,11 @@ class FarmLeader:
         if len(self._cache) > 2 * (len(req_items) + len(worker_items)) + 100:
             live = req_items.keys() | worker_items.keys()
             self._cache = {k: v for k, v in self._cache.items() if k in live}
-        living = {k[len(ALIVE) :] for k in alive_items}
+        living = {
+            uuid
+            for k, kv in alive_items.items()
+            if (uuid := k[len(ALIVE) :]) in workers and self._alive_ok(kv, workers[uuid][0])
+        }
         await self._housekeeping(reqs, workers, living, now)
         await self._reaffirm(reqs, workers, envs, worker_items)
         plan = matcher.match([r for r, _ in reqs.values()], [w for w, _ in workers.values()], now)

@@ -17,7 +17,8 @@ is not trusted here is treated as absent, and logged once.
   `farm/seq` so that a priority change does not take an id;
 - `farm/requests/<id, 10 digits>`: a `Request` (JSON);
 - `farm/workers/<uuid>`: a `Worker` (JSON), registered by the worker's agent;
-- `farm/alive/<uuid>`: present while the worker's agent lives (under its lease);
+- `farm/alive/<uuid>`: present while the worker's agent lives (under its lease),
+  signed by the worker's host (`alive_value`, `open_alive`);
   its value `{"servers": [...]}` names the agents the worker hands job keys to
   (`--farm-server` and itself), so that another answers acquire_worker at once;
 - `farm/demand/<id>/<host>`: agent `host` serves `acquire_worker` for request `id`
@@ -181,6 +182,32 @@ def open_request(trust: FarmTrust, item: KeyValue) -> tuple[Request, Envelope]:
         # only API servers write a WAITING request; the matcher never does
         raise Untrusted(f"a WAITING request signed with a matcher's term ({env.term})")
     return req, env
+
+
+def alive_value(trust: FarmTrust, uuid: str, servers: list[str]) -> bytes:
+    """The value of `farm/alive/<uuid>`: the servers the worker hands its job keys
+    to, signed by the worker's host (nobody else can keep a dead worker alive nor
+    send its acquires elsewhere)."""
+    body = msgspec.json.encode(Alive(servers=sorted(servers)))
+    return trust.seal(f"{ALIVE}{uuid}", body)
+
+
+def open_alive(trust: FarmTrust, item: KeyValue, worker: Worker) -> Alive:
+    """An alive key signed by `worker`'s own host (its pinned key) or a farm server
+    `trust` pins (as a worker record may be), stored under its uuid; Untrusted (the
+    reason) otherwise: a reader takes it for absent."""
+    if item.key != f"{ALIVE}{worker.uuid}":
+        raise Untrusted(f"not the alive key of worker {worker.uuid}")
+    env = open_envelope(item.key, item.value)
+    if not (trust.is_server(env) or trust.is_host(env, worker.caps.get("hostname", ""))):
+        raise Untrusted(
+            f"signed by {env.signer!r}, neither the worker's own host nor a farm server "
+            "this host pins"
+        )
+    try:
+        return _alive_dec.decode(env.body)
+    except msgspec.DecodeError:
+        raise Untrusted("not an alive record") from None
 
 
 def open_worker(trust: FarmTrust, item: KeyValue) -> tuple[Worker, Envelope]:
@@ -523,9 +550,10 @@ class Farm:
         if item is None:
             return
         try:
-            servers = _alive_dec.decode(item.value).servers
-        except msgspec.DecodeError:
-            return  # an older worker's: it says nothing
+            servers = open_alive(self.trust, item, w).servers
+        except Untrusted as e:
+            self.trust.refuse(item, str(e))
+            return  # forged (or an older worker's): it says nothing
         if servers and self.host not in servers:
             raise Refused(
                 f"worker {w.uuid} hands its job keys only to its farm servers "
