@@ -12,12 +12,14 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from evergraph._util import atomic
+from evergraph._util.atomic import TEMP_GRACE
 from evergraph.engine.store import encode_name, vertex_dir, vertex_name
 from tests.conftest import run_cli
 
@@ -202,6 +204,13 @@ def test_leftovers_in_the_state_dir_are_swept_at_start(tmp_path: Path) -> None:
     fetch = state / "deploys" / ".7-abcdef.0123456789ab.tmp"  # an interrupted fetch
     (fetch / "sub").mkdir(parents=True)
     (fetch / "sub" / "g.yaml").write_text("half")
+    # a kill's leftovers are older than the sweep's grace (a fresh temporary
+    # file may be another process's write in flight: spared)
+    old = time.time() - 2 * TEMP_GRACE
+    for p in [*gone, fetch, fetch / "sub", fetch / "sub" / "g.yaml"]:
+        os.utime(p, (old, old))
+    fresh = state / ".pins.json.fedcba987654.tmp"  # another process's write in flight
+    fresh.write_text("in flight")
     kept = [
         state / "deploys" / "7-abcdef" / ".x.0123456789ab.tmp",  # a deploy's own file
         state / "etcd" / ".member.tmp",  # etcd's, not ours
@@ -217,6 +226,7 @@ def test_leftovers_in_the_state_dir_are_swept_at_start(tmp_path: Path) -> None:
     assert [p for p in gone if p.exists()] == []
     assert not fetch.exists()
     assert all(p.read_text() == "keep" for p in kept)
+    assert fresh.read_text() == "in flight"
 
 
 def test_leftovers_next_to_managed_files_are_swept(tmp_path: Path, public: Path) -> None:
