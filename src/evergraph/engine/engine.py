@@ -228,6 +228,7 @@ class Engine(Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
 
     async def _shutdown(self, aux: list[asyncio.Task[Any]]) -> None:
         self.stop.raise_to(GRACEFUL)
+        self._draining = True
         self.converger.close()
         for t in [*aux, *self._timers, *self._repairs.values()]:
             t.cancel()

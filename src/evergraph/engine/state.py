@@ -116,6 +116,8 @@ class EngineState:
         self._unready = 0
         #: the one stop signal: everything about stopping derives from its level
         self.stop = StopSignal()
+        #: the shutdown began (see `stopping`)
+        self._draining = False
         #: the exit status a resource asked for (`request_exit`), if any
         self._exit_code: int | None = None
         #: --max-runtime stopped the run before it converged
@@ -185,8 +187,10 @@ class EngineState:
 
     @property
     def stopping(self) -> bool:
-        """A stop was asked for: no run starts, no failure is retried."""
-        return self.stop.level > 0
+        """The shutdown began (the turn after a stop request, see engine._shutdown):
+        no run starts, no failure is retried. A run that became due in the turn the
+        stop was asked for still starts, and the shutdown lets it finish."""
+        return self._draining
 
     # -- what a subject calls in another (each overridden by its owner) ----------
     # scheduling.py

@@ -1,8 +1,9 @@
 """The engine's one stop signal: a level that only rises.
 
 0: running. 1 (`GRACEFUL`): a first stop request, a resource's `exit`, a
-one-shot run converged: no run starts any more, in-flight applies may finish for
-the stop grace. 2 (`HARD`): a second request or `--max-runtime`: in-flight
+one-shot run converged: the engine's shutdown begins at its next turn (a run that
+became due in this one still starts); from then no run starts, and in-flight
+applies may finish for the stop grace. 2 (`HARD`): a second request or `--max-runtime`: in-flight
 applies are cancelled too. Everything else about stopping (the run's wait, the
 shutdown, whether a failure is retried) derives from this level; the engine's
 tasks themselves end by cancellation of their TaskGroup.
