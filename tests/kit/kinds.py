@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from evergraph.testing.kinds import graph_error
 from tests.conftest import run_cli
 
 
@@ -17,3 +18,19 @@ def refused_end_to_end(g: Path, needle: str, state: Path, *, one_line: bool = Fa
         if one_line:
             assert len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "Traceback" not in r.stderr
+
+
+def refused(g: Path, needle: str, where: str = "", *, end_to_end: bool) -> bool:
+    """G is refused as `evergraph check` loads it, in process, saying `needle` at
+    `where`; with `end_to_end`, `evergraph check G` too exits 2 saying them, with no
+    traceback. Returns `end_to_end` (the caller then runs G its own way)."""
+    err = graph_error(g)
+    assert needle in err, err
+    assert where in err, err
+    if end_to_end:
+        r = run_cli("check", g)
+        assert r.returncode == 2, r.stderr
+        assert needle in r.stderr, r.stderr
+        assert where in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    return end_to_end
