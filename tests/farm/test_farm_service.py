@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -293,5 +294,29 @@ def test_request_ids_are_dense_whatever_priority_changes_happen(tmp_path: Path) 
         ]
         plan = match(reqs, workers, max(r.valid_after for r in reqs) + 1)
         assert [x.request for x in plan.assign] == [b, a, c]
+
+    asyncio.run(main())
+
+
+def test_waiting_for_a_start_runs_on_the_farms_clock(tmp_path: Path) -> None:
+    """`wait_started` bounds its wait by the farm's clock: on a fake one, a request
+    no worker takes is answered WAITING exactly when the fake wait is over (no real
+    seconds spent), and not a moment before."""
+    from evergraph.testing.clock import FakeClock
+
+    async def main() -> None:
+        async with Cluster(tmp_path).running() as (farm, _wk):
+            clock = FakeClock(epoch=time.time())  # (the leader's clock is the real one)
+            timed = Farm(farm.kv, trust=farm.trust, collector=farm.collector, clock=clock)
+            # the worker stays in MAINTENANCE: a request that fits it waits
+            rid = await timed.new_request(ALICE, priority=4, caps={"board": "rpi4"})
+            waiting = asyncio.create_task(timed.wait_started(ALICE, rid, 600))
+            while clock.waiting() == 0:  # the wait armed its timer on the fake clock
+                await asyncio.sleep(0)
+            await clock.advance(599)
+            assert not waiting.done()
+            await clock.advance(1)
+            req = await asyncio.wait_for(waiting, 10)
+            assert req.state == model.WAITING
 
     asyncio.run(main())

@@ -222,7 +222,7 @@ class FarmLeader:
                     wakeup = self.clock.time() + 0.5
                 timeout = None if wakeup is None else max(0.0, wakeup - self.clock.time())
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(timeout):
+                    async with self.clock.timeout(timeout):
                         await records.changed.wait()
 
     async def step(

@@ -477,17 +477,19 @@ class Farm:
         if req.state != model.WAITING or wait <= 0:
             return req
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(wait):
-                async with contextlib.aclosing(watch_one(self.kv, req_key(rid))) as snaps:
-                    async for snap in snaps:
-                        if isinstance(snap, Tombstone):
-                            raise NotFound("request", rid)
-                        seen = self._open_request(snap)
-                        if seen is None:
-                            continue  # untrusted: as if absent; wait for a signed one
-                        req = seen
-                        if req.state != model.WAITING:
-                            break
+            async with (
+                self.clock.timeout(wait),
+                contextlib.aclosing(watch_one(self.kv, req_key(rid))) as snaps,
+            ):
+                async for snap in snaps:
+                    if isinstance(snap, Tombstone):
+                        raise NotFound("request", rid)
+                    seen = self._open_request(snap)
+                    if seen is None:
+                        continue  # untrusted: as if absent; wait for a signed one
+                    req = seen
+                    if req.state != model.WAITING:
+                        break
         return req
 
     async def acquire(self, user: User, rid: int, wait: float | None = None) -> Access:
@@ -531,7 +533,7 @@ class Farm:
         demand = f"{DEMAND}{rid}/{self.host}"
         try:
             await self.kv.put(demand, msgspec.json.encode({"at": self.clock.time()}))
-            async with asyncio.timeout(wait):
+            async with self.clock.timeout(wait):
                 while (key := found()) is None:
                     await changed.wait()
                     changed.clear()
@@ -561,13 +563,12 @@ class Farm:
                 "of them: acquire the worker through one of those"
             )
 
-    @staticmethod
-    async def _local_key(rid: int, local: LocalWorker, wait: float) -> str:
+    async def _local_key(self, rid: int, local: LocalWorker, wait: float) -> str:
         """The key of this agent's own worker's job, once the worker started it."""
         changed = asyncio.Event()
         unlisten = local.listen(changed.set)
         try:
-            async with asyncio.timeout(wait):
+            async with self.clock.timeout(wait):
                 while (key := local.job_key(rid)) is None:
                     await changed.wait()
                     changed.clear()
