@@ -18,6 +18,15 @@ import pytest
 
 from evergraph.world.etcd_server import EtcdServer
 
+#: the kit modules that define fixtures, registered once here so that every test
+#: module finds them by name (a test imports only the kit's functions and classes)
+pytest_plugins = [
+    "tests.kit.accounts",
+    "tests.kit.namespaces",
+    "tests.kit.systemd",
+    "tests.kit.terminal",
+]
+
 EVERGRAPH = [sys.executable, "-m", "evergraph.cli.main"]
 REPO = Path(__file__).resolve().parent.parent
 

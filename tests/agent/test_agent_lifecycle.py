@@ -13,81 +13,21 @@ sqlite file, or a process's exit.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-from urllib.parse import quote
 
 import pytest
 
 from evergraph.world.etcd_server import EtcdServer
 from tests.conftest import Agent, run_cli, wait_for
+from tests.kit.agents import ExportPair, error_lines, exited, file_graph, holds, noop_graph, save
+from tests.kit.worldfile import deletions, member, query, record, revision
 
 AgentFactory = Callable[..., Agent]
-
-
-# -- helpers ---------------------------------------------------------------------------
-
-
-def query(db: Path, sql: str, *args: object) -> list[tuple[Any, ...]]:
-    """Rows of a read of the sqlite World file, as any process may read it."""
-    with contextlib.closing(sqlite3.connect(db)) as c:
-        return c.execute(sql, args).fetchall()
-
-
-def record(db: Path, key: str) -> tuple[bytes, int] | None:
-    """(value, lease) of `key` in the sqlite World, or None."""
-    rows = query(db, "SELECT value, lease FROM kv WHERE key = ?", key)
-    return (bytes(rows[0][0]), int(rows[0][1])) if rows else None
-
-
-def member(db: Path, host: str) -> dict[str, Any] | None:
-    got = record(db, f"members/{host}")
-    return json.loads(got[0]) if got is not None else None
-
-
-def revision(db: Path) -> int:
-    return int(query(db, "SELECT v FROM meta WHERE k = 'revision'")[0][0])
-
-
-def deletions(db: Path, key: str, after: int) -> int:
-    """Delete events of `key` in the World's history after revision `after`
-    (expiry of a lease, withdrawal: every deletion is one)."""
-    sql = "SELECT COUNT(*) FROM log WHERE key = ? AND type = 1 AND rev > ?"
-    return int(query(db, sql, key, after)[0][0])
-
-
-def save(path: Path, text: str) -> None:
-    """Save as editors do: a new file renamed over the old one (a reader sees the
-    old text or the new, never half of it)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def file_graph(name: str, target: Path, content: str, meta: str = "") -> str:
-    return (
-        f"graph: {name}\nresources:\n  file:\n  - name: {target}\n"
-        f"    content: {json.dumps(content)}\n" + (f"    meta: {meta}\n" if meta else "")
-    )
-
-
-def error_lines(text: str) -> list[str]:
-    return [ln for ln in text.splitlines() if ln.strip()]
-
-
-def holds(path: Path, text: str) -> Callable[[], bool]:
-    """A condition: `path` holds `text`."""
-    return lambda: path.exists() and path.read_text() == text
-
-
-def exited(agent: Agent) -> bool:
-    return agent.proc.poll() is not None
 
 
 # -- 1. start-up edits (the graph file is watched, then read once more) ----------------
@@ -119,16 +59,10 @@ def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
-def _noop_graph(tmp_path: Path) -> Path:
-    g = tmp_path / "g.yaml"
-    g.write_text("graph: m\nresources:\n  noop:\n  - name: m\n")
-    return g
-
-
 def test_a_second_agent_for_a_live_hostname_is_refused_and_the_first_keeps_running(
     tmp_path: Path, agents: AgentFactory
 ) -> None:
-    db, g = tmp_path / "world.sqlite", _noop_graph(tmp_path)
+    db, g = tmp_path / "world.sqlite", noop_graph(tmp_path)
     a = agents(g, tmp_path / "sa", "--hostname", "web1", "--world-db", str(db))
     a.wait_converged()
     first = member(db, "web1")
@@ -160,7 +94,7 @@ def test_a_second_agent_for_a_live_hostname_is_refused_and_the_first_keeps_runni
 def test_replace_takes_the_hostname_over_and_the_old_agent_stops(
     tmp_path: Path, agents: AgentFactory
 ) -> None:
-    db, g = tmp_path / "world.sqlite", _noop_graph(tmp_path)
+    db, g = tmp_path / "world.sqlite", noop_graph(tmp_path)
     a = agents(g, tmp_path / "sa", "--hostname", "web1", "--world-db", str(db))
     a.wait_converged()
     b = agents(g, tmp_path / "sb", "--hostname", "web1", "--world-db", str(db), "--replace")
@@ -184,7 +118,7 @@ def test_replace_takes_the_hostname_over_and_the_old_agent_stops(
 def test_an_agent_killed_with_sigkill_restarts_on_its_own_record(
     tmp_path: Path, agents: AgentFactory
 ) -> None:
-    db, g = tmp_path / "world.sqlite", _noop_graph(tmp_path)
+    db, g = tmp_path / "world.sqlite", noop_graph(tmp_path)
     state = tmp_path / "sa"
     a = agents(g, state, "--hostname", "web1", "--world-db", str(db))
     a.wait_converged()
@@ -212,7 +146,7 @@ def test_an_agent_killed_with_sigkill_restarts_on_its_own_record(
 def test_a_second_agent_on_the_same_state_dir_is_refused(
     tmp_path: Path, agents: AgentFactory
 ) -> None:
-    db, g = tmp_path / "world.sqlite", _noop_graph(tmp_path)
+    db, g = tmp_path / "world.sqlite", noop_graph(tmp_path)
     state = tmp_path / "sa"
     a = agents(g, state, "--hostname", "web1", "--world-db", str(db))
     a.wait_converged()
@@ -263,50 +197,12 @@ def test_read_only_commands_create_nothing(tmp_path: Path, cmd: tuple[str, ...])
 # -- 4. exports live under the member lease -------------------------------------------
 
 
-class _Pair:
-    """Agent A exports a file to B (sealed, hidden on A); B collects it."""
-
-    def __init__(self, tmp_path: Path, agents: AgentFactory, world: tuple[str, ...]) -> None:
-        self.agents, self.world = agents, world
-        self.target = tmp_path / "on-b" / "from-a.conf"
-        self.ga, gb = tmp_path / "a.yaml", tmp_path / "b.yaml"
-        self.key = f"exported/hostb/hosta/file/{quote(str(self.target), safe='')}"
-        self.state_a = tmp_path / "sa"
-        self.export("v1\n")
-        gb.write_text(
-            "graph: b\nresources:\n  noop:\n  - name: b\ncollect:\n"
-            "- {kind: file, filter: {host: hosta}}\n"
-        )
-        self.b = agents(gb, tmp_path / "sb", "--hostname", "hostb", *world)
-        self.b.wait_converged()  # B's keys are in the World before A seals to them
-        self.a = self.start_a()
-        self.wait_content("v1\n")
-        # B's log is flushed every 0.1 s: count its swaps only once the first is there
-        wait_for(lambda: self.b_swaps() >= 1, what="B's first swap in its log")
-
-    def export(self, content: str) -> None:
-        save(self.ga, file_graph("a", self.target, content, "{export: [hostb], hidden: true}"))
-
-    def start_a(self) -> Agent:
-        with contextlib.suppress(FileNotFoundError):
-            (self.state_a / "converged.status").unlink()
-        a = self.agents(self.ga, self.state_a, "--hostname", "hosta", *self.world)
-        a.wait_converged()
-        return a
-
-    def wait_content(self, content: str, timeout: float = 15) -> None:
-        wait_for(holds(self.target, content), timeout=timeout, what=f"B applied {content!r}")
-
-    def b_swaps(self) -> int:
-        return self.b.log.read_text().count("collected exports changed")
-
-
 @pytest.mark.slow
 def test_a_killed_exporters_records_are_withdrawn_within_the_ttl(
     tmp_path: Path, agents: AgentFactory
 ) -> None:
     db = tmp_path / "world.sqlite"
-    p = _Pair(tmp_path, agents, ("--world-db", str(db)))
+    p = ExportPair(tmp_path, agents, ("--world-db", str(db)))
     assert record(db, p.key) is not None
     swaps = p.b_swaps()
     killed = time.monotonic()
@@ -330,7 +226,7 @@ def test_an_exporter_restarted_within_the_ttl_keeps_its_records_without_a_flap(
     tmp_path: Path, agents: AgentFactory
 ) -> None:
     db = tmp_path / "world.sqlite"
-    p = _Pair(tmp_path, agents, ("--world-db", str(db)))
+    p = ExportPair(tmp_path, agents, ("--world-db", str(db)))
     before = record(db, p.key)
     assert before is not None
     old_lease = before[1]
@@ -381,7 +277,7 @@ def test_an_export_changed_while_etcd_is_stopped_arrives_when_it_resumes(
     servers.append(server)
     server.start()
     assert server.pid is not None
-    p = _Pair(tmp_path, agents, ("--seeds", server.client_url))
+    p = ExportPair(tmp_path, agents, ("--seeds", server.client_url))
     os.kill(server.pid, signal.SIGSTOP)
     try:
         p.export("v2\n")
@@ -404,7 +300,7 @@ def test_an_export_changed_while_the_sqlite_world_is_locked_arrives_when_release
     tmp_path: Path, agents: AgentFactory
 ) -> None:
     db = tmp_path / "world.sqlite"
-    p = _Pair(tmp_path, agents, ("--world-db", str(db)))
+    p = ExportPair(tmp_path, agents, ("--world-db", str(db)))
     with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as hold:
         hold.execute("BEGIN EXCLUSIVE")  # no process can write the World now
         try:
@@ -427,7 +323,7 @@ def test_an_export_changed_while_the_sqlite_world_is_locked_arrives_when_release
 
 
 def test_a_bad_hostname_flag_is_an_input_error(tmp_path: Path) -> None:
-    g = _noop_graph(tmp_path)
+    g = noop_graph(tmp_path)
     r = run_cli(
         "run",
         g,

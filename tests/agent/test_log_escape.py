@@ -13,11 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from evergraph.cli.logs import escape
-from tests.agent.test_terminal import ANSI
-from tests.agent.test_terminal import pty as pty  # the fixture
 from tests.conftest import run_cli
+from tests.kit.terminal import ANSI, RECORD
 
-RECORD = re.compile(r"^\d\d:\d\d:\d\d\.\d{3} ")
 #: a name that tries it all: a colour, a carriage return and a forged record, a
 #: newline and another forged record, NUL, a C1 control (NEL), a line separator
 HOSTILE = "x\x1b[31mRED\r00:00:00.000 forged\n00:00:01.000 file[y]: applied\x00\x85\u2028z"

@@ -24,8 +24,8 @@ from evergraph.cluster.hostkeys import fingerprint
 from evergraph.world.etcd_server import EtcdServer
 from evergraph.world.kv import KV
 from evergraph.world.sqlite import SQLiteKV
-from tests.cluster.test_deploys import git
 from tests.conftest import Agent, run_cli, wait_for
+from tests.kit.git import git
 
 T = TypeVar("T")
 

@@ -30,6 +30,7 @@ from evergraph.world.kv import KV
 from evergraph.world.memory import MemoryKV, MemoryStore
 from evergraph.world.sqlite import SQLiteKV
 from tests.conftest import EVERGRAPH, run_cli
+from tests.kit.git import git
 
 T = TypeVar("T")
 LINE = re.compile(
@@ -39,29 +40,6 @@ LINE = re.compile(
 
 
 # -- helpers ----------------------------------------------------------------------------
-
-
-def git(repo: Path, *args: str) -> str:
-    r = subprocess.run(
-        [
-            "git",
-            "-c",
-            "user.name=Test",
-            "-c",
-            "user.email=test@example.com",
-            "-c",
-            "init.defaultBranch=main",
-            "-c",
-            "commit.gpgsign=false",
-            *args,
-        ],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert r.returncode == 0, r.stderr
-    return r.stdout.strip()
 
 
 def commit_all(repo: Path, msg: str) -> str:

@@ -22,12 +22,12 @@ from evergraph.cluster.exports import (
 from evergraph.cluster.exports.index import bucket_of, layout
 from evergraph.world.kv import KV
 from evergraph.world.memory import MemoryKV, MemoryStore
-from tests.cluster.test_identity import Host, _params
+from tests.kit.exports import Host, file_params
 
 
 def _files(n: int, changed: dict[int, str] | None = None) -> list[tuple[str, str, str, dict]]:
     changed = changed or {}
-    return [("hostb", "file", f"f{i}", _params(changed.get(i, f"{i}\n"))) for i in range(n)]
+    return [("hostb", "file", f"f{i}", file_params(changed.get(i, f"{i}\n"))) for i in range(n)]
 
 
 async def _index_keys(kv: KV) -> dict[str, int]:
@@ -85,7 +85,9 @@ def test_one_change_among_100_rewrites_one_bucket(tmp_path: Path) -> None:
             assert b.collector.verified_indexes - indexes == 0
             records = b.collector.verified
             # a record that was not applied needs its bucket: verified then, once
-            a.publisher.set([*_files(100, {42: "new\n"}), ("hostb", "file", "f100", _params("x"))])
+            a.publisher.set(
+                [*_files(100, {42: "new\n"}), ("hostb", "file", "f100", file_params("x"))]
+            )
             await _settled(
                 b,
                 {f"f{i}": "new\n" if i == 42 else f"{i}\n" for i in range(100)} | {"f100": "x"},

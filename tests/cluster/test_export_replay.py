@@ -150,7 +150,7 @@ def test_a_restarted_collector_refuses_an_index_older_than_it_saw(tmp_path: Path
         publish_hostkeys,
     )
     from evergraph.world.memory import MemoryKV, MemoryStore
-    from tests.cluster.test_identity import Host, _params
+    from tests.kit.exports import Host, file_params
 
     async def main() -> None:
         store = MemoryStore()
@@ -160,7 +160,7 @@ def test_a_restarted_collector_refuses_an_index_older_than_it_saw(tmp_path: Path
         key, ikey = export_key("hostb", "hosta", "file", "/x"), index_key("hostb", "hosta")
         await publish_hostkeys(kv, b.keys, "hostb")
         async with a.running():
-            a.publisher.set([("hostb", "file", "/x", _params("v1"))])
+            a.publisher.set([("hostb", "file", "/x", file_params("v1"))])
             await a.publisher.acknowledged.wait()
             old = [(k, item.value) for k in (key, ikey) if (item := await kv.get(k))]
             async with b.running():
@@ -169,7 +169,7 @@ def test_a_restarted_collector_refuses_an_index_older_than_it_saw(tmp_path: Path
                 )
                 b.collector.on_marks = lambda _p, _i: marks.changed()
                 for v in ("v2", "v3", "v4"):
-                    a.publisher.set([("hostb", "file", "/x", _params(v))])
+                    a.publisher.set([("hostb", "file", "/x", file_params(v))])
                     while [e.params["content"] for e in b.collector.current()] != [v]:
                         await b.next_change()
                 marks.flush()

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +14,6 @@ import msgspec
 import pytest
 
 from evergraph.cluster.exports import (
-    Collector,
-    HostKeyBook,
-    Publisher,
     entry_name,
     export_key,
     index_key,
@@ -32,6 +27,7 @@ from evergraph.cluster.pins import IdentityMismatch, Pins, PinsError, fingerprin
 from evergraph.world.kv import KV, KeyValue, Put
 from evergraph.world.memory import MemoryKV, MemoryStore
 from tests.conftest import Agent, run_cli, wait_for
+from tests.kit.exports import Host, file_params
 
 # -- pins -----------------------------------------------------------------------------
 
@@ -121,45 +117,6 @@ def test_hosts_cli_key_trust_list_forget(tmp_path: Path) -> None:
 # -- publisher and collector, in process on the shipped memory World ---------------------
 
 
-class Host:
-    """One host's publisher, collector and book on a shared World."""
-
-    def __init__(self, kv: KV, state: Path, name: str) -> None:
-        self.kv = kv
-        self.name = name
-        self.keys = HostKeys(state)
-        self.pins = Pins(state)
-        self.book = HostKeyBook(kv, self.pins, name)
-        self.publisher = Publisher(kv, self.keys, name, self.book, lambda: 0)
-        self.collector = Collector(kv, self.keys, name, self.book)
-        self.changes = asyncio.Queue[list[Any]]()
-        self.collector.listen(lambda: self.changes.put_nowait(self.collector.current()))
-
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[Host]:
-        await publish_hostkeys(self.kv, self.keys, self.name)
-        async with asyncio.TaskGroup() as tg:
-            tasks = [
-                tg.create_task(self.book.run()),
-                tg.create_task(self.publisher.run()),
-                tg.create_task(self.collector.run()),
-            ]
-            await self.book.ready.wait()
-            await self.collector.ready.wait()
-            try:
-                yield self
-            finally:
-                for t in tasks:
-                    t.cancel()
-
-    async def next_change(self) -> list[Any]:
-        return await asyncio.wait_for(self.changes.get(), 10)
-
-
-def _params(content: str) -> dict[str, Any]:
-    return {"path": "/nonexistent/x", "content": content}
-
-
 async def put_export(
     kv: KV, keys: HostKeys, src: str, to: str, name: str, params: dict[str, Any], public: str
 ) -> None:
@@ -188,7 +145,7 @@ def test_collector_sees_a_record_written_between_its_read_and_its_watch(tmp_path
             return got
 
     async def a_keys_publish() -> None:
-        await put_export(other, a_keys, "hosta", "hostb", "gap", _params("gap\n"), b_public)
+        await put_export(other, a_keys, "hosta", "hostb", "gap", file_params("gap\n"), b_public)
 
     a_keys = HostKeys(tmp_path / "a")
     b_public = ""
@@ -219,14 +176,14 @@ def test_one_change_among_100_costs_one_verification(tmp_path: Path) -> None:
         a = Host(MemoryKV(store), tmp_path / "a", "hosta")
         b = Host(MemoryKV(store), tmp_path / "b", "hostb")
         async with a.running(), b.running():
-            a.publisher.set([("hostb", "file", f"f{i}", _params(f"{i}\n")) for i in range(100)])
+            a.publisher.set([("hostb", "file", f"f{i}", file_params(f"{i}\n")) for i in range(100)])
             while len(b.collector.current()) < 100:
                 await b.next_change()
             before = b.collector.verified
             indexes = b.collector.verified_indexes
             a.publisher.set(
                 [
-                    ("hostb", "file", f"f{i}", _params("new\n" if i == 42 else f"{i}\n"))
+                    ("hostb", "file", f"f{i}", file_params("new\n" if i == 42 else f"{i}\n"))
                     for i in range(100)
                 ]
             )
@@ -256,7 +213,7 @@ def test_a_host_joining_reverifies_its_own_records_only(tmp_path: Path) -> None:
         joined: dict[str, asyncio.Event] = {"hostc": asyncio.Event(), "hostd": asyncio.Event()}
         b.book.listen(lambda h: joined[h].set() if h in joined else None)
         async with a.running(), b.running():
-            a.publisher.set([("hostb", "file", f"f{i}", _params(f"{i}\n")) for i in range(50)])
+            a.publisher.set([("hostb", "file", f"f{i}", file_params(f"{i}\n")) for i in range(50)])
             while len(b.collector.current()) < 50:
                 await b.next_change()
             before = b.collector.verified
@@ -268,7 +225,7 @@ def test_a_host_joining_reverifies_its_own_records_only(tmp_path: Path) -> None:
                 # verified (once) when the key arrives
                 d_keys = HostKeys(tmp_path / "d")
                 await put_export(
-                    c.kv, d_keys, "hostd", "hostb", "late", _params("x\n"), b.keys.public
+                    c.kv, d_keys, "hostd", "hostb", "late", file_params("x\n"), b.keys.public
                 )
                 while b.collector._pending.get("hostd") is None:
                     await asyncio.sleep(0)
@@ -296,14 +253,14 @@ def test_a_key_swap_in_the_world_changes_nothing_sealed_or_applied(
         mallory = HostKeys(tmp_path / "m")
         kv = MemoryKV(store)
         async with a.running(), b.running():
-            a.publisher.set([("hostb", "file", "conf", _params("v1\n"))])
+            a.publisher.set([("hostb", "file", "conf", file_params("v1\n"))])
             assert [e.params["content"] for e in await b.next_change()] == ["v1\n"]
             # the swap: both hosts' key records now name Mallory's keys
             for host in ("hosta", "hostb"):
                 rec = {"host": host, "public": mallory.public, "verify": mallory.verify}
                 await kv.put(f"hostkeys/{host}", msgspec.json.encode(rec))
             # hosta publishes a change: still sealed to hostb's pinned key
-            a.publisher.set([("hostb", "file", "conf", _params("v2\n"))])
+            a.publisher.set([("hostb", "file", "conf", file_params("v2\n"))])
             assert [e.params["content"] for e in await b.next_change()] == ["v2\n"]
             item = await kv.get(export_key("hostb", "hosta", "file", "conf"))
             assert item is not None
@@ -312,12 +269,12 @@ def test_a_key_swap_in_the_world_changes_nothing_sealed_or_applied(
                 mallory.unseal(base64.b64decode(sealed))
             # Mallory forges a record "from hosta", signed with her key: refused
             forged = make_record(
-                mallory, "hosta", "hostb", "file", "evil", _params("pwn\n"), b.keys.public, 1
+                mallory, "hosta", "hostb", "file", "evil", file_params("pwn\n"), b.keys.public, 1
             )
             await kv.put(export_key("hostb", "hosta", "file", "evil"), forged)
             # and a record "to hostb" is sealed to her key by nobody; collect stays as it was
             await a.publisher.acknowledged.wait()
-            a.publisher.set([("hostb", "file", "conf", _params("v3\n"))])
+            a.publisher.set([("hostb", "file", "conf", file_params("v3\n"))])
             assert [e.params["content"] for e in await b.next_change()] == ["v3\n"]
             assert [e.name for e in b.collector.current()] == ["conf"]
 
@@ -391,7 +348,7 @@ def test_the_periodic_check_reads_our_own_records_by_key_and_repairs_them(
     async def main() -> None:
         async with CountingKV() as kv:
             a = Host(kv, tmp_path / "a", "hosta")
-            a.publisher.set([("*", "file", "/x", _params("v1"))])
+            a.publisher.set([("*", "file", "/x", file_params("v1"))])
             async with a.running():
                 await asyncio.wait_for(a.publisher.acknowledged.wait(), 10)
                 key = export_key("*", "hosta", "file", "/x")

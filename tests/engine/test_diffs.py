@@ -37,8 +37,8 @@ from evergraph.watch.inotify import InotifyHub
 from evergraph.world.kv import KV
 from evergraph.world.memory import MemoryKV
 from tests.conftest import run_cli
-from tests.kinds.test_svc import UserManager, manager, needs_user_manager  # noqa: F401 (a fixture)
-from tests.kinds.test_users import Accounts, accounts  # noqa: F401 (a fixture)
+from tests.kit.accounts import Accounts
+from tests.kit.systemd import UserManager, needs_user_manager
 
 # -- harness -----------------------------------------------------------------------------
 
@@ -314,7 +314,7 @@ def test_print_and_noop_never_change(tmp_path: Path) -> None:
         assert status[ident].changes == ()
 
 
-def test_user_and_group_report_their_fields(tmp_path: Path, accounts: Accounts) -> None:  # noqa: F811
+def test_user_and_group_report_their_fields(tmp_path: Path, accounts: Accounts) -> None:
     user, grp, grp2 = accounts.user("u"), accounts.group("g"), accounts.group("h")
     uid, gid, gid2, other = accounts.ids(4)
     subprocess.run(["groupadd", "-g", str(other), grp2], check=True)
@@ -346,7 +346,7 @@ def test_user_and_group_report_their_fields(tmp_path: Path, accounts: Accounts) 
     os.geteuid() != 0 or not Path("/usr/bin/dpkg-query").exists(), reason="needs root on Debian"
 )
 def test_pkg_reports_versions_in_noop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.kinds.test_pkg import installed
+    from tests.kit.pkg import installed
 
     if installed("hello") or installed("tree"):
         pytest.skip("hello or tree is installed here already")
@@ -361,7 +361,7 @@ def test_pkg_reports_versions_in_noop(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 @needs_user_manager
-def test_svc_reports_state_and_startup_in_noop(tmp_path: Path, manager: UserManager) -> None:  # noqa: F811
+def test_svc_reports_state_and_startup_in_noop(tmp_path: Path, manager: UserManager) -> None:
     body = "  svc:\n  - {name: eg, state: running, startup: enabled, session: true}\n"
     got = changes_of(converge(tmp_path / "s", body, noop=True), "svc[eg]")
     assert got == {

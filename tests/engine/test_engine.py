@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -14,16 +14,10 @@ from evergraph.engine.contract import Meta
 from evergraph.engine.engine import Engine
 from evergraph.engine.settings import Settings
 from evergraph.testing.clock import FakeClock
+from tests.kit.engine import until
 from tests.kit.probe import Journal, make
 
 T = TypeVar("T")
-
-
-async def until(cond: Callable[[], bool], timeout: float = 5) -> None:
-    """Yield to the engine until `cond` holds (a condition, not a sleep)."""
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.001)
 
 
 async def on_fake_clock(clock: FakeClock, coro: Coroutine[Any, Any, T]) -> T:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,15 +16,8 @@ from evergraph.engine.engine import Engine
 from evergraph.engine.settings import Settings
 from evergraph.errors import InputError
 from evergraph.testing.clock import FakeClock
+from tests.kit.engine import until
 from tests.kit.probe import Journal, Probe, make
-
-
-async def until(cond: Callable[[], bool], timeout: float = 5) -> None:
-    """Yield to the engine until `cond` holds (a condition, not a sleep)."""
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.001)
-
 
 registry = Registry()
 

@@ -151,7 +151,7 @@ def test_the_repair_timer_doubles_up_to_its_cap_and_a_success_resets_it(
 ) -> None:
     from evergraph.engine.engine import Engine
     from evergraph.testing.clock import FakeClock
-    from tests.engine.test_engine import until
+    from tests.kit.engine import until
     from tests.kit.probe import Journal, make
 
     clock = FakeClock()
@@ -187,7 +187,7 @@ def test_the_repair_timer_doubles_up_to_its_cap_and_a_success_resets_it(
 def test_an_event_revives_a_failed_vertex_before_its_timer(tmp_path: Path) -> None:
     from evergraph.engine.engine import Engine
     from evergraph.testing.clock import FakeClock
-    from tests.engine.test_engine import until
+    from tests.kit.engine import until
     from tests.kit.probe import Journal, make
 
     clock = FakeClock()

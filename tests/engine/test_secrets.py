@@ -9,7 +9,6 @@ the status view, the World, `reversal.json`, a file's mode, `ps`.
 from __future__ import annotations
 
 import json
-import re
 import stat
 import subprocess
 from pathlib import Path
@@ -17,28 +16,11 @@ from typing import Any
 
 import httpx
 
-from evergraph.cluster.hostkeys import HostKeys
 from evergraph.engine.masking import MASK
 from evergraph.world.etcd_server import FAST_TIMING, EtcdServer
-from tests.conftest import Agent, run_cli, wait_for
-
-
-def password_of(state: Path, name: str = "p") -> str:
-    """The password `password[name]` generated, opened with the agent's host key."""
-    sealed = state / "vertices" / "password" / name / "password.sealed"
-    return HostKeys(state).open_local(sealed.read_bytes()).decode()
-
-
-def http_url(agent: Agent) -> str:
-    """The agent's HTTP API address, from its log (text or JSON)."""
-    found: list[str] = []
-
-    def listening() -> bool:
-        found[:] = re.findall(r"HTTP API on (http://[^\s\"]+)", agent.log.read_text())
-        return bool(found)
-
-    wait_for(listening, what="the HTTP API to listen")
-    return found[0]
+from tests.conftest import Agent, run_cli
+from tests.kit.http import api_url
+from tests.kit.passwords import password_of
 
 
 def edge(to: str, recv: str, sender: str = "p") -> str:
@@ -78,7 +60,7 @@ def test_log_lines_errors_and_the_status_view_mask_it(tmp_path: Path, agents: An
     # the JSON log format, and the status snapshot the HTTP view serves
     agent: Agent = agents(g, state, "--log-format", "json", "-vv", "--http", "127.0.0.1:0")
     agent.wait_converged()
-    with httpx.Client(base_url=http_url(agent), timeout=10) as c:
+    with httpx.Client(base_url=api_url(agent), timeout=10) as c:
         vertices = c.get("/api/v1/graph").json()["vertices"]
     [use] = [v for v in vertices if v["ident"] == "exec[use]"]
     assert use["state"] == "failed"

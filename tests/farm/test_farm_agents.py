@@ -3,63 +3,19 @@ matcher agent (`--http`); the test plays the users through the farm library."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
-from evergraph.cluster.hostkeys import HostKeys
-from evergraph.cluster.pins import Pins
 from evergraph.farm import model
-from evergraph.farm.service import Farm
-from evergraph.farm.signed import FarmTrust
 from evergraph.farm.tokens import User
-from evergraph.world.kv import KV
-from evergraph.world.sqlite import SQLiteKV
 from tests.conftest import Agent, host_key, wait_for
+from tests.kit.farm import ADMIN, farm_call, worker_uuid
 
-T = TypeVar("T")
-ADMIN = User(name="root", admin=True)
 ALICE = User(name="alice", fragment=True)  # (her requests carry fragments)
-
-
-def srv_trust(state: Path, name: str = "srv", servers: tuple[str, ...] = ()) -> FarmTrust:
-    """The farm trust of the API server whose state dir is `state`: its key, the
-    worker hosts' keys it pinned, and `servers`, the farm servers it pinned
-    (`--farm-server NAME=KEY`)."""
-    pins = Pins(state)
-
-    def host_key(host: str) -> str | None:
-        pin = pins.get(host)
-        return pin.verify if pin is not None else None
-
-    pinned = {s: pin.verify for s in servers if (pin := pins.get(s)) is not None}
-    return FarmTrust(HostKeys(state), name, pinned, host_key=host_key)
-
-
-def farm_call(
-    db: Path, fn: Callable[[Farm], Awaitable[T]], world: Callable[[], KV] | None = None
-) -> T:
-    """`fn` on the farm as the API server "srv" (its state dir beside the World
-    file `db`) sees and signs it; `world`: another World than that file."""
-
-    async def main() -> T:
-        kv = world() if world is not None else SQLiteKV(db)
-        try:
-            return await fn(Farm(kv, trust=srv_trust(db.parent / "srv")))
-        finally:
-            await kv.close()
-
-    return asyncio.run(main())
-
-
-def worker_uuid(state: Path) -> str:
-    wait_for(lambda: (state / "worker.uuid").exists(), what="the worker's UUID")
-    return (state / "worker.uuid").read_text().strip()
 
 
 @pytest.mark.slow

@@ -29,11 +29,9 @@ from evergraph.world.follow import Tombstone, watch_one
 from evergraph.world.kv import KV
 from evergraph.world.sqlite import SQLiteKV
 from tests.conftest import Agent, host_key, run_cli, wait_for
-from tests.farm.test_farm_agents import srv_trust
-from tests.farm.test_farm_http import _token
-from tests.http.test_http import _url
+from tests.kit.farm import ADMIN, farm_token, srv_trust
+from tests.kit.http import api_url
 
-ADMIN = User(name="root", admin=True)
 GRAPH = "graph: g\nresources:\n  noop:\n  - name: n\n"
 
 
@@ -113,15 +111,15 @@ def test_fragments_are_a_right_limited_by_kind_and_reversed_at_job_end(
     )
     srv.wait_converged()
     wk.wait_converged()
-    admin = _bearer(_token(tmp_path / "srv", world, "root", "--admin"))
-    bob = _bearer(_token(tmp_path / "srv", world, "bob"))
-    carol = _bearer(_token(tmp_path / "srv", world, "carol", "--fragment"))
+    admin = _bearer(farm_token(tmp_path / "srv", world, "root", "--admin"))
+    bob = _bearer(farm_token(tmp_path / "srv", world, "bob"))
+    carol = _bearer(farm_token(tmp_path / "srv", world, "carol", "--fragment"))
     made = tmp_path / "job" / "made-by-the-fragment"
     # the fragment's own meta does not ask for a reversal: the worker adds it
     file_fragment = f'resources:\n  file:\n  - name: {made}\n    content: "in a job\\n"\n'
     marker = tmp_path / "exec-ran"
     exec_fragment = f"resources:\n  exec:\n  - name: touch\n    cmd: touch {marker}\n"
-    with httpx.Client(base_url=_url(srv), timeout=30) as c:
+    with httpx.Client(base_url=api_url(srv), timeout=30) as c:
         _idle(c, admin)
         # a token without the right: refused, and nothing is stored
         r = _new(c, bob, file_fragment)
@@ -182,8 +180,8 @@ def test_a_worker_serving_the_api_answers_acquire_for_its_own_job(
         str(keys),
     )
     solo.wait_converged()
-    admin = _bearer(_token(tmp_path / "solo", world, "root", "--admin"))
-    with httpx.Client(base_url=_url(solo), timeout=30) as c:
+    admin = _bearer(farm_token(tmp_path / "solo", world, "root", "--admin"))
+    with httpx.Client(base_url=api_url(solo), timeout=30) as c:
         _idle(c, admin)
         rid = _new(c, admin).json()["ReqID"]
         t0 = time.monotonic()
@@ -246,8 +244,8 @@ def test_acquire_elsewhere_is_refused_at_once_and_the_periods_hold_over_http(
     )
     for a in (srv, other, wk):
         a.wait_converged()
-    admin = _bearer(_token(tmp_path / "srv", world, "root", "--admin"))
-    alice = _bearer(_token(tmp_path / "srv", world, "alice"))
+    admin = _bearer(farm_token(tmp_path / "srv", world, "root", "--admin"))
+    alice = _bearer(farm_token(tmp_path / "srv", world, "alice"))
 
     def job_timeout(rid: int) -> float:
         async def main() -> float:
@@ -264,8 +262,8 @@ def test_acquire_elsewhere_is_refused_at_once_and_the_periods_hold_over_http(
         return asyncio.run(main())
 
     with (
-        httpx.Client(base_url=_url(srv), timeout=30) as c,
-        httpx.Client(base_url=_url(other), timeout=30) as elsewhere,
+        httpx.Client(base_url=api_url(srv), timeout=30) as c,
+        httpx.Client(base_url=api_url(other), timeout=30) as elsewhere,
     ):
         _idle(c, admin)
         rid = _new(c, alice).json()["ReqID"]
@@ -390,8 +388,8 @@ def test_the_matcher_resumes_soon_after_a_killed_leaders_lease_expires(
 
 def test_token_create_fragment_gives_the_right_and_list_shows_it(tmp_path: Path) -> None:
     s = tmp_path / "s"
-    plain = _token(s, (), "bob")
-    fragment = _token(s, (), "carol", "--fragment")
+    plain = farm_token(s, (), "bob")
+    fragment = farm_token(s, (), "carol", "--fragment")
 
     async def find(t: str) -> User | None:
         kv = SQLiteKV(s / "world.sqlite")
@@ -457,8 +455,8 @@ def test_a_worker_away_for_a_moment_does_not_invalidate_its_requests(
     wk: Agent = agents(g, tmp_path / "wk1", *worker)
     srv.wait_converged()
     wk.wait_converged()
-    admin = _bearer(_token(tmp_path / "srv", world, "root", "--admin"))
-    with httpx.Client(base_url=_url(srv), timeout=30) as c:
+    admin = _bearer(farm_token(tmp_path / "srv", world, "root", "--admin"))
+    with httpx.Client(base_url=api_url(srv), timeout=30) as c:
         wait_for(lambda: c.get("/api/v1/workers/", headers=admin).json(), what="a worker")
         [w] = c.get("/api/v1/workers/", headers=admin).json()
         uuid = w["WorkerUUID"]

@@ -14,13 +14,8 @@ from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
 from evergraph.world.etcd_server import EtcdServer
 from tests.conftest import Agent, host_key, run_cli, wait_for
-from tests.http.test_http import _url
-
-
-def _token(state: Path, world: tuple[str, ...], name: str, *extra: str) -> str:
-    r = run_cli("farm", "token", "create", name, *extra, *world, "--state-dir", state)
-    assert r.returncode == 0, r.stderr
-    return r.stdout.strip()
+from tests.kit.farm import farm_token
+from tests.kit.http import api_url
 
 
 @pytest.mark.slow
@@ -55,13 +50,13 @@ def test_boruta_routes_with_tokens_over_real_agents(
     )
     srv.wait_converged()
     wk.wait_converged()
-    admin = {"Authorization": "Bearer " + _token(tmp_path / "srv", world, "root", "--admin")}
+    admin = {"Authorization": "Bearer " + farm_token(tmp_path / "srv", world, "root", "--admin")}
     alice = {
         "Authorization": "Bearer "
-        + _token(tmp_path / "srv", world, "alice", "--group", "lab", "--fragment")
+        + farm_token(tmp_path / "srv", world, "alice", "--group", "lab", "--fragment")
     }
-    bob = {"Authorization": "Bearer " + _token(tmp_path / "srv", world, "bob")}
-    with httpx.Client(base_url=_url(srv), timeout=30) as c:
+    bob = {"Authorization": "Bearer " + farm_token(tmp_path / "srv", world, "bob")}
+    with httpx.Client(base_url=api_url(srv), timeout=30) as c:
         r = c.get("/api/v1/version")
         assert r.status_code == 200
         assert r.json()["API_Version"] == "v1"
@@ -138,7 +133,7 @@ def test_boruta_routes_with_tokens_over_real_agents(
         r = c.post("/api/reqs/list", content="", headers=alice)
         assert r.status_code == 308
         assert r.headers["location"] == "/api/v1/reqs/list"
-        url = _url(srv)
+        url = api_url(srv)
     # the same through the CLI (built on the client library)
     env = ("--url", url, "--token", alice["Authorization"].split()[1])
     bad = tmp_path / "bad-fragment.yaml"

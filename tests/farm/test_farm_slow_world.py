@@ -17,12 +17,10 @@ import pytest
 
 from evergraph.farm import model
 from evergraph.farm.service import ALIVE
-from evergraph.farm.tokens import User
 from evergraph.world.sqlite import SQLiteKV
 from tests.conftest import Agent, host_key, wait_for
-from tests.farm.test_farm_agents import farm_call, worker_uuid
+from tests.kit.farm import ADMIN, farm_call, worker_uuid
 
-ADMIN = User(name="root", admin=True)
 GRAPH = "graph: g\nresources:\n  noop:\n  - name: n\n"
 LOCKED_FOR = 11.0  # more than the lease TTL (10 s)
 

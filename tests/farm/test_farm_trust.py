@@ -34,8 +34,8 @@ from evergraph.world.etcd_server import EtcdServer
 from evergraph.world.kv import KV, Put
 from evergraph.world.sqlite import SQLiteKV
 from tests.conftest import Agent, host_key, run_cli, wait_for
-from tests.farm.test_farm_agents import ADMIN, farm_call, worker_uuid
-from tests.http.test_http import _url
+from tests.kit.farm import ADMIN, farm_call, worker_uuid
+from tests.kit.http import api_url
 
 T = TypeVar("T")
 GRAPH = "graph: g\nresources:\n  noop:\n  - name: n\n"
@@ -284,7 +284,7 @@ def test_a_forged_admin_token_is_refused(farm: Farm) -> None:
     made = run_cli("farm", "token", "create", "root", "--admin", *f.world, *here)
     assert made.returncode == 0, made.stderr
     genuine = made.stdout.strip()
-    with httpx.Client(base_url=_url(f.srv), timeout=10) as c:
+    with httpx.Client(base_url=api_url(f.srv), timeout=10) as c:
         for token in (plain, signed, plain):
             r = c.get("/api/v1/workers/", headers={"Authorization": f"Bearer {token}"})
             assert r.status_code == 401, r.text
@@ -313,7 +313,7 @@ def test_a_job_key_goes_only_to_the_explicitly_pinned_server(tmp_path: Path, age
     made = run_cli("farm", "token", "create", "alice", *f.world, "--state-dir", tmp_path / "srv")
     assert made.returncode == 0, made.stderr
     auth = {"Authorization": f"Bearer {made.stdout.strip()}"}
-    with httpx.Client(base_url=_url(f.srv), timeout=30) as c:
+    with httpx.Client(base_url=api_url(f.srv), timeout=30) as c:
         r = c.post("/api/v1/reqs/", content=json.dumps({"Priority": 3}), headers=auth)
         assert r.status_code == 201, r.text
         rid = r.json()["ReqID"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, run_cli, wait_for
-from tests.kinds.test_users import Accounts, passwd
+from tests.kit.accounts import Accounts, passwd
 
 
 def write(tmp_path: Path, text: str, name: str = "g.yaml") -> Path:

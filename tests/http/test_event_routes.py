@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from tests.conftest import Agent, run_cli
-from tests.http.test_http import _url
+from tests.kit.http import api_url
 
 
 def _stream(c: httpx.Client, path: str, headers: dict[str, str]) -> Iterator[tuple[str, str]]:
@@ -41,7 +41,7 @@ def test_vertex_and_farm_events_on_their_own_routes(tmp_path: Path, agents: Any)
     r = run_cli("farm", "token", "create", "alice", *world, "--state-dir", tmp_path / "srv")
     assert r.returncode == 0, r.stderr
     alice = {"Authorization": "Bearer " + r.stdout.strip()}
-    with httpx.Client(base_url=_url(srv), timeout=30) as c:
+    with httpx.Client(base_url=api_url(srv), timeout=30) as c:
         rid = c.post("/api/v1/reqs/", content=json.dumps({"Priority": 3}), headers=alice)
         assert rid.status_code == 201, rid.text
         req = rid.json()["ReqID"]

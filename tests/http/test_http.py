@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import re
 import socket
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.conftest import Agent, run_cli, wait_for
-
-
-def _url(agent: Agent) -> str:
-    found: list[str] = []
-
-    def listening() -> bool:
-        m = re.search(r"HTTP API on (http://\S+)", agent.log.read_text())
-        if m:
-            found.append(m[1])
-        return bool(m)
-
-    wait_for(listening, what="the HTTP API to listen")
-    return found[0]
+from tests.conftest import Agent, run_cli
+from tests.kit.http import api_url
 
 
 def test_status_routes_and_the_unversioned_redirect(tmp_path: Path, agents: Any) -> None:
@@ -30,7 +17,7 @@ def test_status_routes_and_the_unversioned_redirect(tmp_path: Path, agents: Any)
     g.write_text(f"graph: h\nresources:\n  file:\n  - name: {tmp_path / 'f'}\n    content: x\n")
     a: Agent = agents(g, tmp_path / "s", "--http", "127.0.0.1:0")
     a.wait_converged()
-    url = _url(a)
+    url = api_url(a)
     with httpx.Client(base_url=url, timeout=10) as c:
         r = c.get("/healthz")
         assert r.status_code == 200

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import Agent
-from tests.http.test_http import _url
+from tests.kit.http import api_url
 
 ROUTES = [
     "/",
@@ -123,7 +123,7 @@ def test_a_thousand_random_requests_no_5xx_no_traceback_no_stall(
     g.write_text(f"graph: h\nresources:\n  file:\n  - name: {tmp_path / 'f'}\n    content: x\n")
     a: Agent = agents(g, tmp_path / "s", "--http", "127.0.0.1:0", "--farm-anonymous", "lab")
     a.wait_converged()
-    url = _url(a)
+    url = api_url(a)
     host, port = url.removeprefix("http://").rsplit(":", 1)
     rng = random.Random(23)
     statuses: dict[int, int] = {}

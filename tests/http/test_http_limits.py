@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.conftest import Agent, wait_for
-from tests.http.test_http import _url
+from tests.kit.http import api_url
 
 
 def _start(tmp_path: Path, agents: Any, *extra: str) -> tuple[Agent, str, Path]:
@@ -28,7 +28,7 @@ def _start(tmp_path: Path, agents: Any, *extra: str) -> tuple[Agent, str, Path]:
     g.write_text(f'graph: h\nresources:\n  file:\n  - name: {target}\n    content: "v=1\\n"\n')
     a: Agent = agents(g, tmp_path / "s", "--http", "127.0.0.1:0", *extra)
     a.wait_converged()
-    return a, _url(a), target
+    return a, api_url(a), target
 
 
 def _hostport(url: str) -> tuple[str, int]:

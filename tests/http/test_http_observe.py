@@ -17,7 +17,7 @@ from prometheus_client.openmetrics.parser import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import Agent, run_cli, wait_for
-from tests.http.test_http import _url
+from tests.kit.http import api_url
 from tests.kit.localuser import as_user, local_user, needs_root, shared_dir
 
 
@@ -58,7 +58,7 @@ def test_metrics_count_applies_and_a_drift_repair(tmp_path: Path, agents: Any) -
     g, files = _graph(tmp_path)
     a: Agent = agents(g, tmp_path / "s", "--http", "127.0.0.1:0")
     a.wait_converged()
-    with httpx.Client(base_url=_url(a), timeout=10) as c:
+    with httpx.Client(base_url=api_url(a), timeout=10) as c:
         m = _scrape(c)
         # the first run created the three files
         assert _get(m, "evergraph_check_apply_total", kind="file", result="changed") == 3
@@ -127,7 +127,7 @@ def test_sse_delivers_a_vertex_change(tmp_path: Path, agents: Any) -> None:
     a: Agent = agents(g, tmp_path / "s", "--http", "127.0.0.1:0")
     a.wait_converged()
     ident = f"file[{files['c']}]"
-    with httpx.Client(base_url=_url(a), timeout=10) as c:
+    with httpx.Client(base_url=api_url(a), timeout=10) as c:
         before = {v["ident"]: v for v in c.get("/api/v1/graph").json()["vertices"]}[ident]
         seen: list[dict[str, Any]] = []
         for ev in _events(c, "/api/v1/graph/events"):
@@ -152,7 +152,7 @@ def test_sse_resumes_after_an_event_number_and_refuses_a_bad_one(
     g, _ = _graph(tmp_path)
     a: Agent = agents(g, tmp_path / "s", "--http", "127.0.0.1:0")
     a.wait_converged()
-    with httpx.Client(base_url=_url(a), timeout=10) as c:
+    with httpx.Client(base_url=api_url(a), timeout=10) as c:
         # from event 0: the start-up's statuses (still in the ring), latest per vertex
         got: dict[str, dict[str, Any]] = {}
         for ev in _events(c, "/api/v1/graph/events?after=0"):
@@ -193,7 +193,7 @@ edges:
     r = run_cli("farm", "token", "create", "root", "--admin", "--state-dir", tmp_path / "s")
     assert r.returncode == 0, r.stderr
     auth = {"Authorization": "Bearer " + r.stdout.strip()}
-    with httpx.Client(base_url=_url(a), timeout=10, headers=auth) as c:
+    with httpx.Client(base_url=api_url(a), timeout=10, headers=auth) as c:
         r = c.get("/api/v1/graph")
         assert r.status_code == 200
         body = r.json()
@@ -242,7 +242,7 @@ def test_the_page_and_its_files_are_served(tmp_path: Path, agents: Any) -> None:
     g, _ = _graph(tmp_path, ("a",))
     a: Agent = agents(g, tmp_path / "s", "--http", "127.0.0.1:0")
     a.wait_converged()
-    with httpx.Client(base_url=_url(a), timeout=10) as c:
+    with httpx.Client(base_url=api_url(a), timeout=10) as c:
         r = c.get("/")
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/html")
@@ -277,7 +277,7 @@ def test_farm_queue_depth(tmp_path: Path, agents: Any) -> None:
     r = run_cli("farm", "token", "create", "alice", *world, "--state-dir", tmp_path / "s")
     assert r.returncode == 0, r.stderr
     auth = {"Authorization": "Bearer " + r.stdout.strip()}
-    with httpx.Client(base_url=_url(a), timeout=10) as c:
+    with httpx.Client(base_url=api_url(a), timeout=10) as c:
         assert _get(_scrape(c), "evergraph_farm_waiting_requests") == 0
         req = json.dumps({"Priority": 3, "Caps": {"board": "b1"}})
         r = c.post("/api/v1/reqs/", content=req, headers=auth)
@@ -352,7 +352,7 @@ def test_a_local_user_cannot_read_parameters_on_loopback(tmp_path: Path, agents:
     state = tmp_path / "s"
     a: Agent = agents(g, state, "--http", "127.0.0.1:0")
     a.wait_converged()
-    url = f"{_url(a)}/api/v1/graph/vertices/file[{secret}]"
+    url = f"{api_url(a)}/api/v1/graph/vertices/file[{secret}]"
     r = run_cli("farm", "token", "create", "root", "--admin", "--state-dir", state)
     assert r.returncode == 0, r.stderr
     admin = r.stdout.strip()
@@ -375,7 +375,9 @@ def test_a_local_user_cannot_read_parameters_on_loopback(tmp_path: Path, agents:
         code, body = curl(user, "Authorization: Bearer egt_forged")
         assert (code, "top secret" in body) == ("401", False)
         graph = subprocess.run(
-            as_user(user, "curl", "-s", f"{_url(a)}/api/v1/graph"), capture_output=True, text=True
+            as_user(user, "curl", "-s", f"{api_url(a)}/api/v1/graph"),
+            capture_output=True,
+            text=True,
         ).stdout
         assert "top secret" not in graph
         assert f"file[{secret}]" in graph

@@ -12,7 +12,7 @@ import pytest
 from playwright import sync_api as playwright
 
 from tests.conftest import Agent, run_cli
-from tests.http.test_http import _url
+from tests.kit.http import api_url
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 #: the page's colours (static/app.js COLOURS)
@@ -47,7 +47,7 @@ def test_the_page_shows_a_drift_being_repaired(tmp_path: Path, agents: Any) -> N
     )
     a: Agent = agents(g, tmp_path / "s", "--http", "127.0.0.1:0")
     a.wait_converged()
-    url = _url(a)
+    url = api_url(a)
     r = run_cli("farm", "token", "create", "root", "--admin", "--state-dir", tmp_path / "s")
     assert r.returncode == 0, r.stderr
     token = r.stdout.strip()

@@ -1,8 +1,8 @@
 """cron: the timeline against a real `systemd --user`, whose timer really fires.
 
-This machine runs no systemd as PID 1; test_svc's `UserManager` starts a real
-systemd user manager in a private mount namespace, its units, runtime and bus
-in the test's tmp dir (the agent is pointed there with XDG_CONFIG_HOME and
+This machine runs no systemd as PID 1; `UserManager` (tests/kit/systemd.py)
+starts a real systemd user manager in a private mount namespace, its units,
+runtime and bus in the test's tmp dir (the agent is pointed there with XDG_CONFIG_HOME and
 DBUS_SESSION_BUS_ADDRESS). Drift is made as an admin would: `systemctl --user`
 inside that namespace, and edits of the unit file. The unit files are also
 checked with `systemd-analyze verify`.
@@ -19,8 +19,8 @@ import pytest
 
 from evergraph.resources.cron import Cron
 from tests.conftest import EVERGRAPH, Agent, wait_for
-from tests.kinds.test_svc import UserManager, needs_user_manager
 from tests.kit.kinds import refused
+from tests.kit.systemd import UserManager, needs_user_manager
 
 
 @pytest.fixture

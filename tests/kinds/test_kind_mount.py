@@ -16,10 +16,8 @@ import pytest
 
 from evergraph.resources.mount import Mounted, mounted_at
 from tests.conftest import EVERGRAPH, wait_for
-from tests.kinds.test_kind_hostname import NsAgent, ns_agents, ns_once, overlay_etc
 from tests.kit.kinds import refused
-
-__all__ = ["ns_agents"]  # the fixture, used here
+from tests.kit.namespaces import NsAgent, ns_once, overlay_etc
 
 MOUNT_NS = ["--mount", "--propagation", "private"]
 

@@ -16,10 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import EVERGRAPH, wait_for
-from tests.kinds.test_kind_hostname import NsAgent, ns_agents, ns_once
 from tests.kit.kinds import refused
-
-__all__ = ["ns_agents"]  # the fixture, used here
+from tests.kit.namespaces import NsAgent, ns_once
 
 NET_NS = ["--net"]
 IFACE = "eg0"

@@ -23,6 +23,7 @@ import pytest
 
 from evergraph.resources import _dpkg
 from tests.conftest import Agent, run_cli, wait_for
+from tests.kit.pkg import installed
 
 HISTORY = Path("/var/log/apt/history.log")
 APT_ENV = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
@@ -33,17 +34,6 @@ pytestmark = pytest.mark.skipif(
 
 
 # -- helpers ---------------------------------------------------------------------------
-
-
-def installed(pkg: str) -> str | None:
-    """The installed version of pkg, None if not (fully) installed."""
-    r = subprocess.run(
-        ["dpkg-query", "-W", "-f=${db:Status-Abbrev}\t${Version}", pkg],
-        capture_output=True,
-        text=True,
-    )
-    status, _, version = r.stdout.partition("\t")
-    return version if r.returncode == 0 and status[1:2] == "i" else None
 
 
 def transactions() -> list[str]:

@@ -37,8 +37,9 @@ import pytest
 
 from evergraph.world.etcd import EtcdKV
 from evergraph.world.etcd_server import FAST_TIMING, EtcdServer, free_port
-from tests.agent.test_agent_lifecycle import _noop_graph, _Pair, exited, member, query, record
 from tests.conftest import Agent, run_cli, wait_for
+from tests.kit.agents import ExportPair, exited, noop_graph
+from tests.kit.worldfile import member, query, record
 
 AgentFactory = Callable[..., Agent]
 
@@ -77,7 +78,7 @@ def logged(agent: Agent, text: str) -> Callable[[], bool]:
     return lambda: text in agent.log.read_text()
 
 
-def pair_keys(p: _Pair) -> set[str]:
+def pair_keys(p: ExportPair) -> set[str]:
     return {
         "members/hosta",
         "members/hostb",
@@ -100,7 +101,7 @@ def test_etcd_wiped_under_running_agents_members_hostkeys_and_exports_come_back(
     servers.append(server)
     server.start()
     url = server.client_url
-    p = _Pair(tmp_path, agents, ("--seeds", url))
+    p = ExportPair(tmp_path, agents, ("--seeds", url))
     want = pair_keys(p)
     assert want <= set(etcd_raw(url, ""))
     old_id = etcd_raw(url, "world/").get("world/id", (b"",))[0]
@@ -146,7 +147,7 @@ def test_etcd_replaced_under_the_same_cluster_id_while_an_agent_is_suspended(
     first = etcd(shm / "w0", client)
     first.start()
     url = first.client_url
-    p = _Pair(tmp_path, agents, ("--seeds", url))
+    p = ExportPair(tmp_path, agents, ("--seeds", url))
     want = pair_keys(p)
     rev = etcd_revision(url)
     os.kill(p.b.proc.pid, signal.SIGSTOP)
@@ -210,7 +211,7 @@ def test_sqlite_world_recreated_the_agent_comes_back_in_members(
 ) -> None:
     """The new World's first lease may have the id the running agent's had:
     keeping it alive must not pass for keeping our own."""
-    db, g = tmp_path / "world.sqlite", _noop_graph(tmp_path)
+    db, g = tmp_path / "world.sqlite", noop_graph(tmp_path)
     a = agents(g, tmp_path / "sa", "--hostname", "hosta", "--world-db", str(db))
     a.wait_converged()
     got = record(db, "members/hosta")
@@ -242,7 +243,7 @@ def test_sqlite_backup_restored_in_place_is_noticed_and_rebuilt(
     """Same file, same World id, the revision going back: the exporter finds its
     records rolled back and writes them anew under a fresh lease."""
     db = tmp_path / "world.sqlite"
-    p = _Pair(tmp_path, agents, ("--world-db", str(db)))
+    p = ExportPair(tmp_path, agents, ("--world-db", str(db)))
     backup = tmp_path / "backup.sqlite"
     with (
         contextlib.closing(sqlite3.connect(db)) as src,
@@ -310,7 +311,7 @@ def _mine(db: Path, a: Agent, host: str = "web1", signed: bool = True) -> Callab
 def test_a_forged_or_deleted_member_record_is_restored_and_the_agent_runs_on(
     tmp_path: Path, agents: AgentFactory
 ) -> None:
-    db, g = tmp_path / "world.sqlite", _noop_graph(tmp_path)
+    db, g = tmp_path / "world.sqlite", noop_graph(tmp_path)
     a = agents(g, tmp_path / "sa", "--hostname", "web1", "--world-db", str(db))
     a.wait_converged()
     assert _mine(db, a, signed=False)()
@@ -347,7 +348,7 @@ def test_an_old_signed_record_of_another_agent_put_back_is_no_takeover(
     from evergraph.cluster.members import Member, sign_member
     from evergraph.world.sqlite import SQLiteKV
 
-    db, g = tmp_path / "world.sqlite", _noop_graph(tmp_path)
+    db, g = tmp_path / "world.sqlite", noop_graph(tmp_path)
     a = agents(g, tmp_path / "sa", "--hostname", "web1", "--world-db", str(db))
     a.wait_converged()
     keys = HostKeys(tmp_path / "earlier")
@@ -381,7 +382,7 @@ def test_an_old_signed_record_of_another_agent_put_back_is_no_takeover(
 def test_a_forged_member_record_present_at_start_is_no_claim(
     tmp_path: Path, agents: AgentFactory
 ) -> None:
-    db, g = tmp_path / "world.sqlite", _noop_graph(tmp_path)
+    db, g = tmp_path / "world.sqlite", noop_graph(tmp_path)
     a = agents(g, tmp_path / "sa", "--hostname", "other", "--world-db", str(db))
     a.wait_converged()  # makes the World
     _world_put(tmp_path, db, "members/web1", _fake_member("web1"))
@@ -399,7 +400,7 @@ def test_a_forged_member_record_present_at_start_is_no_claim(
 
 
 def test_replace_is_logged_on_both_sides(tmp_path: Path, agents: AgentFactory) -> None:
-    db, g = tmp_path / "world.sqlite", _noop_graph(tmp_path)
+    db, g = tmp_path / "world.sqlite", noop_graph(tmp_path)
     a = agents(g, tmp_path / "sa", "--hostname", "web1", "--world-db", str(db))
     a.wait_converged()
     b = agents(g, tmp_path / "sb", "--hostname", "web1", "--world-db", str(db), "--replace")
@@ -425,7 +426,7 @@ def test_replace_is_logged_on_both_sides(tmp_path: Path, agents: AgentFactory) -
 def test_members_show_a_workers_capabilities_and_groups(
     tmp_path: Path, agents: AgentFactory
 ) -> None:
-    db, g = tmp_path / "world.sqlite", _noop_graph(tmp_path)
+    db, g = tmp_path / "world.sqlite", noop_graph(tmp_path)
     keys = tmp_path / "home" / "authorized_keys"
     w = agents(
         g,
@@ -527,7 +528,7 @@ def test_etcd_wiped_under_a_running_farm_its_worker_is_served_again(
     from evergraph.farm import model
     from evergraph.farm.tokens import User
     from tests.conftest import host_key
-    from tests.farm.test_farm_agents import farm_call, worker_uuid
+    from tests.kit.farm import farm_call, worker_uuid
 
     admin = User(name="root", admin=True)
     data = shm / "etcd"
@@ -536,7 +537,7 @@ def test_etcd_wiped_under_a_running_farm_its_worker_is_served_again(
     server.start()
     url = server.client_url
     world = ("--seeds", url)
-    g = _noop_graph(tmp_path)
+    g = noop_graph(tmp_path)
     srv = agents(g, tmp_path / "srv", "--hostname", "srv", *world, "--http", "127.0.0.1:0")
     wk = agents(
         g,
