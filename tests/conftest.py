@@ -22,6 +22,7 @@ from evergraph.world.etcd_server import EtcdServer
 #: module finds them by name (a test imports only the kit's functions and classes)
 pytest_plugins = [
     "tests.kit.accounts",
+    "tests.kit.machine",
     "tests.kit.namespaces",
     "tests.kit.systemd",
     "tests.kit.terminal",
@@ -194,29 +195,3 @@ def no_leaks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         problems.append(f"child processes left running: {left}")
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
-
-
-#: test files that change what the whole machine shares (Debian packages and apt's
-#: lock, /etc/passwd and /etc/group, the systemd user manager, users' crontabs):
-#: under xdist (`scripts/test` runs `-n`) they run one after another on one worker
-MACHINE_WIDE = {
-    "test_pkg.py",
-    "test_users.py",
-    "test_svc.py",
-    "test_ssh_key.py",
-    "test_file_race.py",
-    "test_kind_cron.py",
-    "test_setup_systemd.py",
-    "test_http_observe.py",
-    "test_diffs.py",
-    "test_mgmt_compat.py",
-    "test_world_etcd.py",
-}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if item.path.name in MACHINE_WIDE:
-            item.add_marker(pytest.mark.xdist_group("machine"))

@@ -15,6 +15,9 @@ import pytest
 
 from evergraph.cli.setup import systemd_word
 from tests.conftest import EVERGRAPH, REPO, run_cli
+from tests.kit.machine import MACHINE_WIDE
+
+pytestmark = MACHINE_WIDE
 
 SCRIPT = Path(sys.executable).parent / "evergraph"
 UNIT = "etc/systemd/system/evergraph.service"

@@ -38,7 +38,10 @@ from evergraph.world.kv import KV
 from evergraph.world.memory import MemoryKV
 from tests.conftest import run_cli
 from tests.kit.accounts import Accounts
+from tests.kit.machine import MACHINE_WIDE
 from tests.kit.systemd import UserManager, needs_user_manager
+
+pytestmark = MACHINE_WIDE
 
 # -- harness -----------------------------------------------------------------------------
 

@@ -18,6 +18,9 @@ import pytest
 
 from tests.conftest import REPO, run_cli, wait_for
 from tests.kit.accounts import Accounts, passwd
+from tests.kit.machine import MACHINE_WIDE
+
+pytestmark = MACHINE_WIDE
 
 
 def write(tmp_path: Path, text: str, name: str = "g.yaml") -> Path:

@@ -19,6 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import Agent, run_cli, wait_for
 from tests.kit.http import api_url
 from tests.kit.localuser import as_user, local_user, needs_root, shared_dir
+from tests.kit.machine import MACHINE_WIDE
+
+pytestmark = MACHINE_WIDE
 
 
 def _graph(tmp: Path, names: tuple[str, ...] = ("a", "b", "c")) -> tuple[Path, dict[str, Path]]:

@@ -15,12 +15,16 @@ from typing import Any
 
 from tests.conftest import Agent
 from tests.kit.localuser import SYSTEM_PYTHON, as_user, local_user, needs_root, shared_dir
+from tests.kit.machine import MACHINE_WIDE
+
+pytestmark = MACHINE_WIDE
 
 #: how long the racer races (seconds) at most
 RACE_FOR = 10.0
 
 RACER = r"""
 import ctypes, os, sys, time
+
 here, stop = sys.argv[1], sys.argv[2]
 libc = ctypes.CDLL(None, use_errno=True)
 AT_FDCWD, RENAME_EXCHANGE = -100, 2

@@ -20,7 +20,10 @@ import pytest
 from evergraph.resources.cron import Cron
 from tests.conftest import EVERGRAPH, Agent, wait_for
 from tests.kit.kinds import refused
+from tests.kit.machine import MACHINE_WIDE
 from tests.kit.systemd import UserManager, needs_user_manager
+
+pytestmark = MACHINE_WIDE
 
 
 @pytest.fixture

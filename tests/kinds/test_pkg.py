@@ -23,14 +23,18 @@ import pytest
 
 from evergraph.resources import _dpkg
 from tests.conftest import Agent, run_cli, wait_for
+from tests.kit.machine import MACHINE_WIDE
 from tests.kit.pkg import installed
 
 HISTORY = Path("/var/log/apt/history.log")
 APT_ENV = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("apt-get") is None, reason="needs root on Debian"
-)
+pytestmark = [
+    MACHINE_WIDE,
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("apt-get") is None, reason="needs root on Debian"
+    ),
+]
 
 
 # -- helpers ---------------------------------------------------------------------------

@@ -16,6 +16,9 @@ import pytest
 
 from evergraph.testing.kinds import graph_error
 from tests.conftest import Agent, run_cli, wait_for
+from tests.kit.machine import MACHINE_WIDE
+
+pytestmark = MACHINE_WIDE
 
 
 def crafted(kind: str = "ssh-ed25519") -> str:

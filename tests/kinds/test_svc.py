@@ -21,7 +21,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import EVERGRAPH, Agent, run_cli, wait_for
+from tests.kit.machine import MACHINE_WIDE
 from tests.kit.systemd import UserManager, needs_user_manager
+
+pytestmark = MACHINE_WIDE
 
 SYSTEM_SOCKET = Path("/run/dbus/system_bus_socket")
 SYSTEM_PIDFILE = Path("/run/dbus/pid")

@@ -16,6 +16,9 @@ import pytest
 
 from tests.conftest import Agent, run_cli, wait_for
 from tests.kit.accounts import Accounts, group, members, passwd
+from tests.kit.machine import MACHINE_WIDE
+
+pytestmark = MACHINE_WIDE
 
 
 def write(tmp_path: Path, body: str, name: str = "g.yaml") -> Path:

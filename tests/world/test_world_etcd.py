@@ -34,8 +34,12 @@ from evergraph.world.etcd import EtcdKV
 from evergraph.world.etcd_server import FAST_TIMING, EtcdServer, ServerTLS, free_port
 from evergraph.world.kv import Compacted, Event, WorldError
 from tests.conftest import wait_for
+from tests.kit.machine import MACHINE_WIDE
 
-pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
+pytestmark = [
+    MACHINE_WIDE,
+    pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed"),
+]
 
 
 def run(body: Callable[[], Awaitable[None]], timeout: float = 60) -> None:
