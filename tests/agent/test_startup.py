@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import evergraph.resources
 from evergraph.engine.contract import Registry, Resource, default_registry
 
@@ -339,6 +341,7 @@ def test_run_file_is_answered_without_click_and_a_one_shot_run_opens_no_inotify(
 _STAMP = re.compile(r"\d+(\.\d+)?")
 
 
+@pytest.mark.slow
 def test_run_says_and_does_the_same_with_and_without_click(tmp_path: Path) -> None:
     good = tmp_path / "good.yaml"
     good.write_text(

@@ -274,6 +274,7 @@ def test_every_python_example_is_run_here() -> None:
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == ["app.py", "motd.py", "web.py"]
 
 
+@pytest.mark.slow
 def test_example_motd_follows_members_and_greeting(
     tmp_path: Path,
     agents,  # type: ignore[no-untyped-def]

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import Agent
 from tests.kit.localuser import SYSTEM_PYTHON, as_user, local_user, needs_root, shared_dir
 from tests.kit.machine import MACHINE_WIDE
@@ -46,6 +48,7 @@ print(rounds, swaps)
 """
 
 
+@pytest.mark.slow
 @needs_root()
 def test_recursive_mode_never_follows_a_swapped_symlink(tmp_path: Path, agents: Any) -> None:
     with shared_dir() as d, local_user() as user:
