@@ -40,6 +40,14 @@ async def _settled(b: Host, want: dict[str, str]) -> None:
         await b.next_change()
 
 
+def _pair(tmp_path: Path) -> tuple[MemoryKV, Host, Host]:
+    """A World client of one memory World, and hosts `hosta` and `hostb` on it."""
+    store = MemoryStore()
+    a = Host(MemoryKV(store), tmp_path / "a", "hosta")
+    b = Host(MemoryKV(store), tmp_path / "b", "hostb")
+    return MemoryKV(store), a, b
+
+
 def test_layout_grows_and_shrinks_without_flapping() -> None:
     assert layout(1) == 1
     assert layout(PER_BUCKET) == 1
@@ -56,10 +64,7 @@ def test_layout_grows_and_shrinks_without_flapping() -> None:
 
 def test_one_change_among_100_rewrites_one_bucket(tmp_path: Path) -> None:
     async def main() -> None:
-        store = MemoryStore()
-        kv = MemoryKV(store)
-        a = Host(MemoryKV(store), tmp_path / "a", "hosta")
-        b = Host(MemoryKV(store), tmp_path / "b", "hostb")
+        kv, a, b = _pair(tmp_path)
         async with a.running(), b.running():
             a.publisher.set(_files(100))
             await _settled(b, {f"f{i}": f"{i}\n" for i in range(100)})
@@ -100,10 +105,7 @@ def test_one_change_among_100_rewrites_one_bucket(tmp_path: Path) -> None:
 
 def test_an_older_bucket_put_back_is_refused(tmp_path: Path) -> None:
     async def main() -> None:
-        store = MemoryStore()
-        kv = MemoryKV(store)
-        a = Host(MemoryKV(store), tmp_path / "a", "hosta")
-        b = Host(MemoryKV(store), tmp_path / "b", "hostb")
+        kv, a, b = _pair(tmp_path)
         key = export_key("hostb", "hosta", "file", "f42")
         bkey = bucket_key("hostb", "hosta", bucket_of(entry_name(key), 8))
         async with a.running(), b.running():
@@ -134,10 +136,7 @@ def test_a_bucket_deleted_with_its_records_keeps_them(
     names the layout, so the collector keeps the last verified values."""
 
     async def main() -> None:
-        store = MemoryStore()
-        kv = MemoryKV(store)
-        a = Host(MemoryKV(store), tmp_path / "a", "hosta")
-        b = Host(MemoryKV(store), tmp_path / "b", "hostb")
+        kv, a, b = _pair(tmp_path)
         async with a.running(), b.running():
             a.publisher.set(_files(100))
             want = {f"f{i}": f"{i}\n" for i in range(100)}
@@ -168,10 +167,7 @@ def test_a_bucket_deleted_with_its_records_keeps_them(
 
 def test_the_layout_follows_the_count_and_old_buckets_go(tmp_path: Path) -> None:
     async def main() -> None:
-        store = MemoryStore()
-        kv = MemoryKV(store)
-        a = Host(MemoryKV(store), tmp_path / "a", "hosta")
-        b = Host(MemoryKV(store), tmp_path / "b", "hostb")
+        kv, a, b = _pair(tmp_path)
         async with a.running(), b.running():
             of: int | None = None
             steps = [

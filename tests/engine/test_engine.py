@@ -12,9 +12,8 @@ import pytest
 
 from evergraph.engine.contract import Meta
 from evergraph.engine.engine import Engine
-from evergraph.engine.settings import Settings
 from evergraph.testing.clock import FakeClock
-from tests.kit.engine import until
+from tests.kit.engine import settings, until
 from tests.kit.probe import Journal, make
 
 T = TypeVar("T")
@@ -29,17 +28,6 @@ async def on_fake_clock(clock: FakeClock, coro: Coroutine[Any, Any, T]) -> T:
         if not task.done():
             await clock.advance_to_next()
     return task.result()
-
-
-def settings(tmp_path: Path, **kw: object) -> Settings:
-    base: dict[str, object] = {
-        "state_dir": tmp_path,
-        "converged_timeout": 0,
-        "converged_exit": True,
-        "hostname": "test",
-    }
-    base.update(kw)
-    return Settings(**base)  # type: ignore[arg-type]
 
 
 def test_children_never_start_before_parents_succeeded(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from evergraph.engine.engine import Engine
 from evergraph.engine.settings import Settings
 from evergraph.errors import InputError
 from evergraph.testing.clock import FakeClock
-from tests.kit.engine import until
+from tests.kit.engine import settings, until
 from tests.kit.probe import Journal, Probe, make
 
 registry = Registry()
@@ -49,17 +49,6 @@ class Receiver(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         Receiver.calls.append((self.name, self.msg, self.handle.refresh()))
         await asyncio.sleep(0)
         return True
-
-
-def settings(tmp_path: Path, **kw: object) -> Settings:
-    base: dict[str, object] = {
-        "state_dir": tmp_path,
-        "converged_timeout": 0,
-        "converged_exit": True,
-        "hostname": "test",
-    }
-    base.update(kw)
-    return Settings(**base)  # type: ignore[arg-type]
 
 
 # -- 1. semaphores ------------------------------------------------------------------
