@@ -24,6 +24,7 @@ pytest_plugins = [
     "tests.kit.accounts",
     "tests.kit.machine",
     "tests.kit.namespaces",
+    "tests.kit.netbed",
     "tests.kit.systemd",
     "tests.kit.terminal",
 ]
