@@ -225,6 +225,12 @@ def test_a_token_is_read_from_a_file_or_else_the_environment(tmp_path: Path) -> 
         read_token_source(None, {"EVERGRAPH_JOIN_TOKEN": "egj1.zz"})
 
 
+def test_a_record_signs_the_same_whether_its_times_were_ints_or_floats() -> None:
+    record = TokenRecord("0123456789ab", "h" * 64, 5, 65)
+    back = msgspec.json.decode(msgspec.json.encode(record), type=TokenRecord)
+    assert back.signed_bytes() == record.signed_bytes()
+
+
 def test_a_token_needs_a_positive_lifetime() -> None:
     with pytest.raises(TokenError, match="positive"):
         asyncio.run(create_token(MemoryKV(), CA, 0))

@@ -83,7 +83,10 @@ class TokenRecord(msgspec.Struct, frozen=True):
     sig: str = ""
 
     def signed_bytes(self) -> bytes:
-        fields = [self.id, self.hash, self.created, self.expires, self.revoked]
+        # floats, whatever the record was built with: a time written as 5 is read
+        # back as 5.0, and must sign the same
+        times = [float(self.created), float(self.expires)]
+        fields = [self.id, self.hash, *times, self.revoked]
         return _SIGNED_AS + msgspec.json.encode(fields)
 
 
