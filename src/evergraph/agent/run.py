@@ -58,6 +58,8 @@ from evergraph.world.names import hostname_problem
 from evergraph.world.open import OpenWorld, WorldOptions, open_world
 
 if TYPE_CHECKING:
+    from evergraph.cluster.curator import Curator
+    from evergraph.cluster.seat import Seat
     from evergraph.farm.host import WorkerHost
     from evergraph.farm.service import FarmSettings
     from evergraph.farm.signed import FarmTrust
@@ -269,6 +271,10 @@ class Agent:
         self._hub: InotifyHub | None = None
         #: the engine's observer: services (the HTTP view) subscribe to it
         self.observers = ObserverHub()
+        #: `--etcd embedded`: this agent's seat in the self-forming cluster, and the
+        #: curator it stands for election as
+        self.seat: Seat | None = None
+        self.curator: Curator | None = None
 
     def request_stop(self) -> None:
         self.stop.set()
@@ -309,12 +315,16 @@ class Agent:
                     self._service(_every(*flush), "log-flush")
                 membership: Membership | None = None
                 try:
-                    if self.world_opts is not None:
+                    if self.world_opts is not None and self.world_opts.embedded:
+                        opened = await self._open_seat(self.world_opts)
+                    elif self.world_opts is not None:
                         opened = await open_world(self.world_opts, self.settings.state_dir)
                         # every World call the agent makes is timed (for metrics)
                         opened.kv = self.kv = TimedKV(opened.kv)
                         membership = await self._join(opened)
                     status = await self._converge(hub, opened)
+                    if self.seat is not None and membership is not None:
+                        await self.seat.handover(membership.lease)
                     if membership is not None:
                         await membership.stop()
                 except WorldError as e:
@@ -400,7 +410,53 @@ class Agent:
         if previous:
             self._service(self._retire(opened, previous), "retire-old-lease")
         await self._join_farm(kv, host, membership, book, servers)
+        if self.seat is not None:
+            self._seat_services(kv, host, membership)
         return membership
+
+    async def _open_seat(self, opts: WorldOptions) -> OpenWorld:
+        """`--etcd embedded`: this agent's seat in a self-forming cluster."""
+        from evergraph.cluster.jointokens import TokenError, read_token_source
+        from evergraph.cluster.seat import Seat, SeatOptions
+
+        host = self.settings.host()
+        why = hostname_problem(host)
+        if why:
+            raise InputError(why, "--hostname")
+        try:
+            token = read_token_source(opts.join_token_file, os.environ)
+        except TokenError as e:
+            raise InputError(str(e), "--join-token-file") from None
+        self.seat = seat = Seat(
+            self.settings.state_dir,
+            host,
+            self.keys(),
+            SeatOptions(
+                client_url=opts.client_url,
+                peer_url=opts.peer_url,
+                seeds=opts.seeds,
+                token=token,
+                member_timeout=opts.member_timeout,
+            ),
+        )
+        kv = await seat.open()
+        return OpenWorld(kv, seat)
+
+    def _seat_services(self, kv: KV, host: str, membership: Membership) -> None:
+        """The seat's upkeep and the curator's candidacy (every embedded member holds
+        the CA, so any may be elected)."""
+        from evergraph.cluster.curator import CURATOR, Curator
+        from evergraph.cluster.election import Election
+
+        seat = self.seat
+        assert seat is not None
+        assert seat.ca is not None
+        assert seat.kv is not None
+        self._service(seat.run(lambda: membership.lease), "etcd-seat")
+        election = Election(kv, CURATOR, host)
+        self._service(election.run(), "curator-election")
+        self.curator = Curator(seat.kv, seat.ca, election, seat.opts.member_timeout)
+        self._service(self.curator.run(), "etcd-curator")
 
     def _farm_servers(self, pins: Pins, host: str) -> dict[str, str]:
         """The farm servers' verify keys: `--farm-server NAME=KEY` is pinned explicitly

@@ -45,6 +45,38 @@ WORLD_OPTIONS = (
         help="Start an etcd server as a child process, data under the state dir.",
     ),
     Flag(
+        "--etcd-client-url",
+        default="http://127.0.0.1:2379",
+        show_default=True,
+        metavar="URL",
+        help="With --etcd embedded: the client URL this member listens on and advertises "
+        "(https:// between hosts).",
+    ),
+    Flag(
+        "--etcd-peer-url",
+        default="http://127.0.0.1:2380",
+        show_default=True,
+        metavar="URL",
+        help="With --etcd embedded: the peer URL this member listens on and advertises.",
+    ),
+    Flag(
+        "--join-token-file",
+        kind="path",
+        help="With --etcd embedded and --seeds: the join token (`evergraph cluster token` "
+        "on a member prints one; or set EVERGRAPH_JOIN_TOKEN).",
+    ),
+    Flag(
+        "--etcd-member-timeout",
+        kind="float",
+        low=1,
+        high=3600,
+        default=15.0,
+        show_default=True,
+        metavar="SECONDS",
+        help="With --etcd embedded: a voter whose agent is gone and whose member has been "
+        "unreachable this long is replaced by a standby.",
+    ),
+    Flag(
         "--etcd-ca",
         kind="path",
         help="CA certificate that signed the etcd servers' certificates.",

@@ -278,6 +278,22 @@ def world_opts(world: dict[str, object]) -> WorldOptions:
         )
     if world.get("world_db") is not None:
         check_path(Path(str(world["world_db"])), "--world-db")
+    embedded = world.get("etcd_mode") == "embedded"
+    client_url = str(world.get("etcd_client_url") or "http://127.0.0.1:2379")
+    peer_url = str(world.get("etcd_peer_url") or "http://127.0.0.1:2380")
+    member_timeout = float(world.get("etcd_member_timeout") or 15.0)  # type: ignore[arg-type]
+    if not embedded:
+        for flag, given, default in (
+            ("--etcd-client-url", client_url, "http://127.0.0.1:2379"),
+            ("--etcd-peer-url", peer_url, "http://127.0.0.1:2380"),
+            ("--join-token-file", world.get("join_token_file"), None),
+            ("--etcd-member-timeout", member_timeout, 15.0),
+        ):
+            if given != default:
+                raise InputError(f"{flag} is for a member: add --etcd embedded", flag)
+    token_file = world.get("join_token_file")
+    if token_file is not None and not Path(str(token_file)).is_file():
+        raise InputError(f"no such file: {token_file}", "--join-token-file")
 
     def path(k: str) -> Path | None:
         v = world.get(k)
@@ -287,7 +303,11 @@ def world_opts(world: dict[str, object]) -> WorldOptions:
         backend=backend,
         db=path("world_db"),
         seeds=seeds,
-        embedded=world.get("etcd_mode") == "embedded",
+        embedded=embedded,
+        client_url=client_url,
+        peer_url=peer_url,
+        join_token_file=Path(str(token_file)) if token_file is not None else None,
+        member_timeout=member_timeout,
         ca=path("etcd_ca"),
         cert=path("etcd_cert"),
         key=path("etcd_key"),

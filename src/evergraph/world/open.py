@@ -22,6 +22,13 @@ class WorldOptions:
     seeds: tuple[str, ...] = ()
     #: start an etcd server as a child process, data under the state dir
     embedded: bool = False
+    #: `--etcd embedded`: what this member listens on and advertises
+    client_url: str = "http://127.0.0.1:2379"
+    peer_url: str = "http://127.0.0.1:2380"
+    #: `--join-token-file` (else EVERGRAPH_JOIN_TOKEN): joining a cluster
+    join_token_file: Path | None = None
+    #: `--etcd-member-timeout`: a dead voter is replaced after this many seconds
+    member_timeout: float = 15.0
     ca: Path | None = None
     cert: Path | None = None
     key: Path | None = None

@@ -1,0 +1,152 @@
+"""The records a self-forming etcd cluster keeps in its World (SPEC 4.8).
+
+- `cluster/size`: the ideal number of voters, signed by the cluster CA (a World
+  writer without the CA's key cannot shrink the cluster to one);
+- `cluster/candidates/<name>`: every agent started with `--etcd embedded`
+  (voter or standby), under its member lease, signed by its host key and
+  carrying its host certificate: the curator considers only certified hosts;
+- `cluster/invites/<name>`: the curator's word to a standby that it was added
+  as a learner (its member id and the `--initial-cluster` to start with),
+  signed by the CA;
+- `cluster/leaving/<name>`: under the lease of a voter that stops cleanly and
+  asks to be replaced first.
+
+Decoders return None for a record that does not verify (the caller logs it).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+
+import msgspec
+
+from evergraph.cluster.ca import ClusterCA
+from evergraph.cluster.hostkeys import HostKeys
+from evergraph.world.kv import KV, KeyValue
+
+log = logging.getLogger("evergraph.cluster")
+
+SIZE_KEY = "cluster/size"
+CANDIDATES = "cluster/candidates/"
+INVITES = "cluster/invites/"
+LEAVING = "cluster/leaving/"
+
+DEFAULT_SIZE = 3
+VALID_SIZES = (1, 3, 5, 7, 9)
+
+
+def size_problem(n: int) -> str | None:
+    if n not in VALID_SIZES:
+        return f"{n} is not a valid cluster size: pick one of {', '.join(map(str, VALID_SIZES))}"
+    return None
+
+
+class _Signed(msgspec.Struct, frozen=True, kw_only=True):
+    sig: str = ""
+
+
+def _body(rec: msgspec.Struct) -> bytes:
+    """What a signature covers: the record without its signature, canonical JSON."""
+    fields = {f: getattr(rec, f) for f in rec.__struct_fields__ if f != "sig"}
+    return type(rec).__name__.encode() + b"\0" + msgspec.json.encode(fields, order="sorted")
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def _unb64(text: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError:
+        return b""
+
+
+# -- ideal size ---------------------------------------------------------------------------
+class SizeRecord(_Signed, frozen=True, kw_only=True):
+    size: int
+    set_at: float = 0.0
+
+
+def encode_size(ca: ClusterCA, size: int, now: float) -> bytes:
+    rec = SizeRecord(size=size, set_at=now)
+    return msgspec.json.encode(msgspec.structs.replace(rec, sig=_b64(ca.sign(_body(rec)))))
+
+
+def decode_size(ca: ClusterCA, kv: KeyValue | None) -> int:
+    """The ideal size a valid record states; the default for none, and for one that
+    does not verify (logged)."""
+    if kv is None:
+        return DEFAULT_SIZE
+    try:
+        rec = msgspec.json.decode(kv.value, type=SizeRecord)
+    except msgspec.DecodeError:
+        rec = None
+    if rec is None or size_problem(rec.size) or not ca.check_signature(_body(rec), _unb64(rec.sig)):
+        log.error("cluster: %s is not signed by the cluster CA: ignored (ideal size 3)", kv.key)
+        return DEFAULT_SIZE
+    return rec.size
+
+
+async def read_size(kv: KV, ca: ClusterCA) -> int:
+    return decode_size(ca, await kv.get(SIZE_KEY))
+
+
+# -- candidates ---------------------------------------------------------------------------
+class Candidate(_Signed, frozen=True, kw_only=True):
+    name: str
+    peer_url: str
+    client_url: str
+    public: str
+    verify: str
+    cert: str
+
+
+def encode_candidate(keys: HostKeys, name: str, peer: str, client: str, cert: bytes) -> bytes:
+    rec = Candidate(
+        name=name,
+        peer_url=peer,
+        client_url=client,
+        public=keys.public,
+        verify=keys.verify,
+        cert=cert.decode(),
+    )
+    return msgspec.json.encode(msgspec.structs.replace(rec, sig=_b64(keys.sign(_body(rec)))))
+
+
+def decode_candidate(ca: ClusterCA, kv: KeyValue) -> Candidate | None:
+    """The candidate at `kv` if it is certified by the CA and signed by its host."""
+    try:
+        rec = msgspec.json.decode(kv.value, type=Candidate)
+    except msgspec.DecodeError:
+        return None
+    if kv.key != CANDIDATES + rec.name:
+        return None
+    if ca.check_host_cert(rec.cert.encode(), rec.name, rec.public, rec.verify) is not None:
+        return None
+    if not HostKeys.check_signature(rec.verify, _body(rec), _unb64(rec.sig)):
+        return None
+    return rec
+
+
+# -- invites ------------------------------------------------------------------------------
+class Invite(_Signed, frozen=True, kw_only=True):
+    name: str
+    member_id: int
+    peer_url: str
+    initial_cluster: str
+
+
+def encode_invite(ca: ClusterCA, inv: Invite) -> bytes:
+    return msgspec.json.encode(msgspec.structs.replace(inv, sig=_b64(ca.sign(_body(inv)))))
+
+
+def decode_invite(ca: ClusterCA, kv: KeyValue) -> Invite | None:
+    try:
+        rec = msgspec.json.decode(kv.value, type=Invite)
+    except msgspec.DecodeError:
+        return None
+    if kv.key != INVITES + rec.name or not ca.check_signature(_body(rec), _unb64(rec.sig)):
+        return None
+    return rec
