@@ -38,6 +38,7 @@ from evergraph.cluster.exports import (
     load_marks,
     publish_hostkeys,
 )
+from evergraph.cluster.hostbook import load_cluster_trust
 from evergraph.cluster.hostkeys import HostKeys, KeyError_
 from evergraph.cluster.members import HostnameTaken, Member, Membership
 from evergraph.cluster.pins import Pins, PinsError
@@ -357,6 +358,8 @@ class Agent:
         if why:
             raise InputError(why, "--hostname")
         keys = self.keys()
+        # with a cluster CA, hosts accept a key only with the CA's certificate of it
+        ca, cert = load_cluster_trust(self.settings.state_dir)
         self.pins = pins = Pins(self.settings.state_dir)
         if self._hub is not None and not self.settings.one_shot:
             # pins are live: edits reach us within a second (a one-shot run ends at
@@ -377,8 +380,9 @@ class Agent:
             keys=keys,
         )
         previous = await membership.claim(replace=self.replace)
-        await publish_hostkeys(kv, keys, host)
-        book = HostKeyBook(kv, pins, host, own=keys)  # restores hostkeys/<me>
+        await publish_hostkeys(kv, keys, host, cert=cert)
+        # restores hostkeys/<me>
+        book = HostKeyBook(kv, pins, host, own=keys, ca=ca, own_cert=cert)
         self.publisher = Publisher(
             kv, keys, host, book, lambda: membership.lease, SeqCounter(self.settings.state_dir)
         )
@@ -396,7 +400,9 @@ class Agent:
             # a replaced World: what the agent owns without a lease (its host keys)
             # is written again too; the lease's records follow `on_regrant`
             self._service(
-                _retrying(lambda: publish_hostkeys(kv, keys, host), "re-publish host keys"),
+                _retrying(
+                    lambda: publish_hostkeys(kv, keys, host, cert=cert), "re-publish host keys"
+                ),
                 "hostkeys-republish",
             )
 
