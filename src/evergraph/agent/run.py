@@ -382,7 +382,18 @@ class Agent:
         previous = await membership.claim(replace=self.replace)
         await publish_hostkeys(kv, keys, host, cert=cert)
         # restores hostkeys/<me>
-        book = HostKeyBook(kv, pins, host, own=keys, ca=ca, own_cert=cert)
+        seat = self.seat
+        book = HostKeyBook(
+            kv,
+            pins,
+            host,
+            own=keys,
+            ca=ca,
+            own_cert=cert,
+            revoked=(lambda: seat.revoked) if seat is not None else (lambda: ()),
+        )
+        if seat is not None:
+            seat.on_revoked(book.recheck)
         self.publisher = Publisher(
             kv, keys, host, book, lambda: membership.lease, SeqCounter(self.settings.state_dir)
         )
