@@ -352,9 +352,14 @@ class _Link:
                 await channel.close()
 
     def _connection(self, url: str) -> tuple[_Endpoint, Any]:
-        """A channel of its own to one member (`url`, with this link's TLS settings),
-        for questions only that member can answer; the caller closes it."""
+        """A connection to one member (`url`, with this link's TLS settings), for
+        questions only that member can answer: the listed endpoint's channel when it
+        is open, else one of its own. The caller closes the channel returned
+        (None: it is the link's)."""
         ep = _parse_endpoint(url, self._tls)
+        for known in self._endpoints:
+            if known.url == ep.url and known.channel is not None:
+                return known, None
         self._open(ep)
         return ep, ep.channel
 

@@ -175,11 +175,14 @@ async def member_remove(kv: EtcdKV, member_id: int) -> list[EtcdMember]:
 async def member_status(kv: EtcdKV, client_url: str, timeout: float = 1.0) -> MemberStatus | None:
     """Ask the member at `client_url` (and only it, with kv's TLS settings) for its
     own status; None when it cannot be reached or does not answer in `timeout`."""
+    if kv._closed:
+        raise WorldError("the World connection is closed")
     ep, channel = kv._connection(client_url)
     try:
-        resp = await ep.maintenance.Status(
-            rpc.StatusRequest(), timeout=timeout, metadata=ep.metadata()
-        )
+        with kv._using(ep):  # (a listed endpoint's channel stays open meanwhile)
+            resp = await ep.maintenance.Status(
+                rpc.StatusRequest(), timeout=timeout, metadata=ep.metadata()
+            )
     except grpc.aio.AioRpcError as e:
         details = str(e.details() or "")
         if e.code() == grpc.StatusCode.UNAVAILABLE and _tls_problem(details):
@@ -191,7 +194,8 @@ async def member_status(kv: EtcdKV, client_url: str, timeout: float = 1.0) -> Me
             return None
         raise WorldError(f"etcd at {ep.url} refused its status: {_reason(e)}") from None
     finally:
-        await channel.close()
+        if channel is not None:
+            await channel.close()
     return MemberStatus(
         id=int(resp.header.member_id),
         leader=int(resp.leader),
@@ -205,7 +209,9 @@ async def member_status(kv: EtcdKV, client_url: str, timeout: float = 1.0) -> Me
 def initial_cluster(members: Sequence[EtcdMember], name: str, peer_url: str) -> str:
     """The `--initial-cluster` of a member joining as `name` at `peer_url` after
     MemberAdd: every named member's `name=url` and the joiner's own (the joiner
-    is found by its peer URL; it has no name in the list until it starts)."""
+    is found by its peer URL; it has no name in the list until it starts). etcd
+    checks the count against its member list: another member that never started
+    (no name) makes the join fail with "member count is unequal"."""
     parts: list[str] = []
     for m in members:
         if peer_url in m.peer_urls or not m.name or m.name == name:
