@@ -151,6 +151,28 @@ def test_advertised_urls_are_checked_against_tls(tmp_path: Path) -> None:
 
 
 # -- real members ----------------------------------------------------------------------
+def test_wait_started_needs_no_quorum_and_a_failed_join_is_an_error(
+    shm: Path, servers: list[EtcdServer]
+) -> None:
+    """A member restarting while most of its cluster is down is up, not healthy;
+    a member that cannot reach the cluster it should join exits, and says why."""
+    a, b = EtcdServer.cluster(2, shm)
+    servers += [a, b]
+    a.spawn()
+    a.wait_started(10)
+    with pytest.raises(WorldError, match=r"not healthy within 0.2 s \(HTTP 503\)"):
+        a.wait_healthy(0.2)
+    a.stop()
+    lonely = EtcdServer(shm / "j", name="j", timing=FAST_TIMING, cluster_state="existing")
+    servers.append(lonely)
+    lonely.initial_cluster = f"x=http://127.0.0.1:{free_port()},j={lonely.peer_url}"
+    lonely.spawn()
+    failed = r"(?s)etcd j exited with status 1.*cannot fetch cluster info"
+    with pytest.raises(WorldError, match=failed):
+        lonely.wait_started(10)
+    assert not lonely.removed()
+
+
 @pytest.mark.slow
 def test_a_learner_joins_catches_up_is_promoted_and_removed(
     shm: Path, servers: list[EtcdServer]

@@ -233,6 +233,7 @@ class EtcdServer:
         initial_cluster: str | None = None,
         cluster_state: str = "new",
         crl: Path | None = None,
+        timing: tuple[int, int] = DEFAULT_TIMING,
     ) -> EtcdServer:
         """`evergraph run --etcd embedded`: etcd's usual ports and timing, history
         compacted automatically (the last 10,000 revisions are kept). A member of a
@@ -249,6 +250,7 @@ class EtcdServer:
             initial_cluster=initial_cluster,
             cluster_state=cluster_state,
             crl=crl,
+            timing=timing,
             extra_args=[
                 "--auto-compaction-mode=revision",
                 "--auto-compaction-retention=10000",
@@ -440,6 +442,17 @@ class EtcdServer:
         was removed from its cluster) or the time runs out. A learner (etcd 3.4) is
         healthy once it has a leader, before it has caught up with the log: ask
         `etcd_cluster.member_status` for its raft index to know that."""
+        self._wait(timeout, healthy_only=True)
+
+    def wait_started(self, timeout: float = 15.0) -> None:
+        """Wait until etcd is up (it joined or reloaded its member, and listens),
+        healthy or not: a member restarting in a cluster that has lost quorum has no
+        leader until enough of the others are back, and must not be stopped for it.
+        Raises as wait_healthy does; a member removed while it was away usually
+        learns it just after this returns: it exits then, and `removed()` says so."""
+        self._wait(timeout, healthy_only=False)
+
+    def _wait(self, timeout: float, *, healthy_only: bool) -> None:
         deadline = time.monotonic() + timeout
         url = f"http://127.0.0.1:{self._health_port}/health"
         last = "no answer"
@@ -450,18 +463,23 @@ class EtcdServer:
             if proc.poll() is not None:
                 raise self._exit_error(proc.returncode)
             try:
+                # the metrics listener (serving /health) opens once the member is
+                # set up, after the client and peer listeners
                 with urllib.request.urlopen(url, timeout=1) as resp:
                     body = json.loads(resp.read())
-                if body.get("health") == "true":
+                if body.get("health") == "true" or not healthy_only:
                     return
                 last = f"unhealthy: {body.get('reason') or body}"
             except urllib.error.HTTPError as e:  # 503 while it has no leader
+                if not healthy_only:
+                    return
                 last = f"HTTP {e.code}"
             except (OSError, ValueError) as e:
                 last = str(e)
             if time.monotonic() > deadline:
+                state = "healthy" if healthy_only else "started"
                 raise WorldError(
-                    f"etcd {self.name} ({self.client_url}) was not healthy within {timeout:g} s"
+                    f"etcd {self.name} ({self.client_url}) was not {state} within {timeout:g} s"
                     f" ({last}){self._tail_text()}"
                 )
             time.sleep(0.02)
