@@ -7,9 +7,10 @@ World) is in world/etcd.py, whose `EtcdKV` is a `_Link`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -199,8 +200,12 @@ class _Endpoint:
     watch: Any = None
     lease: Any = None
     auth: Any = None
+    cluster: Any = None
+    maintenance: Any = None
     #: None: not authenticated yet (or not needed yet); "": no token needed
     token: str | None = None
+    #: calls and watches using this endpoint now (a dropped one is closed at 0)
+    users: int = 0
 
     def metadata(self, *extra: tuple[str, str]) -> tuple[tuple[str, str], ...]:
         return ((("token", self.token),) if self.token else ()) + extra
@@ -256,8 +261,11 @@ class _Link:
         self._ca = _read_file(ca, "CA certificate")
         self._cert = _read_file(cert, "client certificate")
         self._key = _read_file(key, "client key")
-        tls = self._ca is not None or self._cert is not None
-        self._endpoints = [_parse_endpoint(u, tls) for u in endpoints]
+        self._tls = self._ca is not None or self._cert is not None
+        self._endpoints = [_parse_endpoint(u, self._tls) for u in endpoints]
+        #: endpoints dropped by set_endpoints whose channel is still open: closed
+        #: once no call uses them (or by close())
+        self._dropped: list[_Endpoint] = []
         self._user = user
         self._password = password
         self.timeout = timeout
@@ -272,23 +280,88 @@ class _Link:
         #: gRPC's tasks awaiting our streaming calls' final status (see _track)
         self._status: set[asyncio.Task[Any]] = set()
 
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """The client URLs this connection fails over among, in their order."""
+        return tuple(ep.url for ep in self._endpoints)
+
+    def set_endpoints(self, urls: Sequence[str]) -> None:
+        """Replace the endpoints (the cluster's client URLs changed). The endpoint in
+        use stays current if it is still listed; new ones connect when first used;
+        a dropped one's channel closes once no call or watch uses it (a watch on it
+        moves to a listed endpoint at its next failure)."""
+        if self._closed:
+            raise WorldError("the World connection is closed")
+        fresh = [_parse_endpoint(u, self._tls) for u in urls]
+        if not fresh:
+            raise WorldError("no etcd endpoints given")
+        known = {ep.url: ep for ep in [*self._dropped, *self._endpoints]}
+        new: list[_Endpoint] = []
+        for ep in fresh:
+            if all(ep.url != n.url for n in new):  # the same URL twice: once
+                new.append(known.pop(ep.url, ep))
+        current = self._endpoints[self._current]
+        self._endpoints = new
+        self._current = new.index(current) if current in new else random.randrange(len(new))
+        self._dropped = [ep for ep in known.values() if ep.channel is not None]
+
+    def _open(self, ep: _Endpoint) -> None:
+        if ep.secure:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=self._ca, private_key=self._key, certificate_chain=self._cert
+            )
+            ep.channel = grpc.aio.secure_channel(ep.target, creds, options=_CHANNEL_OPTIONS)
+        else:
+            ep.channel = grpc.aio.insecure_channel(ep.target, options=_CHANNEL_OPTIONS)
+        ep.kv = rpc.KVStub(ep.channel)
+        ep.watch = rpc.WatchStub(ep.channel)
+        ep.lease = rpc.LeaseStub(ep.channel)
+        ep.auth = rpc.AuthStub(ep.channel)
+        ep.cluster = rpc.ClusterStub(ep.channel)
+        ep.maintenance = rpc.MaintenanceStub(ep.channel)
+
     def _endpoint(self) -> _Endpoint:
         if self._closed:
             raise WorldError("the World connection is closed")
         ep = self._endpoints[self._current]
         if ep.channel is None:
-            if ep.secure:
-                creds = grpc.ssl_channel_credentials(
-                    root_certificates=self._ca, private_key=self._key, certificate_chain=self._cert
-                )
-                ep.channel = grpc.aio.secure_channel(ep.target, creds, options=_CHANNEL_OPTIONS)
-            else:
-                ep.channel = grpc.aio.insecure_channel(ep.target, options=_CHANNEL_OPTIONS)
-            ep.kv = rpc.KVStub(ep.channel)
-            ep.watch = rpc.WatchStub(ep.channel)
-            ep.lease = rpc.LeaseStub(ep.channel)
-            ep.auth = rpc.AuthStub(ep.channel)
+            self._open(ep)
         return ep
+
+    @contextlib.contextmanager
+    def _using(self, ep: _Endpoint) -> Iterator[_Endpoint]:
+        """Hold `ep` during a call or a watch's stream: a dropped endpoint's channel
+        stays open while someone holds it."""
+        ep.users += 1
+        try:
+            yield ep
+        finally:
+            ep.users -= 1
+
+    async def _close_dropped(self) -> None:
+        """Close the channels of dropped endpoints nobody holds (at each call's start:
+        never inside a cancelled call's clean-up)."""
+        idle = [ep for ep in self._dropped if ep.users == 0]
+        if not idle:
+            return
+        self._dropped = [ep for ep in self._dropped if ep.users > 0]
+        for ep in idle:
+            if ep.channel is not None:
+                channel, ep.channel = ep.channel, None
+                ep.token = None
+                await channel.close()
+
+    def _connection(self, url: str) -> tuple[_Endpoint, Any]:
+        """A connection to one member (`url`, with this link's TLS settings), for
+        questions only that member can answer: the listed endpoint's channel when it
+        is open, else one of its own. The caller closes the channel returned
+        (None: it is the link's)."""
+        ep = _parse_endpoint(url, self._tls)
+        for known in self._endpoints:
+            if known.url == ep.url and known.channel is not None:
+                return known, None
+        self._open(ep)
+        return ep, ep.channel
 
     def _rotate(self, failed: _Endpoint) -> None:
         """Move on from an endpoint that failed (unless another task already did)."""
@@ -393,10 +466,11 @@ class _Link:
         await asyncio.sleep(0)  # calls made this turn: their status tasks are adopted
         if self._status:
             await asyncio.wait(list(self._status), timeout=_SETTLE)
-        for ep in self._endpoints:
+        for ep in [*self._endpoints, *self._dropped]:
             if ep.channel is not None:
                 await ep.channel.close()
                 ep.channel = None
+        self._dropped = []
 
 
 def _ended_early(why: object) -> Any:

@@ -213,6 +213,7 @@ class EtcdKV(_Link, KV):
         failures: dict[str, str] = {}
         attempts = 0
         reauthed = False
+        await self._close_dropped()
         while True:
             ep = self._endpoint()
             left = deadline - loop.time()
@@ -221,8 +222,9 @@ class EtcdKV(_Link, KV):
             budget = min(left, attempt) if idempotent else left
             floor, epoch = self._seen_rev, self._epoch
             try:
-                await self._authenticate(ep, budget)
-                answer = await op(ep, budget)
+                with self._using(ep):
+                    await self._authenticate(ep, budget)
+                    answer = await op(ep, budget)
                 header = getattr(answer, "header", None)
                 if header is not None:
                     self._observe(ep, header, floor, epoch, isinstance(answer, _LINEARIZABLE))
@@ -442,9 +444,11 @@ class EtcdKV(_Link, KV):
         lost: str | None = None  # why the stream broke, until it is back
         mine = self._epoch  # the World this watch follows
         while not self._closed:
+            await self._close_dropped()
             ep = self._endpoint()
             call = None
             floor, epoch = self._seen_rev, self._epoch
+            ep.users += 1  # held until the stream ends (see `_using`)
             try:
                 await self._authenticate(ep, self.timeout)
                 call = self._track(ep.watch.Watch(metadata=ep.metadata(_REQUIRE_LEADER)))
@@ -512,6 +516,7 @@ class EtcdKV(_Link, KV):
                     return  # whatever a cancelled call raised
                 raise
             finally:
+                ep.users -= 1
                 if call is not None:
                     self._cancel([call])
             if lost is None:

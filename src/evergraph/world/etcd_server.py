@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import ipaddress
 import json
 import os
 import shutil
@@ -36,6 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import urlsplit
 
 from evergraph.world.kv import WorldError, log
 
@@ -49,6 +51,19 @@ _TAIL = 40
 FAST_TIMING = (10, 100)
 #: etcd's defaults, for members talking over a real network
 DEFAULT_TIMING = (100, 1000)
+
+
+#: what etcd logs when it finds (or is told) that its member was removed from the
+#: cluster; it exits then, with status 0
+_REMOVED = (
+    "the member has been permanently removed from the cluster",
+    "the local member has been removed",
+    "data-dir used by this member must be removed",
+)
+
+
+class MemberRemoved(WorldError):
+    """etcd exited because its member was removed from the cluster."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,32 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _split_url(url: str, what: str, scheme: str, default_port: int) -> tuple[str, str, int]:
+    """An advertised URL as (its host, the host to listen on, its port)."""
+    parts = urlsplit(url.strip())
+    try:
+        port = parts.port or default_port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port <= 0:
+        raise WorldError(f"bad etcd {what} URL {url!r}: expected http(s)://host:port")
+    if parts.scheme != scheme:
+        why = "TLS is given" if scheme == "https" else "no TLS certificate is given"
+        raise WorldError(f"etcd {what} URL {url!r} must be {scheme}:// ({why})")
+    host = parts.hostname
+    try:
+        ipaddress.ip_address(host)
+        listen = host
+    except ValueError:
+        # etcd binds only to IP addresses (and localhost): a name listens everywhere
+        listen = host if host == "localhost" else "0.0.0.0"
+    return host, listen, port
 
 
 def _port_in_use(host: str, port: int) -> bool:
@@ -97,20 +138,48 @@ class EtcdServer:
         timing: tuple[int, int] = DEFAULT_TIMING,
         extra_args: Sequence[str] = (),
         binary: str = "etcd",
+        client_url: str | None = None,
+        peer_url: str | None = None,
+        cluster_state: str = "new",
+        crl: Path | None = None,
     ) -> None:
         """`client_port`/`peer_port` 0: pick free loopback ports now (kept across restarts).
+        `client_url`/`peer_url`: the URLs this member advertises, given whole (they
+        override host, ports and advertise_host; it listens on their host and port,
+        or on every address when the host is a DNS name); https exactly when `tls`.
         `initial_cluster` (`name=peer_url,...`): None for a single member.
+        `cluster_state`: "new" to form a cluster, "existing" to join one as a member
+        that MemberAdd added (both ignored once the data dir holds a member).
+        `crl`: revoked certificates, refused on the client and peer ports (needs tls).
         `timing`: (heartbeat interval, election timeout) in milliseconds."""
         self.data_dir = Path(data_dir)
         self.name = name
         self.host = host
+        if cluster_state not in ("new", "existing"):
+            raise WorldError(f"etcd cluster state {cluster_state!r}: expected new or existing")
+        if crl is not None and tls is None:
+            raise WorldError("an etcd CRL needs TLS (a certificate and a CA)")
         #: ports we picked ourselves may be picked again if taken before etcd binds them
-        self._auto_ports = client_port == 0 and peer_port == 0
-        self.client_port = client_port or free_port(host)
-        self.peer_port = peer_port or free_port(host)
+        self._auto_ports = client_port == 0 and peer_port == 0 and not (client_url or peer_url)
+        self.client_port = client_port or (0 if client_url else free_port(host))
+        self.peer_port = peer_port or (0 if peer_url else free_port(host))
         wildcard = host in ("0.0.0.0", "::", "")
         self.advertise_host = advertise_host or (socket.getfqdn() if wildcard else host)
+        #: where each port listens, and the host it advertises
+        self.client_host = self.peer_host = host
+        self._client_adv = self._peer_adv = self.advertise_host
+        scheme = "https" if tls is not None else "http"
+        if client_url is not None:
+            self._client_adv, self.client_host, self.client_port = _split_url(
+                client_url, "client", scheme, 2379
+            )
+        if peer_url is not None:
+            self._peer_adv, self.peer_host, self.peer_port = _split_url(
+                peer_url, "peer", scheme, 2380
+            )
         self.initial_cluster = initial_cluster
+        self.cluster_state = cluster_state
+        self.crl = crl
         self.cluster_token = cluster_token
         self.tls = tls
         self.timing = timing
@@ -120,6 +189,8 @@ class EtcdServer:
         self._health_port = 0
         self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL)
         self._reader: threading.Thread | None = None
+        #: etcd said this member was removed from its cluster (since the last spawn)
+        self._removed = False
 
     # -- constructors -------------------------------------------------------------
     @classmethod
@@ -156,16 +227,30 @@ class EtcdServer:
         client_port: int = 2379,
         peer_port: int = 2380,
         tls: ServerTLS | None = None,
+        name: str = "evergraph",
+        client_url: str | None = None,
+        peer_url: str | None = None,
+        initial_cluster: str | None = None,
+        cluster_state: str = "new",
+        crl: Path | None = None,
+        timing: tuple[int, int] = DEFAULT_TIMING,
     ) -> EtcdServer:
         """`evergraph run --etcd embedded`: etcd's usual ports and timing, history
-        compacted automatically (the last 10,000 revisions are kept)."""
+        compacted automatically (the last 10,000 revisions are kept). A member of a
+        self-formed cluster gives its name, URLs and how it joins (see __init__)."""
         return cls(
             data_dir,
-            name="evergraph",
+            name=name,
             host=host,
             client_port=client_port,
             peer_port=peer_port,
             tls=tls,
+            client_url=client_url,
+            peer_url=peer_url,
+            initial_cluster=initial_cluster,
+            cluster_state=cluster_state,
+            crl=crl,
+            timing=timing,
             extra_args=[
                 "--auto-compaction-mode=revision",
                 "--auto-compaction-retention=10000",
@@ -180,11 +265,11 @@ class EtcdServer:
 
     @property
     def client_url(self) -> str:
-        return f"{self._scheme}://{self.advertise_host}:{self.client_port}"
+        return f"{self._scheme}://{_url_host(self._client_adv)}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        return f"{self._scheme}://{self.advertise_host}:{self.peer_port}"
+        return f"{self._scheme}://{_url_host(self._peer_adv)}:{self.peer_port}"
 
     @property
     def pid(self) -> int | None:
@@ -194,23 +279,49 @@ class EtcdServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def removed(self) -> bool:
+        """Whether etcd said this member was removed from its cluster (it exits
+        then, with status 0): its data dir is stale, `wipe` it before it joins again."""
+        proc, reader = self._proc, self._reader
+        if proc is not None and proc.poll() is not None and reader is not None:
+            reader.join(2)  # its last words
+        return self._removed
+
+    def has_member_data(self) -> bool:
+        """Whether the data dir holds a member (etcd then ignores the initial
+        cluster flags and restarts as that member)."""
+        return (self.data_dir / "member").is_dir()
+
+    def wipe(self) -> None:
+        """Remove the data dir (a removed member's stale state); the process must be stopped."""
+        if self.running:
+            raise WorldError(f"cannot wipe etcd {self.name}'s data dir: etcd is running")
+        try:
+            shutil.rmtree(self.data_dir)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise WorldError(f"cannot remove etcd data dir {self.data_dir}: {e.strerror}") from None
+
     def log_tail(self) -> list[str]:
         """The last lines etcd logged (warnings and worse)."""
         return list(self._tail)
 
     # -- life cycle ---------------------------------------------------------------
     def _argv(self) -> list[str]:
-        listen = f"{self._scheme}://{self.host}"
+        listen_client = f"{self._scheme}://{_url_host(self.client_host)}:{self.client_port}"
+        listen_peer = f"{self._scheme}://{_url_host(self.peer_host)}:{self.peer_port}"
         argv = [
             f"--name={self.name}",
             f"--data-dir={self.data_dir}",
-            f"--listen-client-urls={listen}:{self.client_port}",
+            f"--listen-client-urls={listen_client}",
             f"--advertise-client-urls={self.client_url}",
-            f"--listen-peer-urls={listen}:{self.peer_port}",
+            f"--listen-peer-urls={listen_peer}",
             f"--initial-advertise-peer-urls={self.peer_url}",
             f"--initial-cluster={self.initial_cluster or f'{self.name}={self.peer_url}'}",
             f"--initial-cluster-token={self.cluster_token}",
-            "--initial-cluster-state=new",  # ignored once the data dir holds a member
+            # both ignored once the data dir holds a member
+            f"--initial-cluster-state={self.cluster_state}",
             f"--listen-metrics-urls=http://127.0.0.1:{self._health_port}",
             f"--heartbeat-interval={self.timing[0]}",
             f"--election-timeout={self.timing[1]}",
@@ -230,6 +341,8 @@ class EtcdServer:
                 f"--peer-trusted-ca-file={t.ca}",
                 "--peer-client-cert-auth=true",
             ]
+            if self.crl is not None:
+                argv += [f"--client-crl-file={self.crl}", f"--peer-crl-file={self.crl}"]
         return argv + self.extra_args
 
     def spawn(self) -> None:
@@ -240,9 +353,12 @@ class EtcdServer:
         etcd = shutil.which(self.binary)
         if etcd is None:
             raise WorldError(INSTALL_HINT)
-        for port, what in ((self.client_port, "client"), (self.peer_port, "peer")):
-            if _port_in_use(self.host, port):
-                raise self._port_error(port, what)
+        for host, port, what in (
+            (self.client_host, self.client_port, "client"),
+            (self.peer_host, self.peer_port, "peer"),
+        ):
+            if _port_in_use(host, port):
+                raise self._port_error(host, port, what)
         try:
             self.data_dir.mkdir(parents=True, exist_ok=True)
             self.data_dir.chmod(0o700)  # etcd insists
@@ -254,6 +370,7 @@ class EtcdServer:
         setpriv = shutil.which("setpriv")
         prefix = [setpriv, "--pdeathsig", "TERM"] if setpriv else []
         self._tail.clear()
+        self._removed = False
         self._proc = subprocess.Popen(
             [*prefix, etcd, *self._argv()],
             stdin=subprocess.DEVNULL,
@@ -274,6 +391,8 @@ class EtcdServer:
                 line = _format_log_line(raw.decode(errors="replace").strip())
                 if line is None:
                     continue
+                if any(w in line for w in _REMOVED):
+                    self._removed = True
                 self._tail.append(line)
                 if line.startswith(("error", "fatal", "panic")):
                     log.warning("etcd %s: %s", self.name, line)
@@ -298,7 +417,8 @@ class EtcdServer:
                     continue
                 fresh = not (self.data_dir / "member").exists()
                 if "in use" in str(e) and self._auto_ports and fresh:
-                    self.client_port, self.peer_port = free_port(self.host), free_port(self.host)
+                    self.client_port = free_port(self.client_host)
+                    self.peer_port = free_port(self.peer_host)
                     continue
                 raise
 
@@ -318,7 +438,21 @@ class EtcdServer:
             raise
 
     def wait_healthy(self, timeout: float = 15.0) -> None:
-        """Poll `/health` until it answers true; raise if etcd exits or the time runs out."""
+        """Poll `/health` until it answers true; raise if etcd exits (MemberRemoved if it
+        was removed from its cluster) or the time runs out. A learner (etcd 3.4) is
+        healthy once it has a leader, before it has caught up with the log: ask
+        `etcd_cluster.member_status` for its raft index to know that."""
+        self._wait(timeout, healthy_only=True)
+
+    def wait_started(self, timeout: float = 15.0) -> None:
+        """Wait until etcd is up (it joined or reloaded its member, and listens),
+        healthy or not: a member restarting in a cluster that has lost quorum has no
+        leader until enough of the others are back, and must not be stopped for it.
+        Raises as wait_healthy does; a member removed while it was away usually
+        learns it just after this returns: it exits then, and `removed()` says so."""
+        self._wait(timeout, healthy_only=False)
+
+    def _wait(self, timeout: float, *, healthy_only: bool) -> None:
         deadline = time.monotonic() + timeout
         url = f"http://127.0.0.1:{self._health_port}/health"
         last = "no answer"
@@ -329,18 +463,23 @@ class EtcdServer:
             if proc.poll() is not None:
                 raise self._exit_error(proc.returncode)
             try:
+                # the metrics listener (serving /health) opens once the member is
+                # set up, after the client and peer listeners
                 with urllib.request.urlopen(url, timeout=1) as resp:
                     body = json.loads(resp.read())
-                if body.get("health") == "true":
+                if body.get("health") == "true" or not healthy_only:
                     return
                 last = f"unhealthy: {body.get('reason') or body}"
             except urllib.error.HTTPError as e:  # 503 while it has no leader
+                if not healthy_only:
+                    return
                 last = f"HTTP {e.code}"
             except (OSError, ValueError) as e:
                 last = str(e)
             if time.monotonic() > deadline:
+                state = "healthy" if healthy_only else "started"
                 raise WorldError(
-                    f"etcd {self.name} ({self.client_url}) was not healthy within {timeout:g} s"
+                    f"etcd {self.name} ({self.client_url}) was not {state} within {timeout:g} s"
                     f" ({last}){self._tail_text()}"
                 )
             time.sleep(0.02)
@@ -400,9 +539,9 @@ class EtcdServer:
         self.stop()
 
     # -- messages -----------------------------------------------------------------
-    def _port_error(self, port: int, what: str) -> WorldError:
+    def _port_error(self, host: str, port: int, what: str) -> WorldError:
         return WorldError(
-            f"cannot start etcd {self.name}: {what} port {self.host}:{port} is already in use"
+            f"cannot start etcd {self.name}: {what} port {host}:{port} is already in use"
             " (is another etcd running?)"
         )
 
@@ -411,9 +550,17 @@ class EtcdServer:
             self._reader.join(2)  # its last words
         text = "\n".join(self._tail)
         if "address already in use" in text:
-            for port, what in ((self.client_port, "client"), (self.peer_port, "peer")):
+            for host, port, what in (
+                (self.client_host, self.client_port, "client"),
+                (self.peer_host, self.peer_port, "peer"),
+            ):
                 if f":{port}: bind" in text:
-                    return self._port_error(port, what)
+                    return self._port_error(host, port, what)
+        if self._removed:
+            return MemberRemoved(
+                f"etcd {self.name} was removed from its cluster: its data dir"
+                f" {self.data_dir} is stale (wipe it to join again as a new member)"
+            )
         return WorldError(f"etcd {self.name} exited with status {code}{self._tail_text()}")
 
     def _tail_text(self) -> str:
