@@ -94,7 +94,9 @@ def test_a_dead_voter_is_removed_only_after_the_timeout_and_with_quorum() -> Non
     alive = snap(members, up, [0, 1, 2, 3], down_for={102: 60.0})
     assert decide(alive).what == "none"
     # two of three dead: no quorum left, nothing is removed
-    two_dead = snap(members, {100: status(0), 101: None, 102: None}, [0], down_for={101: 60, 102: 60})
+    two_dead = snap(
+        members, {100: status(0), 101: None, 102: None}, [0], down_for={101: 60, 102: 60}
+    )
     assert decide(two_dead).what == "none"
 
 

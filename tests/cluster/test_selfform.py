@@ -59,9 +59,10 @@ def test_five_agents_form_three_voters_and_two_standbys(netbed: Callable[[int], 
     # a write on any agent is read on all
     members[3].world("put", "test/k", "v3", seeds=[bed.hosts[3], bed.hosts[0]])
     for m in members:
-        assert m.world("get", "test/k", seeds=[m.h]).stdout.strip() == "v3" or m.world(
-            "get", "test/k", seeds=[bed.hosts[0]]
-        ).stdout.strip() == "v3"
+        assert (
+            m.world("get", "test/k", seeds=[m.h]).stdout.strip() == "v3"
+            or m.world("get", "test/k", seeds=[bed.hosts[0]]).stdout.strip() == "v3"
+        )
     for m in members:
         assert "too many learner members" not in m.text()
 
@@ -105,6 +106,12 @@ def test_bad_tokens_are_refused_with_one_line_and_nothing_joins(
     seed.cli("token", "revoke", revoked_id)
     assert "revoked" in refused(expired)
     # a joiner that would talk plain http over the network
-    line = refused(good, "--etcd-client-url", f"http://{h1.addr}:2379", "--etcd-peer-url", f"http://{h1.addr}:2380")
+    line = refused(
+        good,
+        "--etcd-client-url",
+        f"http://{h1.addr}:2379",
+        "--etcd-peer-url",
+        f"http://{h1.addr}:2380",
+    )
     assert "TLS" in line
     assert roles(seed.rows()) == {"h0": "voter"}

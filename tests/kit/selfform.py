@@ -45,7 +45,9 @@ class Member:
         self.graph.write_text(GRAPH)
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def argv(self, seeds: Sequence[NetHost] = (), token: Path | None = None, *extra: str) -> list[str]:
+    def argv(
+        self, seeds: Sequence[NetHost] = (), token: Path | None = None, *extra: str
+    ) -> list[str]:
         a = [
             *EVERGRAPH,
             "run",
@@ -96,7 +98,13 @@ class Member:
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.h.run(
-            *EVERGRAPH, "cluster", "--state-dir", str(self.h.state_dir), *args, env=env(), check=check
+            *EVERGRAPH,
+            "cluster",
+            "--state-dir",
+            str(self.h.state_dir),
+            *args,
+            env=env(),
+            check=check,
         )
 
     def rows(self) -> list[dict[str, Any]]:
@@ -120,7 +128,9 @@ class Member:
             str(d / "node.key"),
         ]
 
-    def world(self, *args: str, seeds: list[NetHost], check: bool = True) -> subprocess.CompletedProcess[str]:
+    def world(
+        self, *args: str, seeds: list[NetHost], check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         return self.h.run(
             *EVERGRAPH,
             "world",
@@ -137,7 +147,9 @@ def roles(rows: list[dict[str, Any]]) -> dict[str, str]:
     return {r["name"]: r["role"] for r in rows}
 
 
-def wait_until(pred: Callable[[], object], timeout: float, what: str, members: Sequence[Member] = ()) -> float:
+def wait_until(
+    pred: Callable[[], object], timeout: float, what: str, members: Sequence[Member] = ()
+) -> float:
     """Poll `pred` (each call asks the cluster: itself a wait) until true; the seconds
     it took. On time-out, the members' last log lines in the error."""
     t0 = time.monotonic()

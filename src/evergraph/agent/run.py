@@ -320,6 +320,7 @@ class Agent:
                         opened = await self._open_seat(self.world_opts)
                     elif self.world_opts is not None:
                         opened = await open_world(self.world_opts, self.settings.state_dir)
+                    if opened is not None:
                         # every World call the agent makes is timed (for metrics)
                         opened.kv = self.kv = TimedKV(opened.kv)
                         membership = await self._join(opened)

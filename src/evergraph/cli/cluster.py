@@ -75,7 +75,7 @@ async def cluster_rows(kv: EtcdKV, ca: ClusterCA) -> list[dict[str, Any]]:
     top = max((s.raft_index for s in statuses if s is not None), default=0)
     leader = next((s.leader for s in statuses if s is not None), 0)
     rows: list[dict[str, Any]] = []
-    peers = set()
+    peers: set[str] = set()
     for m, st in zip(members, statuses, strict=True):
         peers.update(m.peer_urls)
         rows.append(

@@ -49,6 +49,7 @@ from evergraph.cluster.roster import (
 )
 from evergraph.world.etcd_cluster import (
     EtcdMember,
+    MemberBusy,
     MemberStatus,
     initial_cluster,
     member_add,
@@ -214,6 +215,9 @@ class Curator:
         while True:
             try:
                 await self.step()
+            except MemberBusy as e:
+                # etcd is not ready for a change yet (a member just started): look again
+                log.debug("cluster: curator: %s", e)
             except WorldError as e:
                 log.warning("cluster: curator: %s", e)
             await self.clock.sleep(TICK)

@@ -197,6 +197,7 @@ class Seat:
         #: the member list as last read (empty: not yet)
         self.members: list[EtcdMember] = []
         self._stopping = False
+        self._formed_now = False
         self._lock = asyncio.Lock()
         #: serials the cluster revoked (`cluster remove`), from `cluster/crl`
         self.revoked: set[int] = set()
@@ -278,6 +279,8 @@ class Seat:
                 f"this node's cluster uses {self.state.scheme}:// URLs", "--etcd-client-url"
             )
         await self._start_existing()
+        if self._formed_now:
+            self.state.save(self._path(STATE_FILE))
         endpoints = self._endpoints(self.state.endpoints)
         kw: dict[str, Path] = {}
         if self.tls is not None:
@@ -306,7 +309,7 @@ class Seat:
         if self._data_dir.exists():
             EtcdServer.embedded(self._data_dir).wipe()  # another cluster's leftovers
         self.state = ClusterState(ca.fingerprint, [self.opts.client_url], self.scheme, formed=True)
-        self.state.save(self._path(STATE_FILE))
+        self._formed_now = True  # cluster.json is written once etcd runs
         log.info(
             "cluster: formed a new cluster (CA %s…), %s its first voter",
             ca.fingerprint[:16],
@@ -378,9 +381,12 @@ class Seat:
         """Start etcd on the data dir if it holds a member; a removed member's data
         is discarded (this node is a standby then)."""
         probe = EtcdServer.embedded(self._data_dir)
-        if not probe.has_member_data():
+        formed_now = self._formed_now
+        if not probe.has_member_data() and not formed_now:
             return
-        server = self._server(None, "existing")
+        # a cluster formed now starts as a new one-member cluster; otherwise etcd
+        # ignores the initial cluster for a data dir that holds a member
+        server = self._server(None, "new" if formed_now else "existing")
         try:
             await self._start(server)
         except MemberRemoved:
