@@ -16,7 +16,7 @@ from tests.kit.netbed import NetBed, NetHost
 
 #: an empty graph: the agents only carry the World
 GRAPH = "resources: []\n"
-EVERGRAPH = (sys.executable, "-m", "evergraph")
+EVERGRAPH = (sys.executable, "-m", "evergraph.cli.main")
 
 
 def env() -> dict[str, str]:
