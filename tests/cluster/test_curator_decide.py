@@ -131,3 +131,21 @@ def test_a_leaving_voter_is_replaced_before_it_is_removed() -> None:
     then = decide(snap(members4, up4, [0, 1, 2, 3], leaving=("h2",)))
     assert then.what == "remove"
     assert then.member == members[2]
+
+
+def test_a_learner_never_invited_is_invited_again() -> None:
+    unstarted = EtcdMember(
+        id=101,
+        name="",
+        peer_urls=("https://10.0.0.1:2380",),
+        client_urls=(),
+        is_learner=True,
+    )
+    members = [member(0), unstarted]
+    s = snap(members, {100: status(0)}, [0, 1])
+    act = decide(s)
+    assert act.what == "invite"
+    assert act.candidate is not None
+    assert act.candidate.name == "h1"
+    invited = Snapshot(**{**s.__dict__, "invites": frozenset({"h1"})})
+    assert decide(invited).what == "wait"

@@ -88,11 +88,13 @@ class Snapshot:
     learner_age: dict[int, float]
     timeout: float
     me: str = ""
+    #: names with an invite in the World
+    invites: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
 class Action:
-    what: str  # "add" | "promote" | "remove" | "wait" | "none"
+    what: str  # "add" | "invite" | "promote" | "remove" | "wait" | "none"
     member: EtcdMember | None = None
     candidate: Candidate | None = None
     why: str = ""
@@ -127,6 +129,10 @@ def decide(s: Snapshot) -> Action:
             return Action("remove", lm, why=f"learner {lm.name or lm.peer_urls[0]}: {why}")
         if st is not None and st.raft_index + CAUGHT_UP >= leader_index:
             return Action("promote", lm, why="caught up with the leader")
+        if not lm.name:  # not started: its invite may never have been written
+            c = next((c for c in s.candidates.values() if c.peer_url in lm.peer_urls), None)
+            if c is not None and c.name not in s.invites:
+                return Action("invite", lm, candidate=c, why="a learner without an invite")
         return Action("wait", lm, why="learner catching up")
 
     # 2. dead voters
@@ -259,6 +265,8 @@ class Curator:
         leaving_kv, _ = await kv.range(LEAVING)  # type: ignore[attr-defined]
         leaving = frozenset(item.key[len(LEAVING) :] for item in leaving_kv)
         size = decode_size(self.ca, await kv.get(SIZE_KEY))  # type: ignore[attr-defined]
+        invites_kv, _ = await kv.range(INVITES)  # type: ignore[attr-defined]
+        invites = frozenset(item.key[len(INVITES) :] for item in invites_kv)
         return Snapshot(
             members=members,
             status=statuses,
@@ -269,6 +277,7 @@ class Curator:
             learner_age={mid: now - t for mid, t in self._added_at.items()},
             timeout=self.timeout,
             me=self.election.me,
+            invites=invites,
         )
 
     async def step(self) -> Action:
@@ -281,16 +290,13 @@ class Curator:
             assert act.candidate is not None
             c = act.candidate
             new, after = await member_add(kv, [c.peer_url], learner=True)  # type: ignore[arg-type]
-            inv = Invite(
-                name=c.name,
-                member_id=new.id,
-                peer_url=c.peer_url,
-                initial_cluster=initial_cluster(after, c.name, c.peer_url),
-            )
-            ok = await self.election.fenced([Put(INVITES + c.name, encode_invite(self.ca, inv))])
-            if not ok:
-                log.warning("cluster: no longer curator: %s added as learner, not invited", c.name)
+            await self._invite(c, new.id, after)
             self._tell(f"added {c.name} as a learner ({act.why})")
+        elif act.what == "invite":
+            assert act.candidate is not None
+            assert act.member is not None
+            await self._invite(act.candidate, act.member.id, s.members)
+            self._tell(f"invited learner {act.candidate.name} again ({act.why})")
         elif act.what == "promote":
             assert act.member is not None
             await member_promote(kv, act.member.id)  # type: ignore[arg-type]
@@ -306,6 +312,16 @@ class Curator:
                 await self.election.fenced([Delete(INVITES + act.member.name)])
             self._tell(f"removed {act.member.name or act.member.peer_urls[0]} ({act.why})")
         return act
+
+    async def _invite(self, c: Candidate, member_id: int, members: Sequence[EtcdMember]) -> None:
+        inv = Invite(
+            name=c.name,
+            member_id=member_id,
+            peer_url=c.peer_url,
+            initial_cluster=initial_cluster(members, c.name, c.peer_url),
+        )
+        if not await self.election.fenced([Put(INVITES + c.name, encode_invite(self.ca, inv))]):
+            log.warning("cluster: no longer curator: learner %s not invited", c.name)
 
     def _tell(self, line: str) -> None:
         self.stats.changes += 1
