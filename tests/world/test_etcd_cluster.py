@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from evergraph.world.etcd import EtcdKV
-from evergraph.world.etcd_cluster import EtcdMember, initial_cluster, member_list, member_status
+from evergraph.world.etcd_cluster import (
+    EtcdMember,
+    follow_members,
+    initial_cluster,
+    member_list,
+    member_status,
+)
 from evergraph.world.etcd_server import EtcdServer, free_port
 from evergraph.world.kv import Event, WorldError
 
@@ -107,8 +113,12 @@ def test_a_client_given_one_member_follows_the_cluster_when_it_dies(
         kv = EtcdKV([m0.client_url], timeout=10)
         members = await member_list(kv)
         assert [m.name for m in members] == ["m0", "m1", "m2"]
-        kv.set_endpoints([u for m in members for u in m.client_urls])
-        assert set(kv.endpoints) == {m.client_url for m in cluster}
+        # what an agent runs for any etcd World: the endpoints follow the member list
+        follower = asyncio.create_task(follow_members(kv, every=0.05))
+        deadline = time.monotonic() + 10
+        while set(kv.endpoints) != {m.client_url for m in cluster}:
+            assert time.monotonic() < deadline, f"endpoints stayed {kv.endpoints}"
+            await asyncio.sleep(0.01)
         await kv.put("w/a", b"1")
         events: list[Event] = []
 
@@ -134,6 +144,7 @@ def test_a_client_given_one_member_follows_the_cluster_when_it_dies(
                 await asyncio.sleep(0.01)
             watcher.cancel()
         assert [m.name for m in await member_list(kv)] == ["m0", "m1", "m2"]
+        follower.cancel()
         await kv.close()
 
     run(body)

@@ -320,6 +320,8 @@ class Agent:
                         opened = await self._open_seat(self.world_opts)
                     elif self.world_opts is not None:
                         opened = await open_world(self.world_opts, self.settings.state_dir)
+                        if self.world_opts.is_etcd:
+                            self._follow_cluster(opened.kv)
                     if opened is not None:
                         # every World call the agent makes is timed (for metrics)
                         opened.kv = self.kv = TimedKV(opened.kv)
@@ -431,6 +433,16 @@ class Agent:
         if self.seat is not None:
             self._seat_services(kv, host, membership)
         return membership
+
+    def _follow_cluster(self, kv: KV) -> None:
+        """An etcd World: its client follows the members' client URLs, so a seed that
+        dies later is no single point of failure (a seat does this itself)."""
+        from evergraph.world.etcd import EtcdKV
+
+        if isinstance(kv, EtcdKV):
+            from evergraph.world.etcd_cluster import follow_members
+
+            self._service(follow_members(kv), "etcd-members")
 
     async def _open_seat(self, opts: WorldOptions) -> OpenWorld:
         """`--etcd embedded`: this agent's seat in a self-forming cluster."""

@@ -24,6 +24,7 @@ import grpc  # type: ignore[import-untyped]
 import grpc.aio  # type: ignore[import-untyped]
 from aetcd import rpc
 
+from evergraph._util.clock import SYSTEM, Clock
 from evergraph.world._etcd_link import _Endpoint, _hint, _reason, _tls_problem
 from evergraph.world.etcd import EtcdKV
 from evergraph.world.kv import WorldError
@@ -219,3 +220,20 @@ def initial_cluster(members: Sequence[EtcdMember], name: str, peer_url: str) -> 
         parts += [f"{m.name}={u}" for u in m.peer_urls]
     parts.append(f"{name}={peer_url}")
     return ",".join(parts)
+
+
+async def follow_members(kv: EtcdKV, every: float = 5.0, clock: Clock = SYSTEM) -> None:
+    """Keep `kv`'s endpoints at the cluster's client URLs (and the ones it was given),
+    so a client whose seed dies goes on through the other members; until cancelled.
+    A member list that cannot be read leaves the endpoints as they are."""
+    given = list(kv.endpoints)
+    while True:
+        try:
+            members = await member_list(kv)
+        except WorldError:
+            pass
+        else:
+            urls = [u for m in members for u in m.client_urls]
+            if urls:
+                kv.set_endpoints([*urls, *(u for u in given if u not in urls)])
+        await clock.sleep(every)
