@@ -114,3 +114,21 @@ def test_bad_tokens_are_refused_with_one_line_and_nothing_joins(
     )
     assert "TLS" in line
     assert roles(seed.rows()) == {"h0": "voter"}
+    # without a certificate of the cluster's CA, a host can neither read nor write
+    from tests.kit.selfform import EVERGRAPH, client_url, env
+
+    ca = str(bed.hosts[0].state_dir / "cluster" / "ca.crt")
+    for args in (("get", "members/h0"), ("put", "test/x", "1")):
+        r = h1.run(
+            *EVERGRAPH,
+            "world",
+            *args,
+            "--seeds",
+            client_url(bed.hosts[0]),
+            "--etcd-ca",
+            ca,
+            env=env(),
+            check=False,
+        )
+        assert r.returncode == 1, r.stdout
+        assert "certificate" in r.stderr, r.stderr
