@@ -25,7 +25,6 @@ connection task only and never the service. Neither side logs the secret.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
@@ -45,6 +44,7 @@ from evergraph.cluster.hostkeys import check_verify_key
 from evergraph.cluster.jointokens import JoinToken, TokenError, another_cluster, check_token
 from evergraph.world.kv import KV, WorldError
 from evergraph.world.names import hostname_problem
+from evergraph.world.open import is_loopback_url
 
 log = logging.getLogger("evergraph.cluster.join")
 
@@ -150,16 +150,6 @@ def _clip(text: str) -> str:
 
 def _line(struct: msgspec.Struct) -> bytes:
     return msgspec.json.encode(struct) + b"\n"
-
-
-def _is_loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _url_problem(what: str, url: str) -> str | None:
@@ -396,7 +386,7 @@ class JoinServer:
                 raise _Refuse(why)
         every = [*mine.values(), *self._endpoints()]
         plain = self._scheme == "http" or any(urlsplit(u).scheme == "http" for u in every)
-        if plain and not all(_is_loopback(u) for u in every):
+        if plain and not all(is_loopback_url(u) for u in every):
             raise _Refuse("joining over a network needs TLS: use https:// URLs")
         for what, url in mine.items():
             scheme = urlsplit(url).scheme

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
 import os
@@ -66,6 +65,7 @@ from evergraph.world.etcd_cluster import EtcdMember, member_list
 from evergraph.world.etcd_server import DEFAULT_TIMING, EtcdServer, MemberRemoved, ServerTLS
 from evergraph.world.follow import Tombstone, watch_one
 from evergraph.world.kv import WorldError
+from evergraph.world.open import is_loopback_url
 
 log = logging.getLogger("evergraph.cluster")
 
@@ -76,16 +76,6 @@ TIMING_ENV = "EVERGRAPH_ETCD_TIMING"
 FOLLOW_EVERY = 1.0
 
 
-def is_loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def url_problem(url: str, flag: str) -> InputError | None:
     from evergraph.world.open import seed_problem
 
@@ -94,7 +84,7 @@ def url_problem(url: str, flag: str) -> InputError | None:
         return InputError(why, flag)
     if urlsplit(url).port is None:
         return InputError(f"{url!r} names no port", flag)
-    if urlsplit(url).scheme == "http" and not is_loopback(url):
+    if urlsplit(url).scheme == "http" and not is_loopback_url(url):
         return InputError(
             f"{url}: etcd traffic between hosts is TLS: use an https:// URL "
             "(plain http is for loopback only)",

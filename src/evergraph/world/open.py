@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,17 @@ def seed_problem(url: str) -> str | None:
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         return f"{url!r}: expected http(s)://host:port, with no path, query or fragment"
     return None
+
+
+def is_loopback_url(url: str) -> bool:
+    """Whether `url`'s host is a loopback address (or `localhost`)."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class OpenWorld:
