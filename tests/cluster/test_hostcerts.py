@@ -10,9 +10,7 @@ case a valid certificate of the same CA for its own hostname (a member gone bad)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +19,7 @@ import pytest
 
 from evergraph.cluster.ca import HOST_CERT, ClusterCA, cluster_dir, serial_of
 from evergraph.cluster.exports import (
-    Collector,
-    HostKeyBook,
     HostKeyRecord,
-    Publisher,
     decode_hostkeys,
     entry_name,
     export_key,
@@ -36,59 +31,23 @@ from evergraph.cluster.exports import (
 )
 from evergraph.cluster.hostbook import load_cluster_trust
 from evergraph.cluster.hostkeys import HostKeys, KeyError_, identity
-from evergraph.cluster.pins import Pins, fingerprint_of
+from evergraph.cluster.pins import fingerprint_of
 from evergraph.world.kv import KV, KeyValue, Put
 from evergraph.world.memory import MemoryKV, MemoryStore
 from tests.conftest import run_cli
-from tests.kit.exports import file_params
+from tests.kit.exports import Host, file_params
 
 CLUSTER = "c1"
 
 
-class CAHost:
-    """One host of a World with a cluster CA: its keys, the CA's certificate of
-    them, and its book (holding the CA's certificate only), publisher, collector."""
+class CAHost(Host):
+    """One host of a World with a cluster CA (tests/kit/exports.py's Host with a CA);
+    `told` hears the book's listeners."""
 
     def __init__(self, kv: KV, state: Path, name: str, ca: ClusterCA) -> None:
-        self.kv = kv
-        self.name = name
-        self.keys = HostKeys(state)
-        self.pins = Pins(state)
-        self.cert = ca.issue_host(name, self.keys.public, self.keys.verify)
-        #: the serials this host knows revoked (its CRL)
-        self.revoked: set[int] = set()
-        self.book = HostKeyBook(
-            kv,
-            self.pins,
-            name,
-            own=self.keys,
-            ca=ClusterCA.from_pem(ca.cert_pem),
-            own_cert=self.cert,
-            revoked=lambda: self.revoked,
-        )
+        super().__init__(kv, state, name, ca)
         self.told = asyncio.Queue[str]()
         self.book.listen(self.told.put_nowait)
-        self.publisher = Publisher(kv, self.keys, name, self.book, lambda: 0)
-        self.collector = Collector(kv, self.keys, name, self.book)
-        self.changes = asyncio.Queue[list[Any]]()
-        self.collector.listen(lambda: self.changes.put_nowait(self.collector.current()))
-
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[CAHost]:
-        await publish_hostkeys(self.kv, self.keys, self.name, cert=self.cert)
-        async with asyncio.TaskGroup() as tg:
-            tasks = [
-                tg.create_task(self.book.run()),
-                tg.create_task(self.publisher.run()),
-                tg.create_task(self.collector.run()),
-            ]
-            await self.book.ready.wait()
-            await self.collector.ready.wait()
-            try:
-                yield self
-            finally:
-                for t in tasks:
-                    t.cancel()
 
     async def told_of(self, host: str) -> None:
         """Until the book tells its listeners about `host`."""
