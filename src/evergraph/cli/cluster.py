@@ -123,7 +123,9 @@ async def _none() -> None:
     return None
 
 
-def register(cli: click.Group) -> None:
+def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]) -> None:
+    """`evergraph cluster` and its subcommands (the World is the state dir's cluster:
+    `world_options` are not used)."""
     ctx = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
     @cli.group(context_settings=ctx, invoke_without_command=True)

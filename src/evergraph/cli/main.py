@@ -52,7 +52,7 @@ class _LazyGroup(click.Group):
         module = LAZY_COMMANDS.get(cmd_name)
         if module is not None and cmd_name not in self.commands:
             mod = importlib.import_module(f"evergraph.cli.{module}")
-            if module in ("setup", "cluster"):
+            if module == "setup":
                 mod.register(self)  # needs the run command only
             else:
                 mod.register(self, world_options)
