@@ -291,11 +291,6 @@ def world_opts(world: dict[str, object]) -> WorldOptions:
         ):
             if given != default:
                 raise InputError(f"{flag} is for a member: add --etcd embedded", flag)
-    else:
-        # refused before the state dir is made (the seat checks them again)
-        from evergraph.cluster.seat import SeatOptions
-
-        SeatOptions(client_url=client_url, peer_url=peer_url).check()
     token_file = world.get("join_token_file")
     if token_file is not None and not Path(str(token_file)).is_file():
         raise InputError(f"no such file: {token_file}", "--join-token-file")
