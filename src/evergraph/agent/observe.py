@@ -7,6 +7,9 @@ formatting and I/O happen later, on the subscriber's own time.
 
 `TimedKV` wraps the World the agent opened: each call's latency goes to a
 `Histogram` per operation (watches are streams, not timed).
+
+`ClusterFigures` is what an agent run with `--etcd embedded` tells of its
+cluster: its seat's counts and its curator's replacements.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import bisect
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
 from evergraph.engine.status import Observer, VertexStatus
 from evergraph.world.kv import KV, Compare, Delete, Event, KeyValue, Put
@@ -39,6 +43,19 @@ LATENCY_BUCKETS = (
     30.0,
     300.0,
 )
+
+
+@dataclass(frozen=True)
+class ClusterFigures:
+    """The self-forming cluster as this agent sees it (`run --etcd embedded`)."""
+
+    voters: int
+    learners: int
+    standbys: int
+    #: times the etcd leader was seen to change
+    leader_changes: int
+    #: dead voters this agent removed while curator (each replaced by a standby)
+    replacements: int
 
 
 class Histogram:

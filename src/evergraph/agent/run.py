@@ -27,7 +27,7 @@ import msgspec
 
 from evergraph._util.atomic import ThrottledFile, sweep_temps
 from evergraph._version import __version__
-from evergraph.agent.observe import ObserverHub, TimedKV
+from evergraph.agent.observe import ClusterFigures, ObserverHub, TimedKV
 from evergraph.cluster.exports import (
     MARKS_FILE,
     Collector,
@@ -285,6 +285,20 @@ class Agent:
     def status(self) -> tuple[VertexStatus, ...]:
         """A snapshot of every vertex (empty before the first graph)."""
         return self.engine.status() if self.engine is not None else ()
+
+    def cluster_figures(self) -> ClusterFigures | None:
+        """The cluster as this agent's seat and curator see it (None without
+        `--etcd embedded`)."""
+        if self.seat is None:
+            return None
+        c = self.seat.counts()
+        return ClusterFigures(
+            voters=c.voters,
+            learners=c.learners,
+            standbys=c.standbys,
+            leader_changes=c.leader_changes,
+            replacements=self.curator.stats.replacements if self.curator is not None else 0,
+        )
 
     def keys(self) -> HostKeys:
         """Loaded on first use: nacl costs start-up time a World-less run need not pay."""

@@ -65,6 +65,7 @@ def _with_cluster(state_dir: Path | None, body: Callable[[EtcdKV, ClusterCA], Aw
 
 async def cluster_rows(kv: EtcdKV, ca: ClusterCA) -> list[dict[str, Any]]:
     """One row per member or standby: name, URLs, role, healthy, leader, lag."""
+    from evergraph.cluster.revoke import CRL_KEY, read_crl
     from evergraph.cluster.roster import CANDIDATES, decode_candidate
     from evergraph.world.etcd_cluster import member_list, member_status
 
@@ -90,8 +91,9 @@ async def cluster_rows(kv: EtcdKV, ca: ClusterCA) -> list[dict[str, Any]]:
             }
         )
     cands, _ = await kv.range(CANDIDATES)
+    revoked = read_crl(ca, await kv.get(CRL_KEY)) or set()  # a removed host is none
     for item in cands:
-        c = decode_candidate(ca, item)
+        c = decode_candidate(ca, item, revoked)
         if c is None or c.peer_url in peers:
             continue
         rows.append(
@@ -167,16 +169,34 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
     def sd(click_ctx: click.Context, state_dir: Path | None) -> Path | None:
         return state_dir or click_ctx.obj.get("state_dir")
 
-    @cluster.command(context_settings=ctx)
+    # N is parsed here, not by click: `x` or `-1` is refused with the one line that
+    # names the valid sizes (click would print its usage, or call -1 an option)
+    @cluster.command(context_settings={**ctx, "ignore_unknown_options": True})
     @state_dir_option
-    @click.argument("n", required=False, type=int)
+    @click.argument("text", metavar="N", required=False)
     @click.pass_context
-    def size(click_ctx: click.Context, /, state_dir: Path | None, n: int | None) -> None:
+    def size(click_ctx: click.Context, /, state_dir: Path | None, text: str | None) -> None:
         """Print the ideal number of voters, or set it to N (1, 3, 5, 7 or 9)."""
         from evergraph.cli.main import _die
-        from evergraph.cluster.roster import SIZE_KEY, encode_size, read_size, size_problem
+        from evergraph.cluster.roster import (
+            SIZE_KEY,
+            VALID_SIZES,
+            encode_size,
+            read_size,
+            size_problem,
+        )
 
-        if n is not None:
+        n: int | None = None
+        if text is not None:
+            try:
+                n = int(text.strip())
+            except ValueError:
+                valid = ", ".join(map(str, VALID_SIZES))
+                _die(
+                    InputError(
+                        f"{text!r} is not a cluster size: pick one of {valid}", "cluster size"
+                    )
+                )
             why = size_problem(n)
             if why:
                 _die(InputError(why, "cluster size"))
@@ -234,35 +254,58 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
     @state_dir_option
     @click.pass_context
     def watch(click_ctx: click.Context, /, state_dir: Path | None) -> None:
-        """Print membership changes as they happen (Ctrl-C ends)."""
+        """Print membership changes as they happen (Ctrl-C ends).
 
-        async def body(kv: EtcdKV, ca: ClusterCA) -> None:
+        First each member's role, then a line for each change seen: a member or
+        standby new, gone, or in another role; and the curator's own line for
+        each change it makes (what, and why)."""
+        from evergraph.cluster.roster import LAST_CHANGE, decode_change
+        from evergraph.world.follow import Tombstone, watch_one
+
+        def say(line: str) -> None:
+            click.echo(f"{time.strftime('%H:%M:%S')} {line}")
+            sys.stdout.flush()
+
+        async def roles(kv: EtcdKV, ca: ClusterCA) -> None:
             seen: dict[str, str] = {}
             first = True
             while True:
                 try:
                     rows = await cluster_rows(kv, ca)
                 except WorldError as e:
-                    click.echo(f"{time.strftime('%H:%M:%S')} cluster unreachable: {e}")
+                    say(f"cluster unreachable: {e}")
                     await asyncio.sleep(1)
                     continue
                 now = {r["name"]: _describe(r) for r in rows}
-                stamp = time.strftime("%H:%M:%S")
                 for name in sorted(set(now) | set(seen)):
                     a, b = seen.get(name), now.get(name)
                     if a == b:
                         continue
                     if first:
-                        click.echo(f"{stamp} {name}: {b}")
+                        say(f"{name}: {b}")
                     elif a is None:
-                        click.echo(f"{stamp} {name}: new, {b}")
+                        say(f"{name}: new, {b}")
                     elif b is None:
-                        click.echo(f"{stamp} {name}: gone (was {a})")
+                        say(f"{name}: gone (was {a})")
                     else:
-                        click.echo(f"{stamp} {name}: {a} -> {b}")
-                sys.stdout.flush()
+                        say(f"{name}: {a} -> {b}")
                 seen, first = now, False
                 await asyncio.sleep(0.5)
+
+        async def curator_lines(kv: EtcdKV) -> None:
+            # every change the curator makes, as it tells it (the first snapshot is
+            # an old change: not printed)
+            first = True
+            async for snap in watch_one(kv, LAST_CHANGE):
+                change = None if isinstance(snap, Tombstone) else decode_change(snap)
+                if not first and change is not None:
+                    say(f"curator {change.by}: {change.line}")
+                first = False
+
+        async def body(kv: EtcdKV, ca: ClusterCA) -> None:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(curator_lines(kv))
+                tg.create_task(roles(kv, ca))
 
         _with_cluster(sd(click_ctx, state_dir), body)
 

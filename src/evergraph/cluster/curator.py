@@ -20,7 +20,8 @@ says now (etcd's member list and each member's status) and what the World says
 5. more voters than the ideal size: one voter (not the leader; an unhealthy one
    first) is removed, and stays a standby.
 
-Each change is one log line naming what and why. A step is a pure decision
+Each change is one log line naming what and why, also kept at
+`cluster/last-change` for `evergraph cluster watch`. A step is a pure decision
 (`decide`) over a snapshot, then one action, so the logic is tested without
 etcd.
 """
@@ -36,15 +37,18 @@ from dataclasses import dataclass, field
 from evergraph._util.clock import SYSTEM, Clock
 from evergraph.cluster.ca import ClusterCA
 from evergraph.cluster.election import Election
+from evergraph.cluster.revoke import CRL_KEY, read_crl
 from evergraph.cluster.roster import (
     CANDIDATES,
     INVITES,
+    LAST_CHANGE,
     LEAVING,
     SIZE_KEY,
     Candidate,
     Invite,
     decode_candidate,
     decode_size,
+    encode_change,
     encode_invite,
 )
 from evergraph.world.etcd_cluster import (
@@ -255,9 +259,11 @@ class Curator:
                 if mid not in ids:
                     del d[mid]
         cands_kv, _ = await kv.range(CANDIDATES)  # type: ignore[attr-defined]
+        # a removed host's agent may still write its record: its certificate is revoked
+        revoked = read_crl(self.ca, await kv.get(CRL_KEY)) or set()  # type: ignore[attr-defined]
         candidates: dict[str, Candidate] = {}
         for item in cands_kv:
-            c = decode_candidate(self.ca, item)
+            c = decode_candidate(self.ca, item, revoked)
             if c is None:
                 log.debug("cluster: %s is not a certified candidate: ignored", item.key)
                 continue
@@ -291,18 +297,18 @@ class Curator:
             c = act.candidate
             new, after = await member_add(kv, [c.peer_url], learner=True)  # type: ignore[arg-type]
             await self._invite(c, new.id, after)
-            self._tell(f"added {c.name} as a learner ({act.why})")
+            await self._tell(f"added {c.name} as a learner ({act.why})")
         elif act.what == "invite":
             assert act.candidate is not None
             assert act.member is not None
             await self._invite(act.candidate, act.member.id, s.members)
-            self._tell(f"invited learner {act.candidate.name} again ({act.why})")
+            await self._tell(f"invited learner {act.candidate.name} again ({act.why})")
         elif act.what == "promote":
             assert act.member is not None
             await member_promote(kv, act.member.id)  # type: ignore[arg-type]
             with contextlib.suppress(WorldError):
                 await self.election.fenced([Delete(INVITES + act.member.name)])
-            self._tell(f"promoted {act.member.name} to voter ({act.why})")
+            await self._tell(f"promoted {act.member.name} to voter ({act.why})")
         elif act.what == "remove":
             assert act.member is not None
             await member_remove(kv, act.member.id)  # type: ignore[arg-type]
@@ -310,7 +316,7 @@ class Curator:
                 self.stats.replacements += 1
             with contextlib.suppress(WorldError):
                 await self.election.fenced([Delete(INVITES + act.member.name)])
-            self._tell(f"removed {act.member.name or act.member.peer_urls[0]} ({act.why})")
+            await self._tell(f"removed {act.member.name or act.member.peer_urls[0]} ({act.why})")
         return act
 
     async def _invite(self, c: Candidate, member_id: int, members: Sequence[EtcdMember]) -> None:
@@ -323,8 +329,16 @@ class Curator:
         if not await self.election.fenced([Put(INVITES + c.name, encode_invite(self.ca, inv))]):
             log.warning("cluster: no longer curator: learner %s not invited", c.name)
 
-    def _tell(self, line: str) -> None:
+    async def _tell(self, line: str) -> None:
+        """One log line for a change made, and the same line at `cluster/last-change`
+        (best effort: the change is made, telling it may fail)."""
         self.stats.changes += 1
+        self.stats.last = [*self.stats.last[-9:], line]
         log.info("cluster: %s", line)
         for fn in self._on_change:
             fn(line)
+        record = encode_change(line, self.election.me, self.clock.time())
+        try:
+            await self.election.fenced([Put(LAST_CHANGE, record)])
+        except WorldError as e:
+            log.debug("cluster: curator: could not record the change: %s", e)

@@ -9,7 +9,10 @@
   as a learner (its member id and the `--initial-cluster` to start with),
   signed by the CA;
 - `cluster/leaving/<name>`: under the lease of a voter that stops cleanly and
-  asks to be replaced first.
+  asks to be replaced first;
+- `cluster/last-change`: the curator's line for its last membership change
+  (what and why; `cluster watch` prints it). Told, not trusted: nothing acts
+  on it.
 
 Decoders return None for a record that does not verify (the caller logs it).
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import logging
+from collections.abc import Iterable
 
 import msgspec
 
@@ -31,6 +35,7 @@ SIZE_KEY = "cluster/size"
 CANDIDATES = "cluster/candidates/"
 INVITES = "cluster/invites/"
 LEAVING = "cluster/leaving/"
+LAST_CHANGE = "cluster/last-change"
 
 DEFAULT_SIZE = 3
 VALID_SIZES = (1, 3, 5, 7, 9)
@@ -115,19 +120,43 @@ def encode_candidate(keys: HostKeys, name: str, peer: str, client: str, cert: by
     return msgspec.json.encode(msgspec.structs.replace(rec, sig=_b64(keys.sign(_body(rec)))))
 
 
-def decode_candidate(ca: ClusterCA, kv: KeyValue) -> Candidate | None:
-    """The candidate at `kv` if it is certified by the CA and signed by its host."""
+def decode_candidate(ca: ClusterCA, kv: KeyValue, revoked: Iterable[int] = ()) -> Candidate | None:
+    """The candidate at `kv` if it is certified by the CA (its certificate not among
+    the `revoked` serials: a host `cluster remove`d is no candidate, though its
+    agent still runs and writes its record) and signed by its host."""
     try:
         rec = msgspec.json.decode(kv.value, type=Candidate)
     except msgspec.DecodeError:
         return None
     if kv.key != CANDIDATES + rec.name:
         return None
-    if ca.check_host_cert(rec.cert.encode(), rec.name, rec.public, rec.verify) is not None:
+    if ca.check_host_cert(rec.cert.encode(), rec.name, rec.public, rec.verify, revoked) is not None:
         return None
     if not HostKeys.check_signature(rec.verify, _body(rec), _unb64(rec.sig)):
         return None
     return rec
+
+
+# -- the last change ---------------------------------------------------------------------
+class Change(msgspec.Struct, frozen=True, kw_only=True):
+    """A membership change, as the curator that made it tells it."""
+
+    line: str
+    by: str = ""
+    at: float = 0.0
+
+
+def encode_change(line: str, by: str, at: float) -> bytes:
+    return msgspec.json.encode(Change(line=line, by=by, at=at))
+
+
+def decode_change(kv: KeyValue | None) -> Change | None:
+    if kv is None:
+        return None
+    try:
+        return msgspec.json.decode(kv.value, type=Change)
+    except msgspec.DecodeError:
+        return None
 
 
 # -- invites ------------------------------------------------------------------------------

@@ -23,6 +23,9 @@ restarts an etcd that died, discards the data of a member that was removed
 (it is a standby again), and serves joins for hosts holding a token.
 `Seat.handover()` on a clean stop asks to be replaced and waits until the
 curator has done so (only when a standby can take the seat).
+
+`Seat.counts()` is what the seat last saw of the cluster (voters, learners,
+standbys, leader changes), for the agent's metrics; `_follow` keeps it current.
 """
 
 from __future__ import annotations
@@ -56,12 +59,14 @@ from evergraph.cluster.roster import (
     CANDIDATES,
     INVITES,
     LEAVING,
+    Candidate,
+    decode_candidate,
     decode_invite,
     encode_candidate,
 )
 from evergraph.errors import InputError
 from evergraph.world.etcd import EtcdKV
-from evergraph.world.etcd_cluster import EtcdMember, member_list
+from evergraph.world.etcd_cluster import EtcdMember, member_list, member_status
 from evergraph.world.etcd_server import DEFAULT_TIMING, EtcdServer, MemberRemoved, ServerTLS
 from evergraph.world.follow import Tombstone, watch_one
 from evergraph.world.kv import WorldError
@@ -116,6 +121,18 @@ class SeatOptions:
                 "the client and peer URLs use one scheme (both https, or both http on loopback)",
                 "--etcd-peer-url",
             )
+
+
+@dataclass(frozen=True)
+class SeatCounts:
+    """The cluster as this seat last saw it (the agent's metrics)."""
+
+    voters: int = 0
+    learners: int = 0
+    #: certified candidates that are no member
+    standbys: int = 0
+    #: times the etcd leader was seen to be another member than the last one seen
+    leader_changes: int = 0
 
 
 @dataclass
@@ -192,6 +209,14 @@ class Seat:
         #: serials the cluster revoked (`cluster remove`), from `cluster/crl`
         self.revoked: set[int] = set()
         self._revoked_listeners: list[Callable[[], None]] = []
+        #: candidates as last read: key -> (mod revision, the record if certified),
+        #: so each record's certificate is checked once, not at every look
+        self._candidates: dict[str, tuple[int, Candidate | None]] = {}
+        self._counted_revoked: frozenset[int] = frozenset()
+        #: the last leader seen (0: none yet), and how often it changed
+        self._leader = 0
+        self._leader_changes = 0
+        self._counts = SeatCounts()
 
     # -- where things are ------------------------------------------------------------
     @property
@@ -507,7 +532,66 @@ class Seat:
                         with contextlib.suppress(OSError):
                             self.state.save(self._path(STATE_FILE))
                 await self._check_own_member()
+                await self._count()
             await self.clock.sleep(FOLLOW_EVERY)
+
+    def counts(self) -> SeatCounts:
+        """Voters, learners, standbys and leader changes, as last seen (`_follow`)."""
+        return self._counts
+
+    async def _count(self) -> None:
+        """Recount from the member list just read, the candidates and the leader."""
+        kv, ca = self.kv, self.ca
+        assert kv is not None
+        assert ca is not None
+        try:
+            items, _ = await kv.range(CANDIDATES)
+        except WorldError as e:
+            log.debug("cluster: candidates: %s", e)
+            return
+        cache: dict[str, tuple[int, Candidate | None]] = {}
+        revoked = frozenset(self.revoked)
+        if revoked != self._counted_revoked:  # a host removed: check every record again
+            self._candidates, self._counted_revoked = {}, revoked
+        for item in items:
+            hit = self._candidates.get(item.key)
+            if hit is None or hit[0] != item.mod_revision:
+                hit = (item.mod_revision, decode_candidate(ca, item, revoked))
+            cache[item.key] = hit
+        self._candidates = cache
+        peers = {u for m in self.members for u in m.peer_urls}
+        standbys = sum(1 for _, c in cache.values() if c is not None and c.peer_url not in peers)
+        leader = await self._leader_id()
+        if leader and leader != self._leader:
+            if self._leader:
+                self._leader_changes += 1
+                log.info("cluster: etcd leader is now member %x (was %x)", leader, self._leader)
+            self._leader = leader
+        learners = sum(1 for m in self.members if m.is_learner)
+        self._counts = SeatCounts(
+            voters=len(self.members) - learners,
+            learners=learners,
+            standbys=standbys,
+            leader_changes=self._leader_changes,
+        )
+
+    async def _leader_id(self) -> int:
+        """The leader's member id as a member says (our own first); 0 if none says."""
+        kv = self.kv
+        assert kv is not None
+        urls = [u for m in self.members for u in m.client_urls[:1]]
+        if self.server is not None and self.opts.client_url in urls:
+            urls.remove(self.opts.client_url)
+            urls.insert(0, self.opts.client_url)
+        for url in urls:
+            try:
+                st = await member_status(kv, url)
+            except WorldError as e:
+                log.debug("cluster: status of %s: %s", url, e)
+                continue
+            if st is not None and st.leader:
+                return st.leader
+        return 0
 
     async def _check_own_member(self) -> None:
         async with self._lock:

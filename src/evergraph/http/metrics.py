@@ -5,7 +5,9 @@ it only adds to counters and bucket counts. Everything else is read when
 scraped, by a collector registered in a registry of this app's own (never the
 library's global one): vertex states, the converged flag and watch events from
 the engine, the World's call latencies from the agent's timed KV, the farm's
-queue from `FarmQueue` (a follow of the farm's requests, when the farm runs).
+queue from `FarmQueue` (a follow of the farm's requests, when the farm runs),
+the self-forming cluster's members and changes from a callable the agent
+hands in (`ClusterFigures`, only with `--etcd embedded`).
 
 The event loop's stalls are watched too (`watch_loop`): a timer every 25 ms
 notes how late it ran while the loop's own thread was busy (its CPU time moved:
@@ -32,7 +34,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from evergraph.agent.observe import Histogram
+from evergraph.agent.observe import ClusterFigures, Histogram
 from evergraph.engine.status import GraphQuery, VertexStatus, vertex_count
 from evergraph.farm.model import WAITING
 from evergraph.farm.service import REQS, open_request
@@ -183,11 +185,13 @@ class _Collector(Collector):
         engine: Callable[[], GraphQuery | None],
         world: Callable[[], dict[str, Histogram]],
         farm: FarmQueue | None,
+        cluster: Callable[[], ClusterFigures | None] | None = None,
     ) -> None:
         self.metrics = metrics
         self.engine = engine
         self.world = world
         self.farm = farm
+        self.cluster = cluster
         self._counts: tuple[object, Mapping[str, int]] = ((), {})
         m = metrics
         self.families: list[_Family] = [
@@ -203,6 +207,14 @@ class _Collector(Collector):
         ]
         if farm is not None:
             self.families.append((lambda: farm.waiting, self._farm))
+        if cluster is not None:
+            self.families += [
+                (cluster, self._voters),
+                (cluster, self._learners),
+                (cluster, self._standbys),
+                (cluster, self._leader_changes),
+                (cluster, self._replacements),
+            ]
 
     def collect(self) -> Iterator[Metric]:
         for _, build in self.families:
@@ -313,6 +325,47 @@ class _Collector(Collector):
             value=self.farm.waiting,
         )
 
+    def _figures(self) -> ClusterFigures:
+        assert self.cluster is not None
+        return self.cluster() or ClusterFigures(0, 0, 0, 0, 0)
+
+    def _voters(self) -> Metric:
+        return GaugeMetricFamily(
+            "evergraph_cluster_voters",
+            "Voting members of the etcd cluster, as this agent's seat last saw them.",
+            value=self._figures().voters,
+        )
+
+    def _learners(self) -> Metric:
+        return GaugeMetricFamily(
+            "evergraph_cluster_learners",
+            "Learners of the etcd cluster (added, not yet promoted): 0 or 1.",
+            value=self._figures().learners,
+        )
+
+    def _standbys(self) -> Metric:
+        return GaugeMetricFamily(
+            "evergraph_cluster_standbys",
+            "Agents run with --etcd embedded that hold no member (ready to be added).",
+            value=self._figures().standbys,
+        )
+
+    def _leader_changes(self) -> Metric:
+        fam = CounterMetricFamily(
+            "evergraph_cluster_leader_changes",
+            "Times this agent saw the etcd leader change to another member.",
+        )
+        fam.add_metric([], self._figures().leader_changes)
+        return fam
+
+    def _replacements(self) -> Metric:
+        fam = CounterMetricFamily(
+            "evergraph_cluster_member_replacements",
+            "Dead voters this agent removed as curator, for a standby to take their seat.",
+        )
+        fam.add_metric([], self._figures().replacements)
+        return fam
+
 
 class Exposition:
     """This app's own registries (never the library's global one): the evergraph
@@ -331,10 +384,11 @@ class Exposition:
         farm: FarmQueue | None,
         fresh: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        cluster: Callable[[], ClusterFigures | None] | None = None,
     ) -> None:
         self.fresh = fresh
         self.clock = clock
-        self.collector = _Collector(metrics, engine, world, farm)
+        self.collector = _Collector(metrics, engine, world, farm, cluster)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
         self.process = CollectorRegistry(auto_describe=False)

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from evergraph.agent.observe import Histogram, ObserverHub, TimedKV
+from evergraph.agent.observe import ClusterFigures, Histogram, ObserverHub, TimedKV
 from evergraph.engine.status import GraphQuery, VertexStatus, vertex_status
 from evergraph.farm.signed import FarmTrust
 from evergraph.http.limits import AuthFailures
@@ -134,6 +134,10 @@ class ObservedAgent(Protocol):
 
     def status(self) -> tuple[VertexStatus, ...]: ...
 
+    def cluster_figures(self) -> ClusterFigures | None:
+        """Its self-forming cluster's figures; None when it runs no seat."""
+        ...
+
 
 class AgentView:
     """Everything the HTTP service observes of one agent, and its routes."""
@@ -147,7 +151,11 @@ class AgentView:
             if farm and agent.kv is not None and agent.farm_trust is not None
             else None
         )
-        self.exposition = Exposition(self.metrics, lambda: agent.engine, self._world, self.farm)
+        # the cluster's families only when the agent has a seat (--etcd embedded)
+        cluster = agent.cluster_figures if agent.cluster_figures() is not None else None
+        self.exposition = Exposition(
+            self.metrics, lambda: agent.engine, self._world, self.farm, cluster=cluster
+        )
         self._static: dict[str, bytes] = {}
         #: failed token attempts on the parameter routes (http/limits.py)
         self.auth_failures = AuthFailures()
