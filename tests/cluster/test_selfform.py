@@ -85,7 +85,12 @@ def test_bad_tokens_are_refused_with_one_line_and_nothing_joins(
             e["EVERGRAPH_JOIN_TOKEN"] = env_token
         r = h1.run(*argv, env=e, check=False, timeout=60)
         assert r.returncode == 2, r.stderr + r.stdout
-        errors = [ln for ln in (r.stderr + r.stdout).splitlines() if "error" in ln.lower()]
+        # the agent's log line ("error: ...") or the command line's ("evergraph: ...")
+        errors = [
+            ln
+            for ln in (r.stderr + r.stdout).splitlines()
+            if "error" in ln.lower() or ln.startswith("evergraph:")
+        ]
         assert len(errors) == 1, errors
         return errors[0]
 

@@ -291,6 +291,12 @@ def world_opts(world: dict[str, object]) -> WorldOptions:
         ):
             if given != default:
                 raise InputError(f"{flag} is for a member: add --etcd embedded", flag)
+    else:
+        from evergraph.world.open import member_urls_problem
+
+        err = member_urls_problem(client_url, peer_url)
+        if err is not None:
+            raise err  # before the state dir is made: bad input changes nothing
     token_file = world.get("join_token_file")
     if token_file is not None and not Path(str(token_file)).is_file():
         raise InputError(f"no such file: {token_file}", "--join-token-file")

@@ -70,7 +70,7 @@ from evergraph.world.etcd_cluster import EtcdMember, member_list, member_status
 from evergraph.world.etcd_server import DEFAULT_TIMING, EtcdServer, MemberRemoved, ServerTLS
 from evergraph.world.follow import Tombstone, watch_one
 from evergraph.world.kv import WorldError
-from evergraph.world.open import is_loopback_url
+from evergraph.world.open import member_urls_problem
 
 log = logging.getLogger("evergraph.cluster")
 
@@ -79,23 +79,6 @@ STATE_FILE = "cluster.json"
 TIMING_ENV = "EVERGRAPH_ETCD_TIMING"
 #: seconds between two looks at etcd's member list
 FOLLOW_EVERY = 1.0
-
-
-def url_problem(url: str, flag: str) -> InputError | None:
-    from evergraph.world.open import seed_problem
-
-    why = seed_problem(url)
-    if why:
-        return InputError(why, flag)
-    if urlsplit(url).port is None:
-        return InputError(f"{url!r} names no port", flag)
-    if urlsplit(url).scheme == "http" and not is_loopback_url(url):
-        return InputError(
-            f"{url}: etcd traffic between hosts is TLS: use an https:// URL "
-            "(plain http is for loopback only)",
-            flag,
-        )
-    return None
 
 
 @dataclass(frozen=True)
@@ -109,18 +92,9 @@ class SeatOptions:
     join_timeout: float = 300.0
 
     def check(self) -> None:
-        for url, flag in (
-            (self.client_url, "--etcd-client-url"),
-            (self.peer_url, "--etcd-peer-url"),
-        ):
-            err = url_problem(url, flag)
-            if err is not None:
-                raise err
-        if urlsplit(self.client_url).scheme != urlsplit(self.peer_url).scheme:
-            raise InputError(
-                "the client and peer URLs use one scheme (both https, or both http on loopback)",
-                "--etcd-peer-url",
-            )
+        err = member_urls_problem(self.client_url, self.peer_url)
+        if err is not None:
+            raise err
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,29 @@ def is_loopback_url(url: str) -> bool:
         return False
 
 
+def member_urls_problem(client_url: str, peer_url: str) -> InputError | None:
+    """Why `--etcd-client-url`/`--etcd-peer-url` cannot be a member's URLs; None if
+    they can: http(s)://host:port each, one scheme, https unless on loopback."""
+    for url, flag in ((client_url, "--etcd-client-url"), (peer_url, "--etcd-peer-url")):
+        why = seed_problem(url)
+        if why:
+            return InputError(why, flag)
+        if urlsplit(url).port is None:
+            return InputError(f"{url!r} names no port", flag)
+        if urlsplit(url).scheme == "http" and not is_loopback_url(url):
+            return InputError(
+                f"{url}: etcd traffic between hosts is TLS: use an https:// URL "
+                "(plain http is for loopback only)",
+                flag,
+            )
+    if urlsplit(client_url).scheme != urlsplit(peer_url).scheme:
+        return InputError(
+            "the client and peer URLs use one scheme (both https, or both http on loopback)",
+            "--etcd-peer-url",
+        )
+    return None
+
+
 class OpenWorld:
     """The KV plus what must be stopped with it (an embedded etcd)."""
 
