@@ -34,6 +34,7 @@ BENCHMARKS = (
     "http",
     "abuse",
     "cluster",
+    "selfform",
     "world10k",
 )
 
