@@ -276,12 +276,31 @@ class Seat:
             kw = {"ca": self.tls.ca, "cert": self.tls.cert, "key": self.tls.key}
         self.kv = EtcdKV(endpoints, **kw)  # type: ignore[arg-type]
         try:
-            await self.kv.range("members/")
+            await self._first_read(self.kv)
         except BaseException:
             await self.kv.close()
             self.stop()
             raise
         return self.kv
+
+    async def _first_read(self, kv: EtcdKV, timeout: float = 60.0) -> None:
+        """Read the World once, waiting for a member that serves: etcd listens before
+        it has a leader (and closes TLS connections until then), and the other
+        members of a resumed cluster may still be starting."""
+        deadline = self.clock.monotonic() + timeout
+        said = self.clock.monotonic()
+        while True:
+            try:
+                await kv.range("members/")
+                return
+            except WorldError as e:
+                now = self.clock.monotonic()
+                if now > deadline:
+                    raise
+                if now - said > 5:
+                    log.info("cluster: waiting for the cluster to serve (%s)", e)
+                    said = now
+            await self.clock.sleep(0.2)
 
     def _endpoints(self, known: Sequence[str]) -> list[str]:
         own = [self.opts.client_url] if self.server is not None else []
