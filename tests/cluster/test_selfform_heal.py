@@ -78,6 +78,10 @@ def test_kill9_of_a_voter_a_standby_takes_its_seat_and_no_write_is_lost(
     victim.kill9()
     took = wait_until(replaced, 30, f"a standby in {victim.h.name}'s seat", alive)
     print(f"kill -9 of {victim.h.name} (leader: {victim_leads}): a standby voted in {took:.1f} s")
+    # the curator said what it did and why, one line each
+    said = "\n".join(m.text() for m in alive)
+    assert f"cluster: removed {victim.h.name} (its agent is gone" in said
+    assert "to voter (caught up with the leader)" in said
     wait_until(settled(alive, 3, 1, ask=watcher), 30, "3 voters and 1 standby", alive)
     wait_until(writer.grew(50), 30, "writes after the replacement", alive)
     writer.stop()
