@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.kit.netbed import NetBed
-from tests.kit.selfform import Member, roles, wait_until
+from tests.kit.selfform import Member, formed, roles, settled, wait_until
 
 pytestmark = [
     pytest.mark.skipif(
@@ -22,34 +22,6 @@ pytestmark = [
     ),
     pytest.mark.slow,
 ]
-
-
-def formed(bed: NetBed, n: int) -> tuple[list[Member], Path]:
-    """h0 forms the cluster; a token; the others start at the same instant."""
-    members = [Member(bed, h) for h in bed.hosts[:n]]
-    seed = members[0]
-    seed.start()
-    wait_until(lambda: roles(seed.rows()) == {"h0": "voter"}, 60, "the seed's cluster", [seed])
-    token = seed.token(bed.tmp / "join.token")
-    for m in members[1:]:
-        m.start([bed.hosts[0]], token)
-    return members, token
-
-
-def settled(members: list[Member], voters: int, standbys: int) -> Callable[[], bool]:
-    names = {m.h.name for m in members}
-
-    def ok() -> bool:
-        rows = members[0].rows()
-        r = roles(rows)
-        return (
-            set(r) == names
-            and sum(1 for v in r.values() if v == "voter") == voters
-            and sum(1 for v in r.values() if v == "standby") == standbys
-            and all(row["healthy"] for row in rows if row["role"] == "voter")
-        )
-
-    return ok
 
 
 def test_five_agents_form_three_voters_and_two_standbys(netbed: Callable[[int], NetBed]) -> None:
