@@ -318,3 +318,29 @@ def test_a_state_dir_without_a_cluster_is_one_line(tmp_path: Path) -> None:
             cli("cluster", *sub, "--state-dir", empty)
         ), sub
     assert "no such state directory" in one_line(cli("cluster", "--state-dir", tmp_path / "no"))
+
+
+def test_an_etcd_data_dir_it_did_not_make_is_never_wiped(tmp_path: Path) -> None:
+    """An `--etcd embedded` World of an earlier version (no cluster state beside it)
+    may be someone's data: refused with one line, left as it is."""
+    state = tmp_path / "state"
+    wal = state / "etcd" / "member" / "wal"
+    wal.mkdir(parents=True)
+    (wal / "0.wal").write_bytes(b"precious")
+    r = cli(
+        "run",
+        HELLO,
+        "--state-dir",
+        state,
+        "--converged-exit",
+        "--etcd",
+        "embedded",
+        "--etcd-client-url",
+        "http://127.0.0.1:1",
+        "--etcd-peer-url",
+        "http://127.0.0.1:2",
+    )
+    line = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr
+    assert any("did not make" in ln and str(state / "etcd") in ln for ln in line), r.stderr
+    assert (wal / "0.wal").read_bytes() == b"precious"

@@ -245,6 +245,7 @@ class Seat:
         make_dirs(self.dir)
         self.state = ClusterState.load(self._path(STATE_FILE))
         if self.state is None:
+            self._refuse_foreign_data()
             if self.opts.token is not None:
                 await self._join()
             else:
@@ -309,6 +310,20 @@ class Seat:
             if u not in out:
                 out.append(u)
         return out
+
+    def _refuse_foreign_data(self) -> None:
+        """An etcd data dir this seat did not make (an `--etcd embedded` of an earlier
+        version, a copy): never wiped to form or join, it may be someone's World.
+        (A seat's own interrupted attempt saved the CA before etcd ever started.)"""
+        if (self.dir / ca_files.CA_CERT).exists():
+            return
+        if EtcdServer.embedded(self._data_dir).has_member_data():
+            raise InputError(
+                "holds an etcd member this agent did not make (an earlier --etcd "
+                "embedded?): back it up and move it away to form or join a cluster; "
+                "its data is not adopted",
+                str(self._data_dir),
+            )
 
     def _form(self) -> None:
         ca = ClusterCA.new(self.host)
