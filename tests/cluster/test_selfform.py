@@ -4,24 +4,13 @@ grow to the ideal size, heal after a kill -9, resize, and refuse bad tokens."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
 from tests.kit.netbed import NetBed
-from tests.kit.selfform import Member, formed, roles, settled, wait_until
+from tests.kit.selfform import CLUSTER_TEST, Member, formed, roles, settled, wait_until
 
-pytestmark = [
-    pytest.mark.skipif(
-        os.geteuid() != 0
-        or not all(map(shutil.which, ("ip", "nsenter", "unshare", "nft", "etcd"))),
-        reason="needs root, ip, nsenter, unshare, nft and etcd",
-    ),
-    pytest.mark.slow,
-]
+pytestmark = CLUSTER_TEST
 
 
 def test_five_agents_form_three_voters_and_two_standbys(netbed: Callable[[int], NetBed]) -> None:

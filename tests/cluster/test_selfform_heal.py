@@ -7,7 +7,6 @@ network namespaces (tests/kit/netbed.py); the writer is tests/kit/cluster_client
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -16,6 +15,7 @@ import pytest
 
 from tests.kit.netbed import NetBed
 from tests.kit.selfform import (
+    CLUSTER_TEST,
     CounterWriter,
     Member,
     formed,
@@ -26,14 +26,7 @@ from tests.kit.selfform import (
     with_role,
 )
 
-pytestmark = [
-    pytest.mark.skipif(
-        os.geteuid() != 0
-        or not all(map(shutil.which, ("ip", "nsenter", "unshare", "nft", "etcd"))),
-        reason="needs root, ip, nsenter, unshare, nft and etcd",
-    ),
-    pytest.mark.slow,
-]
+pytestmark = CLUSTER_TEST
 
 #: how many formations in a row the formation test makes
 FORMATION_RUNS = int(os.environ.get("EVERGRAPH_FORMATION_RUNS", "20"))

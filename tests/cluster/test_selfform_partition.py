@@ -8,8 +8,6 @@ returns). Real agents and etcd members in network namespaces (tests/kit/netbed.p
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +18,7 @@ from evergraph.cluster.hostkeys import HostKeys
 from tests.kit.identity_attacks import forged_export, host_key_record
 from tests.kit.netbed import NetBed
 from tests.kit.selfform import (
+    CLUSTER_TEST,
     CounterWriter,
     Member,
     formed,
@@ -30,14 +29,7 @@ from tests.kit.selfform import (
     world_put_raw,
 )
 
-pytestmark = [
-    pytest.mark.skipif(
-        os.geteuid() != 0
-        or not all(map(shutil.which, ("ip", "nsenter", "unshare", "nft", "etcd"))),
-        reason="needs root, ip, nsenter, unshare, nft and etcd",
-    ),
-    pytest.mark.slow,
-]
+pytestmark = CLUSTER_TEST
 
 
 def collector(name: str) -> str:

@@ -25,3 +25,19 @@ def machine_wide() -> Iterator[None]:
     with open(LOCK, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
         yield
+
+
+#: the lock a test holds while it runs a multi-host etcd cluster in namespaces: five
+#: agents and five etcd members with fast raft timing take both cores in bursts, so
+#: two such tests (or two suites' worth) at once starve each other and the timing of
+#: everything else; one at a time per machine
+CLUSTER_LOCK = os.path.join(tempfile.gettempdir(), "evergraph-tests-one-cluster.lock")
+
+ONE_CLUSTER = pytest.mark.usefixtures("one_cluster")
+
+
+@pytest.fixture
+def one_cluster() -> Iterator[None]:
+    with open(CLUSTER_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield

@@ -9,6 +9,7 @@ import base64
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +18,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from tests.kit.machine import ONE_CLUSTER
 from tests.kit.netbed import NetBed, NetHost
+
+#: what every multi-host cluster test module carries: it needs root, namespaces,
+#: nftables and etcd; it is slow; and it runs one at a time per machine
+CLUSTER_TEST = [
+    pytest.mark.skipif(
+        os.geteuid() != 0
+        or not all(map(shutil.which, ("ip", "nsenter", "unshare", "nft", "etcd"))),
+        reason="needs root, ip, nsenter, unshare, nft and etcd",
+    ),
+    pytest.mark.slow,
+    ONE_CLUSTER,
+]
 
 #: an empty graph: the agents only carry the World
 GRAPH = "resources: []\n"

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -54,6 +55,8 @@ from evergraph.world.kv import (
 )
 
 ELECTIONS = "election/"
+#: why a candidate steps down when it is cancelled (its agent stops)
+STOPPED = "stopped"
 
 #: first and longest wait before retrying a World that failed (seconds)
 _RETRY_FIRST, _RETRY_MAX = 0.05, 2.0
@@ -183,7 +186,7 @@ class Election:
                     t.cancel()
         finally:
             lease = self._lease
-            self._drop_lease(lease, "stopped")
+            self._drop_lease(lease, STOPPED)
             if lease:
                 with contextlib.suppress(WorldError):
                     await self.kv.revoke(lease)  # the others need not wait for the TTL
@@ -341,7 +344,9 @@ class Election:
         else:
             self._leading.clear()
             self._not_leading.set()
-            log.warning(
+            # a stop we were asked for is news, not trouble
+            log.log(
+                logging.INFO if why == STOPPED else logging.WARNING,
                 "world: election %s: %s steps down after term %d%s",
                 self.name,
                 self.me,
