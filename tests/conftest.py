@@ -25,6 +25,7 @@ pytest_plugins = [
     "tests.kit.machine",
     "tests.kit.namespaces",
     "tests.kit.netbed",
+    "tests.kit.sshbed",
     "tests.kit.systemd",
     "tests.kit.terminal",
 ]

@@ -1,0 +1,1 @@
+"""Converge hosts over SSH with nothing installed on them but Python (issue 26)."""
