@@ -1,0 +1,1 @@
+"""Reaching hosts over SSH that run nothing of evergraph yet (issue 26)."""
