@@ -1,0 +1,337 @@
+"""The bundle a host gets on first contact, and the store that keeps it (issue 26).
+
+No SSH here: each "host" is a temp directory and the host's half (REMOTE_SCRIPT)
+runs as a real subprocess of this interpreter, exactly as it will over a channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import platform
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from evergraph.remote.bundle import (
+    REMOTE_SCRIPT,
+    Bundle,
+    BundleError,
+    install,
+    plan,
+    python_problem,
+    running_python,
+)
+
+
+class HostFailed(Exception):
+    """The host's half exited non-zero (its stderr is the message)."""
+
+
+async def run_here(argv: Sequence[str], stdin: bytes) -> bytes:
+    """The `Run` of the tests: ``python3 argv`` as a local subprocess."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    out, err = await proc.communicate(stdin)
+    if proc.returncode != 0:
+        raise HostFailed(err.decode().strip())
+    return out
+
+
+def host_op(
+    op: str, store: Path, digest: str, stdin: bytes = b""
+) -> subprocess.CompletedProcess[bytes]:
+    """One call of the host's half, for the tests that talk to it directly."""
+    return subprocess.run(
+        [sys.executable, "-I", "-c", REMOTE_SCRIPT, op, str(store), digest],
+        input=stdin,
+        capture_output=True,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def running() -> Bundle:
+    return Bundle.of_running_python()
+
+
+def small_bundle(root: Path, files: dict[str, bytes], executable: Sequence[str] = ()) -> Bundle:
+    """A bundle of a few made-up files (the store's tests need no 60 MB)."""
+    paths: dict[str, Path] = {}
+    for rel, content in files.items():
+        local = root / rel.replace("/", "__")
+        local.write_bytes(content)
+        local.chmod(0o755 if rel in executable else 0o644)
+        paths[rel] = local
+    return Bundle.of_paths((paths, [("demo", "1.0")]))
+
+
+def test_the_running_bundle_holds_evergraph_and_its_dependencies(running: Bundle) -> None:
+    paths = {f.path for f in running.manifest.files}
+    assert "site/evergraph/__init__.py" in paths
+    assert "site/evergraph/remote/bundle.py" in paths
+    assert "site/msgspec/__init__.py" in paths
+    assert any(p.startswith("site/msgspec-") and p.endswith(".dist-info/METADATA") for p in paths)
+    dists = dict(running.manifest.dists)
+    assert {"evergraph", "msgspec", "click", "pynacl", "cffi"} <= set(dists)  # cffi: pynacl's
+    assert "pytest" not in dists  # a dev extra, never shipped
+    assert (
+        running.manifest.python
+        == running_python()
+        == f"{sys.version_info[0]}.{sys.version_info[1]}"
+    )
+    assert running.manifest.machine == platform.machine()
+    for f in running.manifest.files:
+        assert "__pycache__" not in f.path, f.path
+        assert not f.path.endswith(".pyc"), f.path
+        assert not f.path.endswith(("/RECORD", "/INSTALLER", "/direct_url.json")), f.path
+        assert f.mode in (0o644, 0o755)
+        assert len(f.sha256) == 64
+        assert f.size >= 0
+    assert [f.path for f in running.manifest.files] == sorted(paths)
+    # the manifest is canonical JSON whose hash is the digest
+    decoded = msgspec.json.decode(running.manifest_bytes, type=type(running.manifest))
+    assert decoded == running.manifest
+    assert running.dir_name == running.digest[:16]
+
+
+def test_the_digest_is_stable_across_two_calls(running: Bundle) -> None:
+    again = Bundle.of_running_python()
+    assert again.digest == running.digest
+    assert again.manifest_bytes == running.manifest_bytes
+
+
+def test_a_changed_file_changes_the_digest(tmp_path: Path) -> None:
+    first = small_bundle(tmp_path, {"site/demo/__init__.py": b"x = 1\n"})
+    same = small_bundle(tmp_path, {"site/demo/__init__.py": b"x = 1\n"})
+    changed = small_bundle(tmp_path, {"site/demo/__init__.py": b"x = 2\n"})
+    assert first.digest == same.digest
+    assert changed.digest != first.digest
+    chmodded = small_bundle(
+        tmp_path, {"site/demo/__init__.py": b"x = 1\n"}, executable=["site/demo/__init__.py"]
+    )
+    assert chmodded.digest != first.digest
+
+
+def test_first_contact_installs_an_importable_bundle_and_the_second_sends_only_hashes(
+    running: Bundle, tmp_path: Path
+) -> None:
+    host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
+
+    started = time.monotonic()
+    first = asyncio.run(install(running, run_here, store=str(host_a), host="host-a"))
+    took = time.monotonic() - started
+    print(
+        f"\nfirst contact: {first.sent:,} bytes sent ({first.objects} objects, "
+        f"{running.size:,} bytes of content) in {took:.2f} s"
+    )
+    assert first.objects == len(running.sources)
+    assert first.site == f"{host_a}/bundles/{running.dir_name}/site"
+    site = Path(first.site)
+    assert (site.parent / "manifest.json").read_bytes() == running.manifest_bytes
+    assert not list((host_a / "bundles").glob("*.tmp*"))  # built beside, renamed into place
+
+    # without the initiator's site-packages (-S): everything comes from the bundle
+    probe = (
+        "import evergraph, msgspec, nacl, click, evergraph.cli.main, evergraph.remote.bundle;"
+        "print(evergraph.__file__); print(msgspec.__file__); print(nacl.__file__)"
+    )
+    isolated_env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(site)}
+    out = subprocess.run(
+        [sys.executable, "-S", "-s", "-c", probe],
+        env=isolated_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert all(p.startswith(str(site) + "/") for p in out), out
+    version = subprocess.run(
+        [
+            sys.executable,
+            "-S",
+            "-s",
+            "-c",
+            "import importlib.metadata as m; print(m.version('evergraph'))",
+        ],
+        env=isolated_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert version == dict(running.manifest.dists)["evergraph"]
+    # -I ignores PYTHONPATH: the launcher puts the site first itself
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            f"import sys; sys.path.insert(0, {str(site)!r}); {probe}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert all(p.startswith(str(site) + "/") for p in out), out
+
+    # a later run with the same version: the host has it, only the digest travels
+    second = asyncio.run(install(running, run_here, store=str(host_a), host="host-a"))
+    print(f"second run: {second.sent:,} bytes sent ({100 * second.sent / first.sent:.3f} %)")
+    assert second.objects == 0
+    assert second.site == first.site
+    assert second.sent <= first.sent / 100
+
+    # even the longer way (manifest sent, nothing missing) stays under 1 %
+    missing = host_op("missing", host_a, running.digest, running.manifest_bytes)
+    assert missing.returncode == 0
+    assert missing.stdout == b""
+    longer = len(running.manifest_bytes) + len(plan(running, []))
+    print(f"manifest + empty plan: {longer:,} bytes ({100 * longer / first.sent:.3f} %)")
+    assert longer <= first.sent / 100
+
+    # another host starts from nothing
+    other = asyncio.run(install(running, run_here, store=str(host_b), host="host-b"))
+    assert other.objects == first.objects
+    assert other.sent == first.sent
+
+
+def test_plain_tar_against_gzip_for_a_first_run(running: Bundle) -> None:
+    """The numbers behind `plan` choosing a plain tar (printed with -s; no timing asserts)."""
+    from evergraph.remote.bundle import _tar
+
+    started = time.monotonic()
+    plain = plan(running, running.sources)
+    plain_s = time.monotonic() - started
+    started = time.monotonic()
+    gz = _tar(running, running.sources, compress=True)
+    gz_s = time.monotonic() - started
+    print(
+        f"\nfirst-run plan: tar {len(plain):,} bytes in {plain_s:.2f} s; "
+        f"gzip -1 {len(gz):,} bytes in {gz_s:.2f} s"
+    )
+    with tarfile.open(fileobj=io.BytesIO(gz), mode="r|*") as tar:
+        assert sorted(m.name for m in tar) == sorted(running.sources)
+
+
+def test_the_store_links_objects_and_copies_executables(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    shared = b"same bytes in two places\n"
+    bundle = small_bundle(
+        tmp_path / "src",
+        {"site/demo/a.py": shared, "site/demo/b.py": shared, "site/demo/tool": b"#!/bin/sh\n"},
+        executable=["site/demo/tool"],
+    )
+    store = tmp_path / "host"
+    missing = host_op("missing", store, bundle.digest, bundle.manifest_bytes)
+    assert missing.returncode == 0, missing.stderr
+    assert len(missing.stdout.split()) == 2  # the shared content is one object
+    stored = host_op("store", store, bundle.digest, plan(bundle, missing.stdout.decode().split()))
+    assert stored.returncode == 0, stored.stderr
+    site = store / "bundles" / bundle.dir_name / "site"
+    assert (site / "demo/a.py").read_bytes() == shared
+    assert (site / "demo/a.py").stat().st_ino == (site / "demo/b.py").stat().st_ino
+    assert (site / "demo/a.py").stat().st_nlink == 3  # the object and its two names
+    assert (site / "demo/tool").stat().st_mode & 0o777 == 0o755
+    assert (site / "demo/tool").stat().st_nlink == 1  # a copy: its mode is its own
+    sha = bundle.manifest.files[0].sha256
+    assert (store / "objects" / sha[:2] / sha).is_file()
+
+
+def test_a_tampered_object_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    bundle = small_bundle(tmp_path / "src", {"site/demo/__init__.py": b"x = 1\n"})
+    store = tmp_path / "host"
+    assert host_op("missing", store, bundle.digest, bundle.manifest_bytes).returncode == 0
+    sha = bundle.manifest.files[0].sha256
+    forged = io.BytesIO()
+    with tarfile.open(fileobj=forged, mode="w") as tar:
+        info = tarfile.TarInfo(sha)
+        info.size = len(b"x = 666\n")
+        tar.addfile(info, io.BytesIO(b"x = 666\n"))
+    refused = host_op("store", store, bundle.digest, forged.getvalue())
+    assert refused.returncode == 3
+    assert f"object {sha}: its content hashes to" in refused.stderr.decode()
+    assert not (store / "objects" / sha[:2] / sha).exists()
+    assert not list((store / "objects" / sha[:2]).iterdir())  # no temp left behind
+    assert not (store / "bundles").exists()
+
+
+def test_a_tar_member_that_is_not_an_object_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    bundle = small_bundle(tmp_path / "src", {"site/demo/__init__.py": b"x = 1\n"})
+    store = tmp_path / "host"
+    assert host_op("missing", store, bundle.digest, bundle.manifest_bytes).returncode == 0
+    evil = io.BytesIO()
+    with tarfile.open(fileobj=evil, mode="w") as tar:
+        info = tarfile.TarInfo("../../escaped")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"!"))
+    refused = host_op("store", store, bundle.digest, evil.getvalue())
+    assert refused.returncode == 3
+    assert "refused tar member" in refused.stderr.decode()
+    assert not (tmp_path / "escaped").exists()
+
+
+def test_a_manifest_whose_hash_is_not_the_digest_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    bundle = small_bundle(tmp_path / "src", {"site/demo/__init__.py": b"x = 1\n"})
+    store = tmp_path / "host"
+    other = "0" * 64
+    refused = host_op("missing", store, other, bundle.manifest_bytes)
+    assert refused.returncode == 3
+    assert "refused" in refused.stderr.decode()
+    assert not (store / "manifests" / f"{other}.json").exists()
+
+
+def test_a_manifest_path_outside_site_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    bundle = small_bundle(tmp_path / "src", {"site/../../outside": b"x\n"})
+    store = tmp_path / "host"
+    missing = host_op("missing", store, bundle.digest, bundle.manifest_bytes)
+    refused = host_op("store", store, bundle.digest, plan(bundle, missing.stdout.decode().split()))
+    assert refused.returncode == 3
+    assert "refused path 'site/../../outside'" in refused.stderr.decode()
+    assert not (tmp_path / "outside").exists()
+    assert not (store / "bundles" / bundle.dir_name).exists()
+
+
+def test_python_problem_names_both_sides_and_what_to_do() -> None:
+    here, machine = running_python(), platform.machine()
+    assert python_problem(here, machine) is None
+    line = python_problem("3.9", machine, host="web1")
+    assert line is not None
+    assert "\n" not in line
+    assert "web1 has python 3.9" in line
+    assert f"needs python{here} on {machine}" in line
+    assert line.endswith(f"install python{here} on web1")
+    other = python_problem(here, "riscv64", host="web2")
+    assert other is not None
+    assert "riscv64" in other
+    assert machine in other
+
+
+def test_install_stops_at_a_host_with_another_python(running: Bundle) -> None:
+    calls: list[str] = []
+
+    async def old_host(argv: Sequence[str], stdin: bytes) -> bytes:
+        calls.append(argv[3])
+        return b'{"python": "3.9", "machine": "%s", "present": false}' % platform.machine().encode()
+
+    with pytest.raises(BundleError, match=r"web1 has python 3\.9 .*: install python3\.\d+ on web1"):
+        asyncio.run(install(running, old_host, store="/nowhere", host="web1"))
+    assert calls == ["probe"]  # nothing else was sent
