@@ -15,14 +15,21 @@ import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol, TypeVar
 
 import pytest
 
 #: how long a spawned process may take to go after SIGTERM before SIGKILL
 GRACE = 5.0
 _counter = itertools.count()
-_open: list[NetBed] = []  # beds not closed yet, for atexit
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+#: beds not closed yet (these and the kits' built on them), closed at exit
+_open: list[_Closable] = []
 
 
 def _ip(*args: str, ns: str | None = None, input: str | None = None) -> None:
@@ -258,18 +265,24 @@ def _close_all() -> None:
             pass
 
 
-@pytest.fixture
-def netbed(tmp_path: Path) -> Iterator[Callable[[int], NetBed]]:
-    """`netbed(n)`: a started bed of n hosts, closed when the test ends."""
-    beds: list[NetBed] = []
+B = TypeVar("B", bound="_Closable")
 
-    def make(n: int) -> NetBed:
-        bed = NetBed(n, tmp=tmp_path / f"bed{len(beds)}").__enter__()
+
+def started_beds(
+    make: Callable[[int, Path], B], tmp: Path, label: str
+) -> Iterator[Callable[[int], B]]:
+    """A fixture's body: `make(n, dir)` beds on demand (numbered dirs under `tmp`),
+    every one closed at the end; the first error a close raised is raised after all
+    were closed."""
+    beds: list[B] = []
+
+    def start(n: int) -> B:
+        bed = make(n, tmp / f"{label}{len(beds)}")
         beds.append(bed)
         return bed
 
     try:
-        yield make
+        yield start
     finally:
         errors = []
         for bed in beds:
@@ -279,3 +292,9 @@ def netbed(tmp_path: Path) -> Iterator[Callable[[int], NetBed]]:
                 errors.append(e)
         if errors:
             raise errors[0]
+
+
+@pytest.fixture
+def netbed(tmp_path: Path) -> Iterator[Callable[[int], NetBed]]:
+    """`netbed(n)`: a started bed of n hosts, closed when the test ends."""
+    yield from started_beds(lambda n, d: NetBed(n, tmp=d).__enter__(), tmp_path, "bed")

@@ -13,7 +13,6 @@ the NetBed (namespaces, veths and the uplink with them)."""
 
 from __future__ import annotations
 
-import atexit
 import os
 import signal
 import subprocess
@@ -23,13 +22,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_for
-from tests.kit.netbed import NetBed, NetHost, _ip, _stop
+from tests.kit.netbed import NetBed, NetHost, _ip, _open, _stop, started_beds
 
 SSHD = "/usr/sbin/sshd"
 #: where evergraph keeps its state on a host; private per host (a bind mount)
 VAR_LIB = Path("/var/lib/evergraph")
 PRIVSEP = Path("/run/sshd")
-_open: list[SshBed] = []  # beds not closed yet, for atexit
 
 SSHD_CONFIG = """\
 # a test sshd: one host of an SshBed (tests/kit/sshbed.py); nothing of /etc/ssh
@@ -222,33 +220,7 @@ class SshBed:
             self.net.close()
 
 
-@atexit.register
-def _close_all() -> None:
-    for bed in list(_open):
-        try:
-            bed.close()
-        except Exception:  # clean up the rest whatever one leaves
-            pass
-
-
 @pytest.fixture
 def sshbed(tmp_path: Path) -> Iterator[Callable[[int], SshBed]]:
     """`sshbed(n)`: a started bed of n SSH hosts, closed when the test ends."""
-    beds: list[SshBed] = []
-
-    def make(n: int) -> SshBed:
-        bed = SshBed(n, tmp=tmp_path / f"sshbed{len(beds)}").__enter__()
-        beds.append(bed)
-        return bed
-
-    try:
-        yield make
-    finally:
-        errors = []
-        for bed in beds:
-            try:
-                bed.close()
-            except RuntimeError as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+    yield from started_beds(lambda n, d: SshBed(n, tmp=d).__enter__(), tmp_path, "sshbed")
