@@ -42,6 +42,7 @@ LAZY_COMMANDS = {
     "farm": "farm",
     "setup": "setup",
     "cluster": "cluster",
+    "remote": "remote",
 }
 
 

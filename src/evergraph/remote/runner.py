@@ -1,0 +1,163 @@
+"""`evergraph remote`'s run over many hosts: a World the initiator owns, each host's
+session (remote/session.py) bounded by ``--parallel``, and the recap.
+
+The World is an etcd on the initiator's loopback; each host reaches it through a
+reverse port forward of its own SSH connection, so nothing but SSH crosses the
+network and the World lives exactly as long as the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import asyncssh
+
+from evergraph.remote.bundle import Bundle, BundleError
+from evergraph.remote.session import (
+    AgentArgs,
+    Emit,
+    HostFailed,
+    SshOptions,
+    connect,
+    copy_graph,
+    install_bundle,
+    run_agent,
+)
+from evergraph.remote.target import Target
+
+#: exit statuses (SPEC: 0 clean, 1 a resource failed, 2 bad input, 4 a host not reached)
+EXIT_OK, EXIT_FAILED, EXIT_NOOP_CHANGES, EXIT_UNREACHABLE = 0, 1, 3, 4
+
+
+@dataclass
+class Outcome:
+    """How one host's session ended."""
+
+    target: Target
+    #: "converged", "changes" (noop), "failed" or "unreachable"
+    state: str = "unreachable"
+    reason: str = ""
+
+    @property
+    def line(self) -> str:
+        """The host's recap line."""
+        text = {"changes": "would change (noop)"}.get(self.state, self.state)
+        return f"{self.target.label}: {text}" + (f": {self.reason}" if self.reason else "")
+
+
+@dataclass
+class RemoteRun:
+    """One `evergraph remote` invocation (everything checked already)."""
+
+    file: Path
+    targets: Sequence[Target]
+    ssh: SshOptions = field(default_factory=SshOptions)
+    agent: AgentArgs = field(default_factory=AgentArgs)
+    parallel: int = 32
+
+    async def run(self, emit: Emit) -> list[Outcome]:
+        """Every host's outcome, in the order given."""
+        from evergraph.world.etcd_server import EtcdServer
+
+        data = self.file.read_bytes()
+        bundle = await asyncio.to_thread(Bundle.of_running_python)
+        with tempfile.TemporaryDirectory(prefix="evergraph-remote-") as tmp:
+            etcd = EtcdServer.single(Path(tmp) / "etcd", name="remote")
+            await asyncio.to_thread(etcd.start)
+            try:
+                gate = asyncio.Semaphore(self.parallel)
+                outcomes = [Outcome(t) for t in self.targets]
+                async with asyncio.TaskGroup() as tg:
+                    for o in outcomes:
+                        tg.create_task(self._host(o, gate, bundle, data, etcd.client_port, emit))
+                return outcomes
+            finally:
+                await asyncio.to_thread(etcd.stop)
+
+    async def _host(
+        self,
+        outcome: Outcome,
+        gate: asyncio.Semaphore,
+        bundle: Bundle,
+        data: bytes,
+        etcd_port: int,
+        emit: Emit,
+    ) -> None:
+        target = outcome.target
+        label = target.label
+        async with gate:
+            try:
+                conn = await connect(target, self.ssh)
+            except HostFailed as e:
+                outcome.reason = str(e)
+                emit(label, f"unreachable: {e}")
+                return
+            async with conn:
+                try:
+                    site = await install_bundle(conn, bundle, label)
+                    graph = await copy_graph(conn, self.file, data)
+                    listener = await conn.forward_remote_port(
+                        "127.0.0.1", 0, "127.0.0.1", etcd_port
+                    )
+                except (BundleError, HostFailed) as e:
+                    outcome.reason = str(e)
+                    emit(label, f"not set up: {e}")
+                    return
+                except (OSError, asyncssh.Error) as e:
+                    outcome.reason = f"set-up failed: {' '.join(str(e).split())}"
+                    emit(label, outcome.reason)
+                    return
+                try:
+                    status = await run_agent(
+                        conn,
+                        site=site,
+                        graph=graph,
+                        seeds=f"http://127.0.0.1:{listener.get_port()}",
+                        hostname=target.host,
+                        args=self.agent,
+                        emit=emit,
+                        label=label,
+                    )
+                finally:
+                    listener.close()
+        outcome.state, outcome.reason = _agent_outcome(status)
+
+
+def _agent_outcome(status: int) -> tuple[str, str]:
+    if status == 0:
+        return "converged", ""
+    if status == 3:
+        return "changes", ""
+    if status == 1:
+        return "failed", "a resource failed (see its lines above)"
+    if status == 2:
+        return "failed", "the agent refused its input (see its lines above)"
+    return "failed", f"the agent exited with status {status}"
+
+
+def exit_status(outcomes: Sequence[Outcome]) -> int:
+    """4 if a host was not reached or set up, else 1 if one failed, else 3 (noop
+    changes) or 0."""
+    states = {o.state for o in outcomes}
+    if "unreachable" in states:
+        return EXIT_UNREACHABLE
+    if "failed" in states:
+        return EXIT_FAILED
+    if "changes" in states:
+        return EXIT_NOOP_CHANGES
+    return EXIT_OK
+
+
+def total_line(outcomes: Sequence[Outcome]) -> str:
+    """The last line: how many hosts ended how."""
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        counts[o.state] = counts.get(o.state, 0) + 1
+    parts = [
+        f"{counts[s]} {s}" for s in ("converged", "changes", "failed", "unreachable") if s in counts
+    ]
+    return f"total: {len(outcomes)} host(s): " + ", ".join(parts)

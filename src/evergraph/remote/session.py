@@ -1,0 +1,251 @@
+"""One host of `evergraph remote`: connect, install, copy the graph, run the agent.
+
+The SSH connection is strict about host keys (never a prompt: an unknown or
+changed key fails the host naming its SHA256 fingerprint) and about
+authentication (public keys only, so no password prompt can appear). The agent
+runs under `AGENT_WRAPPER`, which ties its life to the SSH channel: when the
+channel's stdin ends (the initiator exited, was killed, or the link was cut) the
+wrapper kills the agent's process group. The initiator keeps stdin open until the
+agent exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import shlex
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncssh
+
+from evergraph.remote.bundle import DEFAULT_STORE, Bundle, BundleError, install
+from evergraph.remote.target import Target
+
+#: seconds to wait for a host's SSH handshake (an unknown key must fail within 5 s)
+CONNECT_TIMEOUT = 5.0
+#: where the graph of a run is copied, under a directory named by its sha256
+RUN_DIR = f"{DEFAULT_STORE}/run"
+#: the remote agent's state dir
+STATE_DIR = f"{DEFAULT_STORE}/state"
+
+#: The host's end of the agent, stdlib only: ``python3 -I -c AGENT_WRAPPER SITE ARGS...``
+#: starts ``evergraph ARGS...`` from the bundle at SITE in a process group of its own
+#: (its output goes straight to the channel), and kills that group (TERM, then KILL
+#: after 5 s) when its stdin reaches EOF: the SSH channel is gone, so is the agent.
+#: Its exit status is the agent's.
+AGENT_WRAPPER = r"""
+import os, signal, subprocess, sys, threading, time
+site = sys.argv[1]
+boot = "import sys; sys.path.insert(0, %r); from evergraph.cli.main import main; main()" % site
+agent = subprocess.Popen([sys.executable, "-I", "-c", boot] + sys.argv[2:],
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+def kill_group():
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(agent.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 5
+        while agent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+def watch_stdin():
+    try:
+        while os.read(0, 65536):
+            pass
+    except OSError:
+        pass
+    kill_group()
+threading.Thread(target=watch_stdin, daemon=True).start()
+code = agent.wait()
+try:
+    os.killpg(agent.pid, signal.SIGKILL)
+except (ProcessLookupError, PermissionError):
+    pass
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+
+class HostFailed(Exception):
+    """A host could not be reached or set up: the one line to show for it."""
+
+
+@dataclass(frozen=True)
+class SshOptions:
+    """How to authenticate and whom to trust (the command line's SSH options)."""
+
+    keys: Sequence[Path] = ()
+    known_hosts: Path = Path("~/.ssh/known_hosts")
+    accept_new_host_keys: bool = False
+
+
+@dataclass(frozen=True)
+class AgentArgs:
+    """What the remote agent is run with, but for its seeds and hostname."""
+
+    converged_timeout: float = 5.0
+    noop: bool = False
+
+
+#: where each line a host prints goes (the host's label, the line)
+Emit = Callable[[str, str], None]
+
+
+def _known_hosts(path: Path) -> str | tuple[list[str], list[str], list[str]]:
+    # a missing file trusts nobody (asyncssh would fail reading it)
+    return str(path) if path.is_file() else ([], [], [])
+
+
+def _host_pattern(target: Target) -> str:
+    return target.host if target.port == 22 else f"[{target.host}]:{target.port}"
+
+
+def _has_entry(path: Path, target: Target) -> bool:
+    """Whether known_hosts names this host at all (a key there, even another one)."""
+    if not path.is_file():
+        return False
+    try:
+        keys, *_ = asyncssh.read_known_hosts(str(path)).match(target.host, target.host, target.port)
+    except (OSError, ValueError):
+        return False
+    return bool(keys)
+
+
+async def connect(target: Target, ssh: SshOptions) -> asyncssh.SSHClientConnection:
+    """A connection to `target`, or HostFailed with one line saying why."""
+    known = ssh.known_hosts.expanduser()
+
+    async def attempt() -> asyncssh.SSHClientConnection:
+        return await asyncssh.connect(
+            target.host,
+            port=target.port,
+            username=target.user,
+            client_keys=[str(k) for k in ssh.keys] or (),
+            known_hosts=_known_hosts(known),
+            preferred_auth="publickey",
+            connect_timeout=CONNECT_TIMEOUT,
+            login_timeout=CONNECT_TIMEOUT,
+        )
+
+    try:
+        return await attempt()
+    except asyncssh.HostKeyNotVerifiable:
+        fingerprint, key = await _server_key(target)
+        recorded = _has_entry(known, target)
+        if ssh.accept_new_host_keys and not recorded and key is not None:
+            known.parent.mkdir(parents=True, exist_ok=True)
+            with known.open("ab") as f:
+                f.write(_host_pattern(target).encode() + b" " + key.export_public_key())
+            try:
+                return await attempt()
+            except (OSError, asyncssh.Error, TimeoutError) as e:
+                raise HostFailed(_why(e)) from None
+        if recorded:
+            raise HostFailed(
+                f"host key changed: the server offers {fingerprint}, which {known} does not "
+                "hold for it (if the host was reinstalled, remove its old line there)"
+            ) from None
+        raise HostFailed(
+            f"unknown host key {fingerprint}: not in {known} (check it, then add it there "
+            "or run with --accept-new-host-keys)"
+        ) from None
+    except asyncssh.PermissionDenied:
+        raise HostFailed(
+            f"no SSH key was accepted for {target.user or 'the local user'} (public keys only, "
+            "never a password: give --ssh-key FILE or load the key into ssh-agent)"
+        ) from None
+    except (OSError, asyncssh.Error, TimeoutError) as e:
+        raise HostFailed(_why(e)) from None
+
+
+async def _server_key(target: Target) -> tuple[str, asyncssh.SSHKey | None]:
+    try:
+        key = await asyncio.wait_for(
+            asyncssh.get_server_host_key(target.host, target.port), CONNECT_TIMEOUT
+        )
+    except (OSError, asyncssh.Error, TimeoutError):
+        key = None
+    if key is None:
+        return "(its fingerprint could not be read)", None
+    return key.get_fingerprint("sha256"), key
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, TimeoutError):
+        return f"no SSH answer within {CONNECT_TIMEOUT:g} s"
+    text = getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e)
+    return " ".join(str(text).split()) or type(e).__name__
+
+
+async def install_bundle(conn: asyncssh.SSHClientConnection, bundle: Bundle, label: str) -> str:
+    """Install `bundle` on the host; its site directory there."""
+
+    async def run(argv: Sequence[str], stdin: bytes) -> bytes:
+        r = await conn.run(shlex.join(["python3", *argv]), input=stdin, encoding=None)
+        if r.exit_status != 0:
+            err = r.stderr if isinstance(r.stderr, bytes) else b""
+            raise BundleError(
+                f"python3 on the host failed ({r.exit_status}): "
+                + (" ".join(err.decode(errors="replace").split()) or "no message")
+            )
+        return r.stdout if isinstance(r.stdout, bytes) else b""
+
+    return (await install(bundle, run, host=label)).site
+
+
+async def copy_graph(conn: asyncssh.SSHClientConnection, file: Path, data: bytes) -> str:
+    """Put the graph file under RUN_DIR/<sha256>/ on the host; its path there."""
+    dest_dir = f"{RUN_DIR}/{hashlib.sha256(data).hexdigest()}"
+    dest = f"{dest_dir}/{file.name}"
+    q = shlex.quote
+    command = (
+        f"mkdir -p {q(dest_dir)} && cat > {q(dest + '.tmp')} && mv -f {q(dest + '.tmp')} {q(dest)}"
+    )
+    r = await conn.run(command, input=data, encoding=None)
+    if r.exit_status != 0:
+        raise HostFailed(f"cannot copy {file.name} to {dest_dir}: exit {r.exit_status}")
+    return dest
+
+
+async def run_agent(
+    conn: asyncssh.SSHClientConnection,
+    *,
+    site: str,
+    graph: str,
+    seeds: str,
+    hostname: str,
+    args: AgentArgs,
+    emit: Emit,
+    label: str,
+) -> int:
+    """Run the agent on the host until it exits; relay its lines; its exit status."""
+    argv = [
+        "run",
+        graph,
+        "--seeds",
+        seeds,
+        "--hostname",
+        hostname,
+        "--state-dir",
+        STATE_DIR,
+        "--converged-timeout",
+        f"{args.converged_timeout:g}",
+        "--converged-exit",
+    ]
+    if args.noop:
+        argv.append("--noop")
+    command = shlex.join(["python3", "-I", "-c", AGENT_WRAPPER, site, *argv])
+    # stdin stays open (never written, never closed) until the agent exits
+    async with conn.create_process(command, encoding="utf-8", errors="replace") as proc:
+
+        async def relay(stream: asyncssh.SSHReader[str]) -> None:
+            async for line in stream:
+                emit(label, line.rstrip("\n"))
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(relay(proc.stdout))
+            tg.create_task(relay(proc.stderr))
+        done = await proc.wait()
+    status = done.exit_status
+    return 255 if status is None else status
