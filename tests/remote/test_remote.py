@@ -169,17 +169,16 @@ def test_kill_9_of_the_initiator_leaves_no_agent_on_any_host(
     try:
 
         def sleeping(h: SshHost) -> bool:
-            return h.run("pgrep", "-f", "sleep 60", check=False).returncode == 0
+            return any(b"sleep\x0060" in c for c in host_cmdlines(h))
 
         wait_for(lambda: all(map(sleeping, bed.hosts)), timeout=120, what="the exec on every host")
+        assert all(any(b"evergraph" in c for c in host_cmdlines(h)) for h in bed.hosts)
         initiator.kill()
         initiator.wait()
 
         def none_left() -> bool:
-            return not any(
-                h.run("pgrep", "-f", "evergraph", check=False).returncode == 0 or sleeping(h)
-                for h in bed.hosts
-            )
+            left = [c for h in bed.hosts for c in host_cmdlines(h)]
+            return not any(b"evergraph" in c or b"sleep\x0060" in c for c in left)
 
         wait_for(none_left, timeout=10, what="no evergraph process on any host")
     finally:
@@ -187,6 +186,21 @@ def test_kill_9_of_the_initiator_leaves_no_agent_on_any_host(
             initiator.kill()
             initiator.wait()
         _kill_orphans(tmp_path)
+
+
+def host_cmdlines(h: SshHost) -> list[bytes]:
+    """The command lines of the processes in `h` (its network namespace: the hosts
+    share the machine's pid namespace, so `pgrep` in one would see every host's)."""
+    out = subprocess.run(
+        ["ip", "netns", "pids", h.net.ns], capture_output=True, text=True, timeout=30
+    ).stdout
+    lines = []
+    for pid in out.split():
+        try:
+            lines.append(Path(f"/proc/{pid}/cmdline").read_bytes())
+        except OSError:
+            pass
+    return lines
 
 
 def _kill_orphans(tmp: Path) -> None:
