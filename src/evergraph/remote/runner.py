@@ -67,7 +67,14 @@ class RemoteRun:
         bundle = await asyncio.to_thread(Bundle.of_running_python)
         with tempfile.TemporaryDirectory(prefix="evergraph-remote-") as tmp:
             etcd = EtcdServer.single(Path(tmp) / "etcd", name="remote")
-            await asyncio.to_thread(etcd.start)
+            # spawned from the loop's thread, which lives as long as the run: etcd
+            # gets SIGTERM when it dies (pdeathsig follows the spawning thread)
+            etcd.spawn()
+            try:
+                await asyncio.to_thread(etcd.wait_healthy)
+            except BaseException:
+                etcd.stop()
+                raise
             try:
                 gate = asyncio.Semaphore(self.parallel)
                 outcomes = [Outcome(t) for t in self.targets]
