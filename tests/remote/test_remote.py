@@ -5,6 +5,7 @@ strict, a bad graph connects nowhere, and a killed initiator leaves no agent."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -181,11 +182,15 @@ def test_kill_9_of_the_initiator_leaves_no_agent_on_any_host(
             return not any(b"evergraph" in c or b"sleep\x0060" in c for c in left)
 
         wait_for(none_left, timeout=10, what="no evergraph process on any host")
+        # and the initiator's own etcd went with it (its parent-death signal)
+        wait_for(lambda: not _orphans(tmp_path), timeout=10, what="the initiator's etcd gone")
     finally:
         if initiator.poll() is None:
             initiator.kill()
             initiator.wait()
-        _kill_orphans(tmp_path)
+        for pid in _orphans(tmp_path):  # (only if the check above failed)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def host_cmdlines(h: SshHost) -> list[bytes]:
@@ -203,17 +208,17 @@ def host_cmdlines(h: SshHost) -> list[bytes]:
     return lines
 
 
-def _kill_orphans(tmp: Path) -> None:
-    """The initiator's etcd, orphaned by the kill -9 (its data dir is under `tmp`)."""
+def _orphans(tmp: Path) -> list[int]:
+    """Processes of the initiator's etcd (its data dir is under `tmp`)."""
+    found = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
             cmdline = (d / "cmdline").read_bytes()
-        except OSError:
+            state = (d / "stat").read_text().split(") ", 1)[1][:1]
+        except (OSError, IndexError):
             continue
-        if b"etcd" in cmdline and str(tmp).encode() in cmdline:
-            try:
-                os.kill(int(d.name), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if b"etcd" in cmdline and str(tmp).encode() in cmdline and state != "Z":
+            found.append(int(d.name))
+    return found
