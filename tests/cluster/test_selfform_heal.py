@@ -18,6 +18,7 @@ from tests.kit.selfform import (
     CLUSTER_TEST,
     CounterWriter,
     Member,
+    cluster_timeout,
     formed,
     leader,
     roles,
@@ -38,7 +39,7 @@ def three_and_two(bed: NetBed) -> tuple[list[Member], dict[str, Member]]:
     return members, {m.h.name: m for m in members}
 
 
-@pytest.mark.timeout(300)
+@cluster_timeout(300)
 @pytest.mark.parametrize("victim_leads", [False, True], ids=["follower", "leader"])
 def test_kill9_of_a_voter_a_standby_takes_its_seat_and_no_write_is_lost(
     netbed: Callable[[int], NetBed], victim_leads: bool
@@ -84,7 +85,7 @@ def test_kill9_of_a_voter_a_standby_takes_its_seat_and_no_write_is_lost(
         assert "too many learner members" not in m.text()
 
 
-@pytest.mark.timeout(400)
+@cluster_timeout(400)
 def test_resize_three_five_three_while_a_writer_runs_loses_no_quorum(
     netbed: Callable[[int], NetBed],
 ) -> None:
@@ -110,7 +111,7 @@ def test_resize_three_five_three_while_a_writer_runs_loses_no_quorum(
     )
 
 
-@pytest.mark.timeout(900)
+@cluster_timeout(900)
 def test_a_member_killed_and_restarted_ten_times_comes_back_each_time(
     netbed: Callable[[int], NetBed],
 ) -> None:
@@ -148,7 +149,7 @@ def test_a_member_killed_and_restarted_ten_times_comes_back_each_time(
         assert "too many learner members" not in m.text()
 
 
-@pytest.mark.timeout(120 + 180 * FORMATION_RUNS)
+@cluster_timeout(120 + 180 * FORMATION_RUNS)
 def test_formation_many_runs_in_a_row(netbed: Callable[[int], NetBed]) -> None:
     """One seed and four agents at once: exactly 3 voters and 2 standbys, no learner
     left, no "too many learner members" error, a write on one read on all; each run

@@ -12,8 +12,6 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
 from evergraph.cluster.hostkeys import HostKeys
 from tests.kit.identity_attacks import forged_export, host_key_record
 from tests.kit.netbed import NetBed
@@ -21,6 +19,7 @@ from tests.kit.selfform import (
     CLUSTER_TEST,
     CounterWriter,
     Member,
+    cluster_timeout,
     formed,
     roles,
     settled,
@@ -78,7 +77,7 @@ class Sampler:
         return self.seen
 
 
-@pytest.mark.timeout(400)
+@cluster_timeout(400)
 def test_an_isolated_voter_applies_nothing_stale_and_the_majority_writes_on(
     netbed: Callable[[int], NetBed],
 ) -> None:
@@ -147,7 +146,7 @@ def test_an_isolated_voter_applies_nothing_stale_and_the_majority_writes_on(
     assert sampler.stop() == ["v1\n", "v2\n"]
 
 
-@pytest.mark.timeout(400)
+@cluster_timeout(400)
 def test_a_host_joining_later_refuses_a_forged_key_and_export_and_accepts_the_real_host(
     netbed: Callable[[int], NetBed],
 ) -> None:

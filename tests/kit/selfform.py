@@ -25,7 +25,18 @@ from tests.kit.netbed import NetBed, NetHost
 
 #: what every multi-host cluster test module carries: it needs root, namespaces,
 #: nftables and etcd; it is slow; and it runs one at a time per machine
+#: how long a cluster test may wait for its turn (ONE_CLUSTER): every other cluster
+#: test of this suite and of one more suite beside it; pytest-timeout counts the wait
+LOCK_WAIT = 1800
+
+
+def cluster_timeout(seconds: float) -> pytest.MarkDecorator:
+    """A cluster test's own time-out, plus the wait for its turn."""
+    return pytest.mark.timeout(seconds + LOCK_WAIT)
+
+
 CLUSTER_TEST = [
+    cluster_timeout(120),
     pytest.mark.skipif(
         os.geteuid() != 0
         or not all(map(shutil.which, ("ip", "nsenter", "unshare", "nft", "etcd"))),
