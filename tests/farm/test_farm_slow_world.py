@@ -117,5 +117,5 @@ def test_a_worker_failed_by_an_outage_it_survived_returns_by_itself(
         wait_for(lambda: _state(db, uuid) == model.FAILED, 40, "the worker FAILED")
     finally:
         os.kill(wk.proc.pid, signal.SIGCONT)
-    wait_for(lambda: _state(db, uuid) == model.IDLE, 20, "the worker IDLE again")
+    wait_for(lambda: _state(db, uuid) == model.IDLE, 60, "the worker IDLE again")
     wait_for(lambda: "heart-beats again: back from FAILED" in srv.log.read_text())
