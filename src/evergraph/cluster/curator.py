@@ -50,6 +50,7 @@ from evergraph.cluster.roster import (
     decode_size,
     encode_change,
     encode_invite,
+    leaving_names,
 )
 from evergraph.world.etcd_cluster import (
     EtcdMember,
@@ -269,7 +270,7 @@ class Curator:
                 continue
             candidates[c.name] = c
         leaving_kv, _ = await kv.range(LEAVING)  # type: ignore[attr-defined]
-        leaving = frozenset(item.key[len(LEAVING) :] for item in leaving_kv)
+        leaving = leaving_names(self.ca, leaving_kv, revoked)
         size = decode_size(self.ca, await kv.get(SIZE_KEY))  # type: ignore[attr-defined]
         invites_kv, _ = await kv.range(INVITES)  # type: ignore[attr-defined]
         invites = frozenset(item.key[len(INVITES) :] for item in invites_kv)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import contextlib
 import logging
 
-import msgspec
 from cryptography import x509
 
 from evergraph.cluster.ca import CAError, ClusterCA, serial_of
+from evergraph.cluster.hostbook import HOSTKEYS, decode_hostkeys
 from evergraph.cluster.roster import CANDIDATES, INVITES, decode_candidate
 from evergraph.world.etcd import EtcdKV
 from evergraph.world.etcd_cluster import NoSuchMember, member_list, member_remove
@@ -63,10 +63,10 @@ async def remove_host(kv: EtcdKV, ca: ClusterCA, name: str) -> str:
             with contextlib.suppress(CAError):
                 serials.add(serial_of(c.cert.encode()))
         await kv.delete(CANDIDATES + name)
-    hk = await kv.get(f"hostkeys/{name}")
+    hk = await kv.get(HOSTKEYS + name)
     if hk is not None:
-        with contextlib.suppress(msgspec.DecodeError, CAError, AttributeError):
-            cert = msgspec.json.decode(hk.value).get("cert") or ""
+        with contextlib.suppress(ValueError, CAError):
+            cert = decode_hostkeys(hk).cert
             if cert:
                 serials.add(serial_of(cert.encode()))
     with contextlib.suppress(WorldError):

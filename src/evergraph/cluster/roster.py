@@ -120,21 +120,39 @@ def encode_candidate(keys: HostKeys, name: str, peer: str, client: str, cert: by
     return msgspec.json.encode(msgspec.structs.replace(rec, sig=_b64(keys.sign(_body(rec)))))
 
 
-def decode_candidate(ca: ClusterCA, kv: KeyValue, revoked: Iterable[int] = ()) -> Candidate | None:
+def decode_candidate(
+    ca: ClusterCA, kv: KeyValue, revoked: Iterable[int] = (), prefix: str = CANDIDATES
+) -> Candidate | None:
     """The candidate at `kv` if it is certified by the CA (its certificate not among
     the `revoked` serials: a host `cluster remove`d is no candidate, though its
-    agent still runs and writes its record) and signed by its host."""
+    agent still runs and writes its record) and signed by its host. A voter asking
+    to be replaced writes the same record under `prefix` LEAVING."""
     try:
         rec = msgspec.json.decode(kv.value, type=Candidate)
     except msgspec.DecodeError:
         return None
-    if kv.key != CANDIDATES + rec.name:
+    if kv.key != prefix + rec.name:
         return None
     if ca.check_host_cert(rec.cert.encode(), rec.name, rec.public, rec.verify, revoked) is not None:
         return None
     if not HostKeys.check_signature(rec.verify, _body(rec), _unb64(rec.sig)):
         return None
     return rec
+
+
+def leaving_names(
+    ca: ClusterCA, items: Iterable[KeyValue], revoked: Iterable[int] = ()
+) -> frozenset[str]:
+    """The voters asking to be replaced: only records their own host signed count (a
+    World writer cannot have a voter removed by writing its name)."""
+    out = set()
+    for item in items:
+        rec = decode_candidate(ca, item, revoked, prefix=LEAVING)
+        if rec is None:
+            log.error("cluster: %s is not signed by its certified host: ignored", item.key)
+        else:
+            out.add(rec.name)
+    return frozenset(out)
 
 
 # -- the last change ---------------------------------------------------------------------

@@ -472,14 +472,18 @@ class Seat:
                 for fn in self._revoked_listeners:
                     fn()
 
+    def _candidate_value(self) -> bytes:
+        """This host's signed, certified record (as a candidate, and when leaving)."""
+        cert = self._path(ca_files.HOST_CERT).read_bytes()
+        return encode_candidate(
+            self.keys, self.host, self.opts.peer_url, self.opts.client_url, cert
+        )
+
     async def _candidate(self, lease: Callable[[], int]) -> None:
         """Keep `cluster/candidates/<me>` under the member lease."""
         kv = self.kv
         assert kv is not None
-        cert = self._path(ca_files.HOST_CERT).read_bytes()
-        value = encode_candidate(
-            self.keys, self.host, self.opts.peer_url, self.opts.client_url, cert
-        )
+        value = self._candidate_value()
         key = CANDIDATES + self.host
         put_under = -1
         while not self._stopping:
@@ -670,16 +674,15 @@ class Seat:
             return
         voters = [m for m in members if not m.is_learner]
         peer_urls = {u for m in members for u in m.peer_urls}
-        standby = any(
-            json.loads(c.value).get("peer_url") not in peer_urls
-            for c in cands
-            if not c.key.endswith("/" + self.host)
-        )
+        ca = self.ca
+        assert ca is not None
+        others = [c for c in (decode_candidate(ca, item) for item in cands) if c is not None]
+        standby = any(c.peer_url not in peer_urls for c in others if c.name != self.host)
         if len(voters) <= 1 or not standby:
             return
         log.info("cluster: %s is stopping: handing its seat to a standby", self.host)
         try:
-            await kv.put(LEAVING + self.host, b"{}", lease=lease)
+            await kv.put(LEAVING + self.host, self._candidate_value(), lease=lease)
         except WorldError as e:
             log.warning("cluster: no handover (%s)", e)
             return
