@@ -786,3 +786,60 @@ def test_a_forged_world_id_makes_agents_republish_never_stop_nor_adopt(
         assert "Traceback" not in a.log.read_text()
     assert ea.stop() == 0
     assert eb.stop() == 0
+
+
+def test_a_write_refused_for_an_expired_lease_is_no_replacement(tmp_path: Path) -> None:
+    """A put under a lease that has expired sweeps the expired leases and is then
+    refused: the transaction rolls back, and the revisions it counted on the way
+    (the sweep's, the put's) were never the World's. The next read must not take
+    the World's real revision for a restored copy (it once did: every agent then
+    re-published everything and a farm worker never came back from FAILED)."""
+    from evergraph.world.kv import LeaseExpired
+    from evergraph.world.sqlite import SQLiteKV
+
+    async def main() -> None:
+        kv = SQLiteKV(tmp_path / "w.sqlite")
+        try:
+            lease = await kv.grant(0.05)
+            await kv.put("a", b"1", lease=lease)
+            await kv.put("b", b"1")
+            await asyncio.sleep(0.2)  # the lease's TTL, on the clock the file keeps
+            with pytest.raises(LeaseExpired):
+                await kv.put("a", b"2", lease=lease)
+            assert await kv.get("a") is None  # (swept by a later call)
+            _, _rev = await kv.range("")
+            assert kv.epoch == 0, "a refused write made the World look replaced"
+        finally:
+            await kv.close()
+
+    asyncio.run(main())
+
+
+def test_a_lease_id_is_never_given_twice(tmp_path: Path) -> None:
+    """An expired lease's id is never granted again: an agent still holding it
+    would keep someone else's lease alive, and never learn its own had gone."""
+    from evergraph.world.kv import LeaseExpired
+    from evergraph.world.sqlite import SQLiteKV
+
+    async def main() -> None:
+        kv = SQLiteKV(tmp_path / "w.sqlite")
+        try:
+            first = await kv.grant(60)
+            second = await kv.grant(0.05)
+            await asyncio.sleep(0.2)
+            with pytest.raises(LeaseExpired):
+                await kv.keepalive(second)  # swept: gone
+            third = await kv.grant(60)
+            assert third not in (first, second)
+            with pytest.raises(LeaseExpired):
+                await kv.keepalive(second)
+            await kv.revoke(third)
+        finally:
+            await kv.close()
+        kv = SQLiteKV(tmp_path / "w.sqlite")  # and across a reopen
+        try:
+            assert await kv.grant(60) not in (first, second, third)
+        finally:
+            await kv.close()
+
+    asyncio.run(main())

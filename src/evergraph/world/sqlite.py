@@ -66,6 +66,7 @@ from evergraph.world.kv import (
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta VALUES ('revision', 0), ('compacted', 0), ('world_id', random());
+INSERT OR IGNORE INTO meta VALUES ('lease_seq', 0);
 CREATE TABLE IF NOT EXISTS kv(
     key TEXT PRIMARY KEY, value BLOB NOT NULL,
     create_rev INTEGER NOT NULL, mod_rev INTEGER NOT NULL, lease INTEGER NOT NULL);
@@ -214,12 +215,16 @@ class SQLiteKV(KV):
             raise WorldError("the World connection is closed")
         self._check_file()
         db = self._db
+        seen = self._seen
         try:
             db.execute("BEGIN IMMEDIATE")
             try:
                 yield db
             except BaseException:
                 db.execute("ROLLBACK")
+                # revisions counted inside (a sweep's, a refused put's) never were
+                # the World's: remembered, the next read would look like a rollback
+                self._seen = seen
                 raise
             db.execute("COMMIT")
         except sqlite3.Error as e:
@@ -391,10 +396,15 @@ class SQLiteKV(KV):
     # -- leases -----------------------------------------------------------------
     async def grant(self, ttl: float) -> int:
         with self._txn() as db:
-            cur = db.execute(
-                "INSERT INTO leases(ttl, expires) VALUES (?, ?)", (ttl, time.time() + ttl)
+            # never an id given before (sqlite reuses the highest rowid once it is
+            # deleted): a holder of an expired lease would keep another's alive
+            top = db.execute("SELECT MAX(id) FROM leases").fetchone()[0] or 0
+            lease = max(self._rev(db, "lease_seq"), top) + 1
+            db.execute("UPDATE meta SET v = ? WHERE k = 'lease_seq'", (lease,))
+            db.execute(
+                "INSERT INTO leases(id, ttl, expires) VALUES (?, ?, ?)",
+                (lease, ttl, time.time() + ttl),
             )
-            lease = int(cur.lastrowid or 0)
         return lease
 
     async def keepalive(self, lease: int) -> None:
