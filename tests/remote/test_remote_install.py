@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from evergraph.cli.setup import unit_text
+from evergraph.cluster.deploy_record import read_signing_key, verify_key_of
 from evergraph.remote.install import LAUNCHER, NO_SYSTEMD_ROOT, STATE, UNIT, exec_start
 from tests.conftest import wait_for
 from tests.kit.machine import ONE_CLUSTER
@@ -121,8 +122,11 @@ def test_install_forms_a_cluster_that_runs_file_and_uninstall_removes_it(
         return all((h.files / h.addr).is_file() and (h.files / "ran").is_file() for h in bed.hosts)
 
     wait_for(converged, timeout=300, what="FILE's resources on every host")
+    signer = verify_key_of(read_signing_key(key))
     for h in bed.hosts:
         assert (h.files / h.addr).read_text() == f"{h.addr}\n"
+        trusted = f"{LAUNCHER} hosts deployers --state-dir {STATE}"
+        assert asyncio.run(run_on(bed, h, trusted, bed.known_hosts)).split()[0] == signer
         token = h.var_lib / "join.token"
         assert (token.stat().st_mode & 0o777 == 0o600) if h is not h0 else not token.exists()
         assert (h.var_lib / "remote/agent.pid").is_file()
