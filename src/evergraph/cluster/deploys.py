@@ -58,7 +58,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import msgspec
@@ -414,6 +414,41 @@ async def _advance_signer(kv: KV, d: Deploy, value: bytes) -> None:
             return
 
 
+async def next_slot(kv: KV) -> tuple[int, Deploy | None]:
+    """The newest deploy's number and record (0, None: none yet): the next deploy
+    is number n + 1 and chains to it."""
+    n = await _newest_n(kv)
+    try:
+        return n, (await _record_at(kv, n) if n else None)
+    except DeployError as e:
+        raise DeployError(
+            f"{e}; the next deploy cannot chain to it (delete it by hand to deploy "
+            f"after deploy {n - 1})"
+        ) from None
+
+
+async def put_blobs(kv: KV, contents: Iterable[bytes]) -> None:
+    """Every chunk of `contents` as a blob (each distinct chunk once), before the
+    record that names them."""
+    written: set[str] = set()
+    for data in contents:
+        for sha, part in _chunked(data):
+            if sha not in written:
+                await _put_blob(kv, sha, part)
+                written.add(sha)
+
+
+async def claim(kv: KV, d: Deploy, value: bytes) -> bool:
+    """Write the signed record `value` (of `d`) if its number is still free, then
+    the signer's record and the head; False if another deployer took the number.
+    Whoever writes it, the record is the signer's: agents check its signature."""
+    if not await kv.cas(record_key(d.n), value, expect=0):
+        return False
+    await _advance_signer(kv, d, value)
+    await _advance_head(kv, d, value)
+    return True
+
+
 async def publish(
     kv: KV,
     entry: str,
@@ -444,23 +479,11 @@ async def publish(
     signer = verify_key_of(key)
     blobs_written = False
     for _ in range(MAX_ATTEMPTS):
-        n = await _newest_n(kv)
-        try:
-            prev = await _record_at(kv, n) if n else None
-        except DeployError as e:
-            raise DeployError(
-                f"{e}; the next deploy cannot chain to it (delete it by hand to deploy "
-                f"after deploy {n - 1})"
-            ) from None
+        n, prev = await next_slot(kv)
         if check_parent is not None:
             await check_parent(prev)
         if not blobs_written:
-            written: set[str] = set()
-            for p in refs:
-                for sha, part in _chunked(files[p].data):
-                    if sha not in written:
-                        await _put_blob(kv, sha, part)
-                        written.add(sha)
+            await put_blobs(kv, [files[p].data for p in refs])
             blobs_written = True
         parent = prev.hash if prev else ""
         now = time.time()
@@ -486,10 +509,7 @@ async def publish(
             signer=signer,
             signature=sign(key, digest),
         )
-        value = msgspec.json.encode(d)
-        if await kv.cas(record_key(d.n), value, expect=0):
-            await _advance_signer(kv, d, value)
-            await _advance_head(kv, d, value)
+        if await claim(kv, d, msgspec.json.encode(d)):
             return d
         log.info("deploys: deploy %d was taken by another deployer; trying again", d.n)
     raise DeployError(

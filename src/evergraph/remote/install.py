@@ -218,7 +218,7 @@ def host_publish() -> None:
 
 async def _host_publish(state_dir: Path) -> None:
     from evergraph.cluster import deploys as dp
-    from evergraph.cluster.deploy_record import MAX_ATTEMPTS, decode_record, record_key
+    from evergraph.cluster.deploy_record import MAX_ATTEMPTS, decode_record
     from evergraph.cluster.seat import open_cluster
 
     async def line() -> dict[str, Any]:
@@ -236,19 +236,15 @@ async def _host_publish(state_dir: Path) -> None:
     data = base64.b64decode(first["data"])
     kv, _ca = await open_cluster(state_dir)
     try:
-        for sha, part in dp._chunked(data):
-            await dp._put_blob(kv, sha, part)
+        await dp.put_blobs(kv, [data])
         for _ in range(MAX_ATTEMPTS):
-            n = await dp._newest_n(kv)
-            prev = await dp._record_at(kv, n) if n else None
+            n, prev = await dp.next_slot(kv)
             say({"n": n + 1, "parent": prev.hash if prev else ""})
             value = base64.b64decode((await line())["record"])
             d = decode_record(value, "the initiator's record")
             if d.n != n + 1 or d.files.get(first["entry"]) is None:
                 raise SystemExit("the initiator's record is not the deploy asked for")
-            if await kv.cas(record_key(d.n), value, expect=0):
-                await dp._advance_signer(kv, d, value)
-                await dp._advance_head(kv, d, value)
+            if await dp.claim(kv, d, value):
                 say({"written": d.n})
                 return
         raise SystemExit("other deploys kept taking the next number; try again")
