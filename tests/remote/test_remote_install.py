@@ -99,6 +99,12 @@ def test_install_forms_a_cluster_that_runs_file_and_uninstall_removes_it(
     sshbed: Callable[[int], SshBed], tmp_path: Path
 ) -> None:
     bed = sshbed(3)
+    # hosts 2 and 3 have no etcd (an unexecutable file over it, in their mount
+    # namespace): they run the one shipped with the bundle
+    etcd = shutil.which("etcd")
+    assert etcd is not None
+    for h in bed.hosts[1:]:
+        h.run("mount", "--bind", "/dev/null", str(Path(etcd).resolve()))
     file = graph_file(tmp_path, bed.files)
     key = tmp_path / "deployer.key"
     key.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
@@ -131,6 +137,9 @@ def test_install_forms_a_cluster_that_runs_file_and_uninstall_removes_it(
         assert (token.stat().st_mode & 0o777 == 0o600) if h is not h0 else not token.exists()
         assert (h.var_lib / "remote/agent.pid").is_file()
         assert _evergraph_left(h)
+    for h in bed.hosts[1:]:
+        shipped = [c for c in host_cmdlines(h) if b"/remote/bundles/" in c and b"/bin/etcd" in c]
+        assert shipped, host_cmdlines(h)
 
     # --uninstall: nothing of evergraph left running, the unit, launcher and token gone,
     # the state kept; and a second --uninstall finds nothing to do

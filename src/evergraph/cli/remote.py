@@ -61,7 +61,8 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
         is_flag=True,
         help="Leave an agent running on each HOST as a service: the hosts form a TLS "
         "cluster (the first host forms it, the others join) and follow FILE, deployed "
-        "signed by --key. Needs etcd on each host.",
+        "signed by --key. This machine's etcd goes with the bundle (a host's own etcd, "
+        "if it has one, is used first).",
     )
     @click.option(
         "--uninstall",
@@ -138,6 +139,14 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
                 load_for_check(file)
             if purge and not uninstall:
                 raise InputError("--purge goes with --uninstall", "--purge")
+            if install:
+                from evergraph.remote.bundle import BundleError
+                from evergraph.remote.install import local_etcd
+
+                try:
+                    local_etcd()
+                except BundleError as e:
+                    raise InputError(str(e).split(": ", 1)[1], "--install") from None
         except InputError as e:
             _die(e)
         ssh = SshOptions(

@@ -99,9 +99,14 @@ class Bundle:
         return sum({f.sha256: f.size for f in self.manifest.files}.values())
 
     @classmethod
-    def of_running_python(cls) -> Bundle:
-        """The evergraph package that is running and every distribution it needs."""
-        return cls.of_paths(collect_files())
+    def of_running_python(cls, programs: Mapping[str, Path] | None = None) -> Bundle:
+        """The evergraph package that is running and every distribution it needs;
+        `programs` (name -> local file) go to the bundle's ``bin/`` (etcd, for
+        hosts that will run an embedded World)."""
+        paths, dists = collect_files()
+        for name, local in (programs or {}).items():
+            paths[f"bin/{name}"] = local
+        return cls.of_paths((paths, dists))
 
     @classmethod
     def of_paths(
@@ -419,7 +424,7 @@ elif op == "store":
     os.makedirs(tmp)
     for path, mode, sha, size in files:
         parts = path.split("/")
-        if path.startswith("/") or ".." in parts or parts[0] != "site":
+        if path.startswith("/") or ".." in parts or parts[0] not in ("site", "bin"):
             fail("refused path %r in the manifest" % path)
         src, dst = obj(sha), os.path.join(tmp, *parts)
         if not os.path.isfile(src):

@@ -29,6 +29,7 @@ import asyncio
 import base64
 import json
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -73,8 +74,10 @@ TOKEN_TTL = "1h"
 _LAUNCHER_TEXT = """\
 #!{python} -I
 # written by `evergraph remote --install`: the evergraph bundle at {site}
-import sys
+import os, sys
 sys.path.insert(0, {site!r})
+# the etcd shipped with the bundle, for a host that has none of its own
+os.environ["PATH"] = os.environ.get("PATH", "/usr/bin:/bin") + ":" + {bin!r}
 from evergraph.cli.main import main
 main()
 """
@@ -201,6 +204,17 @@ class Deployment:
             signature=sign(self.key, digest),
         )
         return msgspec.json.encode(d)
+
+
+def local_etcd() -> Path:
+    """This machine's etcd binary, shipped to the hosts (a static program of the
+    same architecture, which the bundle's Python check already requires)."""
+    from evergraph.world.etcd_server import INSTALL_HINT
+
+    found = shutil.which("etcd")
+    if found is None:
+        raise BundleError(f"--install ships this machine's etcd to the hosts: {INSTALL_HINT}")
+    return Path(found).resolve()
 
 
 def host_publish() -> None:
@@ -355,7 +369,7 @@ class Install:
         if self.key is None:
             raise ValueError("an install needs the deploy key")
         deployment = Deployment(self.file.name, self.file.read_bytes(), self.key, whoami())
-        bundle = await asyncio.to_thread(Bundle.of_running_python)
+        bundle = await asyncio.to_thread(Bundle.of_running_python, {"etcd": local_etcd()})
         hosts = [Host(t, Outcome(t)) for t in self.targets]
         try:
             async with asyncio.TaskGroup() as tg:
@@ -405,7 +419,8 @@ class Install:
         try:
             h.site = await install_bundle(h.conn, bundle, label)
             python = (await sh(h.conn, "command -v python3")).strip() or "/usr/bin/python3"
-            text = _LAUNCHER_TEXT.format(python=python, site=h.site)
+            bin_dir = h.site.rsplit("/", 1)[0] + "/bin"
+            text = _LAUNCHER_TEXT.format(python=python, site=h.site, bin=bin_dir)
             await sh(h.conn, _put_file(LAUNCHER, 0o755), text.encode())
             await sh(h.conn, _evergraph("hosts", "trust-deployer", signer, "--state-dir", STATE))
             h.systemd = (await sh(h.conn, "test -d /run/systemd/system && echo y || true")) != ""
