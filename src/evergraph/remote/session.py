@@ -12,7 +12,10 @@ agent exits.
 from __future__ import annotations
 
 import asyncio
+import errno
+import getpass
 import hashlib
+import os
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +28,10 @@ from evergraph.remote.target import Target
 
 #: seconds to wait for a host's SSH handshake (an unknown key must fail within 5 s)
 CONNECT_TIMEOUT = 5.0
+#: SSH keepalives: a host silent for KEEPALIVE_INTERVAL * KEEPALIVE_COUNT_MAX seconds
+#: (a cut link) ends its connection, so its session fails instead of hanging
+KEEPALIVE_INTERVAL = 3.0
+KEEPALIVE_COUNT_MAX = 3
 #: where the graph of a run is copied, under a directory named by its sha256
 RUN_DIR = f"{DEFAULT_STORE}/run"
 #: the remote agent's state dir
@@ -112,21 +119,43 @@ def _has_entry(path: Path, target: Target) -> bool:
     return bool(keys)
 
 
+class _NoPasswords(asyncssh.SSHClient):
+    """Never answers a password or keyboard-interactive prompt (asyncssh reads no
+    terminal then), but remembers that the server asked for one."""
+
+    def __init__(self) -> None:
+        self.asked: set[str] = set()
+
+    def password_auth_requested(self) -> None:
+        self.asked.add("password")
+
+    def kbdint_auth_requested(self) -> None:
+        self.asked.add("keyboard-interactive")
+
+
 async def connect(target: Target, ssh: SshOptions) -> asyncssh.SSHClientConnection:
     """A connection to `target`, or HostFailed with one line saying why."""
     known = ssh.known_hosts.expanduser()
+    user = target.user or getpass.getuser()
+    client = _NoPasswords()
 
     async def attempt() -> asyncssh.SSHClientConnection:
-        return await asyncssh.connect(
+        conn, _ = await asyncssh.create_connection(
+            lambda: client,
             target.host,
             port=target.port,
-            username=target.user,
+            username=user,
             client_keys=[str(k) for k in ssh.keys] or (),
             known_hosts=_known_hosts(known),
-            preferred_auth="publickey",
+            # password methods are offered so that a server wanting one can be told
+            # apart; _NoPasswords declines them (never a prompt)
+            preferred_auth="publickey,keyboard-interactive,password",
             connect_timeout=CONNECT_TIMEOUT,
             login_timeout=CONNECT_TIMEOUT,
+            keepalive_interval=KEEPALIVE_INTERVAL,
+            keepalive_count_max=KEEPALIVE_COUNT_MAX,
         )
+        return conn
 
     try:
         return await attempt()
@@ -139,8 +168,10 @@ async def connect(target: Target, ssh: SshOptions) -> asyncssh.SSHClientConnecti
                 f.write(_host_pattern(target).encode() + b" " + key.export_public_key())
             try:
                 return await attempt()
+            except asyncssh.PermissionDenied:
+                raise HostFailed(_denied(user, client.asked)) from None
             except (OSError, asyncssh.Error, TimeoutError) as e:
-                raise HostFailed(_why(e)) from None
+                raise HostFailed(_why(e, target)) from None
         if recorded:
             raise HostFailed(
                 f"host key changed: the server offers {fingerprint}, which {known} does not "
@@ -151,12 +182,23 @@ async def connect(target: Target, ssh: SshOptions) -> asyncssh.SSHClientConnecti
             "or run with --accept-new-host-keys)"
         ) from None
     except asyncssh.PermissionDenied:
-        raise HostFailed(
-            f"no SSH key was accepted for {target.user or 'the local user'} (public keys only, "
-            "never a password: give --ssh-key FILE or load the key into ssh-agent)"
-        ) from None
+        raise HostFailed(_denied(user, client.asked)) from None
     except (OSError, asyncssh.Error, TimeoutError) as e:
-        raise HostFailed(_why(e)) from None
+        raise HostFailed(_why(e, target)) from None
+
+
+def _denied(user: str, asked: set[str]) -> str:
+    # sshd does not say whether the user exists: an unknown user and one without
+    # our key look the same from here
+    if asked:
+        return (
+            f"needs a password for user {user} (it asked for {' or '.join(sorted(asked))}; "
+            "evergraph remote logs in with keys only: authorise a key for that user)"
+        )
+    return (
+        f"no SSH key was accepted for user {user} (is that the right user? public keys "
+        "only, never a password: give --ssh-key FILE or load the key into ssh-agent)"
+    )
 
 
 async def _server_key(target: Target) -> tuple[str, asyncssh.SSHKey | None]:
@@ -171,11 +213,19 @@ async def _server_key(target: Target) -> tuple[str, asyncssh.SSHKey | None]:
     return key.get_fingerprint("sha256"), key
 
 
-def _why(e: BaseException) -> str:
+def _why(e: BaseException, target: Target) -> str:
     if isinstance(e, TimeoutError):
-        return f"no SSH answer within {CONNECT_TIMEOUT:g} s"
+        return f"no SSH answer within {CONNECT_TIMEOUT:g} s (port {target.port} filtered?)"
+    if isinstance(e, ConnectionRefusedError):
+        return f"connection refused on port {target.port} (no sshd listening there)"
+    if isinstance(e, OSError) and e.errno in _UNREACHABLE:
+        return f"{os.strerror(e.errno or 0).lower()} (port {target.port})"
     text = getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e)
     return " ".join(str(text).split()) or type(e).__name__
+
+
+#: errors of a connect() that say the host cannot be reached at all
+_UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ECONNRESET, errno.ETIMEDOUT}
 
 
 async def install_bundle(conn: asyncssh.SSHClientConnection, bundle: Bundle, label: str) -> str:
