@@ -15,6 +15,7 @@ from evergraph.remote.bundle import running_python
 from tests.conftest import wait_for
 from tests.kit.sshbed import SshBed, SshHost
 from tests.remote.test_remote import (
+    _orphans,
     graph_file,
     host_cmdlines,
     hosts_of,
@@ -136,14 +137,14 @@ def test_a_host_whose_python_differs_fails_naming_both_versions(
 
 
 def _spawn_initiator(bed: SshBed, tmp: Path) -> subprocess.Popen[bytes]:
+    """The initiator on every host of `bed`, its exec sleeping 60 s; its output in
+    tmp/initiator.out."""
     file = graph_file(tmp, bed.files, sleep=60)
     env = {**os.environ, "SSH_AUTH_SOCK": "", "HOME": str(tmp), "TMPDIR": str(tmp)}
-    return subprocess.Popen(
-        remote_argv(bed, file, *hosts_of(bed)),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-    )
+    with (tmp / "initiator.out").open("wb") as out:
+        return subprocess.Popen(
+            remote_argv(bed, file, *hosts_of(bed)), stdout=out, stderr=out, env=env
+        )
 
 
 def _sleeping(h: SshHost) -> bool:
@@ -164,6 +165,7 @@ def test_ctrl_c_of_the_initiator_exits_130_and_leaves_no_agent(
         initiator.send_signal(signal.SIGINT)
         assert initiator.wait(timeout=60) == 130
         wait_for(lambda: all(map(_agent_gone, bed.hosts)), timeout=10, what="no agent left")
+        wait_for(lambda: not _orphans(tmp_path), timeout=10, what="the initiator's etcd gone")
     finally:
         if initiator.poll() is None:
             initiator.kill()
@@ -179,8 +181,16 @@ def test_a_cut_link_ends_that_hosts_agent_and_fails_the_host(
     try:
         wait_for(lambda: all(map(_sleeping, bed.hosts)), timeout=120, what="the exec everywhere")
         h0.cut_from_client()
-        # the agent's watch of its channel (heartbeats) gives it 10 s at most
+        # the wrapper misses the initiator's heartbeats: the agent ends within 10 s
         wait_for(lambda: _agent_gone(h0), timeout=20, what="h0's agent gone")
+        # and the initiator, its keepalives unanswered, fails that host alone
+        output = tmp_path / "initiator.out"
+        wait_for(
+            lambda: f"{h0.addr} | connection lost" in output.read_text(),
+            timeout=30,
+            what="h0's connection given up",
+        )
+        assert initiator.poll() is None, output.read_text()
         assert _sleeping(h1)  # the other host goes on
     finally:
         if initiator.poll() is None:

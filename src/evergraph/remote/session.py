@@ -12,12 +12,13 @@ agent exits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import getpass
 import hashlib
 import os
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,9 @@ CONNECT_TIMEOUT = 5.0
 #: (a cut link) ends its connection, so its session fails instead of hanging
 KEEPALIVE_INTERVAL = 3.0
 KEEPALIVE_COUNT_MAX = 3
+#: seconds between the heartbeats the initiator writes to the agent's stdin; the
+#: wrapper (AGENT_WRAPPER) ends the agent after 6 s without one
+HEARTBEAT_INTERVAL = 2.0
 #: where the graph of a run is copied, under a directory named by its sha256
 RUN_DIR = f"{DEFAULT_STORE}/run"
 #: the remote agent's state dir
@@ -40,10 +44,10 @@ STATE_DIR = f"{DEFAULT_STORE}/state"
 #: The host's end of the agent, stdlib only: ``python3 -I -c AGENT_WRAPPER SITE ARGS...``
 #: starts ``evergraph ARGS...`` from the bundle at SITE in a process group of its own
 #: (its output goes straight to the channel), and kills that group (TERM, then KILL
-#: after 5 s) when its stdin reaches EOF: the SSH channel is gone, so is the agent.
-#: Its exit status is the agent's.
+#: after 5 s) when its stdin reaches EOF, or stays silent for 6 s (three missed
+#: heartbeats): the SSH channel is gone, so is the agent. Its exit status is the agent's.
 AGENT_WRAPPER = r"""
-import os, signal, subprocess, sys, threading, time
+import os, select, signal, subprocess, sys, threading, time
 site = sys.argv[1]
 boot = "import sys; sys.path.insert(0, %r); from evergraph.cli.main import main; main()" % site
 agent = subprocess.Popen([sys.executable, "-I", "-c", boot] + sys.argv[2:],
@@ -58,11 +62,14 @@ def kill_group():
         while agent.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
 def watch_stdin():
-    try:
-        while os.read(0, 65536):
-            pass
-    except OSError:
-        pass
+    # the initiator writes a heartbeat every HEARTBEAT_INTERVAL s: 6 s of silence
+    # is a link cut without a FIN (this sshd would not notice for many minutes)
+    while True:
+        try:
+            if not select.select([0], [], [], 6)[0] or not os.read(0, 65536):
+                break
+        except OSError:
+            break
     kill_group()
 threading.Thread(target=watch_stdin, daemon=True).start()
 code = agent.wait()
@@ -258,6 +265,28 @@ async def copy_graph(conn: asyncssh.SSHClientConnection, file: Path, data: bytes
     return dest
 
 
+@contextlib.asynccontextmanager
+async def _heartbeats(stdin: asyncssh.SSHWriter[str]) -> AsyncIterator[None]:
+    """Write a newline to the agent's wrapper every HEARTBEAT_INTERVAL s while the
+    body runs: its proof that the link still carries data (AGENT_WRAPPER)."""
+
+    async def beat() -> None:
+        while True:
+            try:
+                stdin.write("\n")
+            except (OSError, asyncssh.Error):
+                return  # the channel is closing: its EOF does the rest
+            await asyncio.sleep(HEARTBEAT_INTERVAL)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 async def run_agent(
     conn: asyncssh.SSHClientConnection,
     *,
@@ -286,8 +315,11 @@ async def run_agent(
     if args.noop:
         argv.append("--noop")
     command = shlex.join(["python3", "-I", "-c", AGENT_WRAPPER, site, *argv])
-    # stdin stays open (never written, never closed) until the agent exits
-    async with conn.create_process(command, encoding="utf-8", errors="replace") as proc:
+    # stdin stays open (written only with heartbeats, never closed) until the agent exits
+    async with (
+        conn.create_process(command, encoding="utf-8", errors="replace") as proc,
+        _heartbeats(proc.stdin),
+    ):
 
         async def relay(stream: asyncssh.SSHReader[str]) -> None:
             async for line in stream:
