@@ -2,11 +2,13 @@
 
 The SSH connection is strict about host keys (never a prompt: an unknown or
 changed key fails the host naming its SHA256 fingerprint) and about
-authentication (public keys only, so no password prompt can appear). The agent
-runs under `AGENT_WRAPPER`, which ties its life to the SSH channel: when the
-channel's stdin ends (the initiator exited, was killed, or the link was cut) the
-wrapper kills the agent's process group. The initiator keeps stdin open until the
-agent exits.
+authentication (public keys only: a server asking for a password or
+keyboard-interactive answer is declined, never prompted for, and the host fails
+saying it needs a password). SSH keepalives end a connection whose host went
+silent. The agent runs under `AGENT_WRAPPER`, which ties its life to the SSH
+channel: when the channel's stdin ends (the initiator exited or was killed) or
+its heartbeats stop (the link was cut) the wrapper kills the agent's process
+group. The initiator keeps stdin open, writing heartbeats, until the agent exits.
 """
 
 from __future__ import annotations
