@@ -131,6 +131,76 @@ class SshHost:
 
         wait_for(listening, what=f"sshd in {self.name}")
 
+    def _restart_sshd(self) -> None:
+        """Stop the listener and start it again on the (changed) config."""
+        assert self.sshd is not None, "the host is not started"
+        _stop(self.sshd)
+        self.bed.net._procs.remove(self.sshd)
+        config = self.ssh_dir / "sshd_config"
+        ready = self.log.read_text().count(f"Server listening on {self.addr} port 22") + 1
+        self.sshd = self.net.spawn(SSHD, "-D", "-e", "-f", str(config), log=self.log)
+        sshd = self.sshd
+
+        def listening() -> bool:
+            if sshd.poll() is not None:
+                raise RuntimeError(f"{self.name}: sshd exited: {self.log.read_text()}")
+            return self.log.read_text().count(f"Server listening on {self.addr} port 22") >= ready
+
+        wait_for(listening, what=f"sshd in {self.name} restarted")
+
+    def configure_sshd(self, text: str) -> None:
+        """Append `text` to the host's sshd_config (a `Match` block goes last, so
+        append those last) and restart its sshd."""
+        config = self.ssh_dir / "sshd_config"
+        config.write_text(config.read_text() + text.rstrip("\n") + "\n")
+        self._restart_sshd()
+
+    def add_user(self, name: str, *, uid: int = 4242) -> None:
+        """A user `name` on this host only (its /etc/passwd and /etc/shadow are copies
+        bind-mounted in the host's mount namespace), with an empty home of its own.
+        The bed's key is authorised for every user (one AuthorizedKeysFile): use
+        `configure_sshd` with a `Match User` block to take it away."""
+        home = self.net.state_dir / f"home-{name}"
+        home.mkdir(mode=0o755, exist_ok=True)
+        for table, line in (
+            ("passwd", f"{name}:x:{uid}:65534::{home}:/bin/sh\n"),
+            ("shadow", f"{name}:*:19000:0:99999:7:::\n"),
+        ):
+            copy = self.net.state_dir / f"etc-{table}"
+            if not copy.exists():
+                copy.write_text(Path(f"/etc/{table}").read_text())
+                copy.chmod(0o644 if table == "passwd" else 0o640)
+                self.net.run("mount", "--bind", str(copy), f"/etc/{table}")
+            copy.write_text(copy.read_text() + line)
+
+    def put_on_path(self, name: str, text: str) -> Path:
+        """An executable `name` holding `text`, first in the PATH of every SSH session
+        on this host (sshd's `SetEnv PATH=…`); its path."""
+        bin_dir = self.net.state_dir / "shims"
+        bin_dir.mkdir(mode=0o755, exist_ok=True)
+        shim = bin_dir / name
+        shim.write_text(text)
+        shim.chmod(0o755)
+        path = f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        self.configure_sshd(f"SetEnv PATH={path}")
+        return shim
+
+    def drop(self, rule: str) -> None:
+        """Drop the packets `rule` matches (an nft match, e.g. `tcp dport 2222`) coming
+        in or going out of this host, in a table of the kit's own (`NetHost.partition`
+        flushes the whole ruleset: do not mix the two on one host)."""
+        self.run("nft", "add", "table", "inet", "sshbed")
+        for chain, hook in (("in", "input"), ("out", "output")):
+            spec = f"{{ type filter hook {hook} priority 0; }}"
+            self.run("nft", "add", "chain", "inet", "sshbed", chain, spec)
+        self.run("nft", "add", "rule", "inet", "sshbed", "in", *rule.split(), "drop")
+        out_rule = rule.replace("saddr", "daddr").replace("dport", "sport")
+        self.run("nft", "add", "rule", "inet", "sshbed", "out", *out_rule.split(), "drop")
+
+    def cut_from_client(self) -> None:
+        """Drop every packet between this host and the test (a cut link)."""
+        self.drop(f"ip saddr {self.bed.client_addr}")
+
     def _stop(self) -> None:
         """Stop the sshd, then kill what its sessions left in the host (a session's
         sshd makes a session of its own: the listener's process group misses it)."""

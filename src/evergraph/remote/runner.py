@@ -129,9 +129,31 @@ class RemoteRun:
                         emit=emit,
                         label=label,
                     )
+                except (OSError, asyncssh.Error, ExceptionGroup) as e:
+                    # a cut link (keepalives unanswered): the agent's wrapper ends it
+                    lost = _connection_error(e)
+                    if lost is None:
+                        raise
+                    outcome.reason = f"connection lost: {' '.join(str(lost).split())}"
+                    emit(label, outcome.reason)
+                    return
                 finally:
                     listener.close()
         outcome.state, outcome.reason = _agent_outcome(status)
+
+
+def _connection_error(e: BaseException) -> BaseException | None:
+    """The connection's error if that is all `e` is (a group of them, from the tasks
+    relaying the agent's output, or one), else None."""
+    if isinstance(e, BaseExceptionGroup):
+        match, rest = e.split((OSError, asyncssh.Error))
+        if match is None or rest is not None:
+            return None
+        first: BaseException = match
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        return first
+    return e if isinstance(e, (OSError, asyncssh.Error)) else None
 
 
 def _agent_outcome(status: int) -> tuple[str, str]:

@@ -2,19 +2,25 @@
 
 The SSH connection is strict about host keys (never a prompt: an unknown or
 changed key fails the host naming its SHA256 fingerprint) and about
-authentication (public keys only, so no password prompt can appear). The agent
-runs under `AGENT_WRAPPER`, which ties its life to the SSH channel: when the
-channel's stdin ends (the initiator exited, was killed, or the link was cut) the
-wrapper kills the agent's process group. The initiator keeps stdin open until the
-agent exits.
+authentication (public keys only: a server asking for a password or
+keyboard-interactive answer is declined, never prompted for, and the host fails
+saying it needs a password). SSH keepalives end a connection whose host went
+silent. The agent runs under `AGENT_WRAPPER`, which ties its life to the SSH
+channel: when the channel's stdin ends (the initiator exited or was killed) or
+its heartbeats stop (the link was cut) the wrapper kills the agent's process
+group. The initiator keeps stdin open, writing heartbeats, until the agent exits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import getpass
 import hashlib
+import os
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +31,13 @@ from evergraph.remote.target import Target
 
 #: seconds to wait for a host's SSH handshake (an unknown key must fail within 5 s)
 CONNECT_TIMEOUT = 5.0
+#: SSH keepalives: a host silent for KEEPALIVE_INTERVAL * KEEPALIVE_COUNT_MAX seconds
+#: (a cut link) ends its connection, so its session fails instead of hanging
+KEEPALIVE_INTERVAL = 3.0
+KEEPALIVE_COUNT_MAX = 3
+#: seconds between the heartbeats the initiator writes to the agent's stdin; the
+#: wrapper (AGENT_WRAPPER) ends the agent after 6 s without one
+HEARTBEAT_INTERVAL = 2.0
 #: where the graph of a run is copied, under a directory named by its sha256
 RUN_DIR = f"{DEFAULT_STORE}/run"
 #: the remote agent's state dir
@@ -33,10 +46,10 @@ STATE_DIR = f"{DEFAULT_STORE}/state"
 #: The host's end of the agent, stdlib only: ``python3 -I -c AGENT_WRAPPER SITE ARGS...``
 #: starts ``evergraph ARGS...`` from the bundle at SITE in a process group of its own
 #: (its output goes straight to the channel), and kills that group (TERM, then KILL
-#: after 5 s) when its stdin reaches EOF: the SSH channel is gone, so is the agent.
-#: Its exit status is the agent's.
+#: after 5 s) when its stdin reaches EOF, or stays silent for 6 s (three missed
+#: heartbeats): the SSH channel is gone, so is the agent. Its exit status is the agent's.
 AGENT_WRAPPER = r"""
-import os, signal, subprocess, sys, threading, time
+import os, select, signal, subprocess, sys, threading, time
 site = sys.argv[1]
 boot = "import sys; sys.path.insert(0, %r); from evergraph.cli.main import main; main()" % site
 agent = subprocess.Popen([sys.executable, "-I", "-c", boot] + sys.argv[2:],
@@ -51,11 +64,14 @@ def kill_group():
         while agent.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
 def watch_stdin():
-    try:
-        while os.read(0, 65536):
-            pass
-    except OSError:
-        pass
+    # the initiator writes a heartbeat every HEARTBEAT_INTERVAL s: 6 s of silence
+    # is a link cut without a FIN (this sshd would not notice for many minutes)
+    while True:
+        try:
+            if not select.select([0], [], [], 6)[0] or not os.read(0, 65536):
+                break
+        except OSError:
+            break
     kill_group()
 threading.Thread(target=watch_stdin, daemon=True).start()
 code = agent.wait()
@@ -112,21 +128,43 @@ def _has_entry(path: Path, target: Target) -> bool:
     return bool(keys)
 
 
+class _NoPasswords(asyncssh.SSHClient):
+    """Never answers a password or keyboard-interactive prompt (asyncssh reads no
+    terminal then), but remembers that the server asked for one."""
+
+    def __init__(self) -> None:
+        self.asked: set[str] = set()
+
+    def password_auth_requested(self) -> None:
+        self.asked.add("password")
+
+    def kbdint_auth_requested(self) -> None:
+        self.asked.add("keyboard-interactive")
+
+
 async def connect(target: Target, ssh: SshOptions) -> asyncssh.SSHClientConnection:
     """A connection to `target`, or HostFailed with one line saying why."""
     known = ssh.known_hosts.expanduser()
+    user = target.user or getpass.getuser()
+    client = _NoPasswords()
 
     async def attempt() -> asyncssh.SSHClientConnection:
-        return await asyncssh.connect(
+        conn, _ = await asyncssh.create_connection(
+            lambda: client,
             target.host,
             port=target.port,
-            username=target.user,
+            username=user,
             client_keys=[str(k) for k in ssh.keys] or (),
             known_hosts=_known_hosts(known),
-            preferred_auth="publickey",
+            # password methods are offered so that a server wanting one can be told
+            # apart; _NoPasswords declines them (never a prompt)
+            preferred_auth="publickey,keyboard-interactive,password",
             connect_timeout=CONNECT_TIMEOUT,
             login_timeout=CONNECT_TIMEOUT,
+            keepalive_interval=KEEPALIVE_INTERVAL,
+            keepalive_count_max=KEEPALIVE_COUNT_MAX,
         )
+        return conn
 
     try:
         return await attempt()
@@ -139,8 +177,10 @@ async def connect(target: Target, ssh: SshOptions) -> asyncssh.SSHClientConnecti
                 f.write(_host_pattern(target).encode() + b" " + key.export_public_key())
             try:
                 return await attempt()
+            except asyncssh.PermissionDenied:
+                raise HostFailed(_denied(user, client.asked)) from None
             except (OSError, asyncssh.Error, TimeoutError) as e:
-                raise HostFailed(_why(e)) from None
+                raise HostFailed(_why(e, target)) from None
         if recorded:
             raise HostFailed(
                 f"host key changed: the server offers {fingerprint}, which {known} does not "
@@ -151,12 +191,23 @@ async def connect(target: Target, ssh: SshOptions) -> asyncssh.SSHClientConnecti
             "or run with --accept-new-host-keys)"
         ) from None
     except asyncssh.PermissionDenied:
-        raise HostFailed(
-            f"no SSH key was accepted for {target.user or 'the local user'} (public keys only, "
-            "never a password: give --ssh-key FILE or load the key into ssh-agent)"
-        ) from None
+        raise HostFailed(_denied(user, client.asked)) from None
     except (OSError, asyncssh.Error, TimeoutError) as e:
-        raise HostFailed(_why(e)) from None
+        raise HostFailed(_why(e, target)) from None
+
+
+def _denied(user: str, asked: set[str]) -> str:
+    # sshd does not say whether the user exists: an unknown user and one without
+    # our key look the same from here
+    if asked:
+        return (
+            f"needs a password for user {user} (it asked for {' or '.join(sorted(asked))}; "
+            "evergraph remote logs in with keys only: authorise a key for that user)"
+        )
+    return (
+        f"no SSH key was accepted for user {user} (is that the right user? public keys "
+        "only, never a password: give --ssh-key FILE or load the key into ssh-agent)"
+    )
 
 
 async def _server_key(target: Target) -> tuple[str, asyncssh.SSHKey | None]:
@@ -171,11 +222,19 @@ async def _server_key(target: Target) -> tuple[str, asyncssh.SSHKey | None]:
     return key.get_fingerprint("sha256"), key
 
 
-def _why(e: BaseException) -> str:
+def _why(e: BaseException, target: Target) -> str:
     if isinstance(e, TimeoutError):
-        return f"no SSH answer within {CONNECT_TIMEOUT:g} s"
+        return f"no SSH answer within {CONNECT_TIMEOUT:g} s (port {target.port} filtered?)"
+    if isinstance(e, ConnectionRefusedError):
+        return f"connection refused on port {target.port} (no sshd listening there)"
+    if isinstance(e, OSError) and e.errno in _UNREACHABLE:
+        return f"{os.strerror(e.errno or 0).lower()} (port {target.port})"
     text = getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e)
     return " ".join(str(text).split()) or type(e).__name__
+
+
+#: errors of a connect() that say the host cannot be reached at all
+_UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ECONNRESET, errno.ETIMEDOUT}
 
 
 async def install_bundle(conn: asyncssh.SSHClientConnection, bundle: Bundle, label: str) -> str:
@@ -208,6 +267,28 @@ async def copy_graph(conn: asyncssh.SSHClientConnection, file: Path, data: bytes
     return dest
 
 
+@contextlib.asynccontextmanager
+async def _heartbeats(stdin: asyncssh.SSHWriter[str]) -> AsyncIterator[None]:
+    """Write a newline to the agent's wrapper every HEARTBEAT_INTERVAL s while the
+    body runs: its proof that the link still carries data (AGENT_WRAPPER)."""
+
+    async def beat() -> None:
+        while True:
+            try:
+                stdin.write("\n")
+            except (OSError, asyncssh.Error):
+                return  # the channel is closing: its EOF does the rest
+            await asyncio.sleep(HEARTBEAT_INTERVAL)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 async def run_agent(
     conn: asyncssh.SSHClientConnection,
     *,
@@ -236,8 +317,11 @@ async def run_agent(
     if args.noop:
         argv.append("--noop")
     command = shlex.join(["python3", "-I", "-c", AGENT_WRAPPER, site, *argv])
-    # stdin stays open (never written, never closed) until the agent exits
-    async with conn.create_process(command, encoding="utf-8", errors="replace") as proc:
+    # stdin stays open (written only with heartbeats, never closed) until the agent exits
+    async with (
+        conn.create_process(command, encoding="utf-8", errors="replace") as proc,
+        _heartbeats(proc.stdin),
+    ):
 
         async def relay(stream: asyncssh.SSHReader[str]) -> None:
             async for line in stream:
