@@ -234,3 +234,21 @@ def test_a_record_signs_the_same_whether_its_times_were_ints_or_floats() -> None
 def test_a_token_needs_a_positive_lifetime() -> None:
     with pytest.raises(TokenError, match="positive"):
         asyncio.run(create_token(MemoryKV(), CA, 0))
+
+
+def test_dead_token_records_are_pruned_when_a_token_is_made() -> None:
+    """Records of tokens expired for a week go when the next token is made (they
+    would pile up, one per join, forever); younger ones stay listed."""
+    clock = FakeClock(epoch=1_800_000_000.0)
+    kv = MemoryKV(MemoryStore(clock))
+
+    async def main() -> tuple[list[str], list[str]]:
+        await create_token(kv, CA, 60, clock)  # the one to go
+        await clock.advance(86400)
+        young = await create_token(kv, CA, 60, clock)
+        await clock.advance(7 * 86400)  # old expired 8 days ago, young 7 days less 60 s
+        new = await create_token(kv, CA, 60, clock)
+        return [r.id for r in await list_tokens(kv, CA)], [young.id, new.id]
+
+    listed, expected = asyncio.run(main())
+    assert listed == expected

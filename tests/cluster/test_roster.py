@@ -17,6 +17,7 @@ from evergraph.cluster.roster import (
     LEAVING,
     SIZE_KEY,
     Invite,
+    SizeSeen,
     decode_candidate,
     decode_invite,
     decode_size,
@@ -100,3 +101,24 @@ def test_a_revocation_list_counts_only_from_the_cluster_ca() -> None:
     assert crl_serials(ca, ca.crl([3, 4])) == {3, 4}
     assert crl_serials(ca, other.crl([])) is None  # another CA's (e.g. an empty list)
     assert crl_serials(ca, b"junk") is None
+
+
+def test_a_replayed_older_size_record_or_its_deletion_changes_nothing(tmp_path: Path) -> None:
+    """A World writer cannot sign, but it can write back a signed record from long
+    ago (`size 1`) or delete the record: the curator keeps the newest it has seen,
+    across a restart of its agent too."""
+    ca = ClusterCA.new("c")
+    seen_file = tmp_path / "size-seen.json"
+    seen = SizeSeen(seen_file)
+    old = kv(SIZE_KEY, encode_size(ca, 1, 100.0))
+    new = kv(SIZE_KEY, encode_size(ca, 5, 200.0))
+    assert seen.size(ca, None) == 3  # nothing seen, no record: the default
+    assert seen.size(ca, old) == 1
+    assert seen.size(ca, new) == 5
+    assert seen.size(ca, old) == 5  # the replay
+    assert seen.size(ca, None) == 5  # the deletion
+    assert seen.size(ca, kv(SIZE_KEY, encode_size(ClusterCA.new("evil"), 1, 300.0))) == 5
+    again = SizeSeen(seen_file)  # the agent restarted
+    assert again.size(ca, old) == 5
+    assert again.size(ca, kv(SIZE_KEY, encode_size(ca, 3, 300.0))) == 3  # a newer one counts
+    assert seen_file.stat().st_mode & 0o777 == 0o600

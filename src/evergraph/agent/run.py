@@ -499,7 +499,15 @@ class Agent:
         self._service(seat.run(lambda: membership.lease), "etcd-seat")
         election = Election(kv, CURATOR, host)
         self._service(election.run(), "curator-election")
-        self.curator = Curator(seat.kv, seat.ca, election, seat.opts.member_timeout)
+        from evergraph.cluster.roster import SizeSeen
+
+        self.curator = Curator(
+            seat.kv,
+            seat.ca,
+            election,
+            seat.opts.member_timeout,
+            size_seen=SizeSeen(seat.dir / "size-seen.json"),
+        )
         self._service(self.curator.run(), "etcd-curator")
 
     def _farm_servers(self, pins: Pins, host: str) -> dict[str, str]:

@@ -181,6 +181,7 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
         from evergraph.cluster.roster import (
             SIZE_KEY,
             VALID_SIZES,
+            decode_size_record,
             encode_size,
             read_size,
             size_problem,
@@ -205,7 +206,12 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
             if n is None:
                 click.echo(await read_size(kv, ca))
                 return
-            await kv.put(SIZE_KEY, encode_size(ca, n, time.time()))
+            # dated after the record there now, whatever this host's clock says:
+            # curators ignore a size record older than the newest they have seen
+            cur = await kv.get(SIZE_KEY)
+            rec = decode_size_record(ca, cur) if cur is not None else None
+            at = max(time.time(), rec.set_at + 0.001 if rec is not None else 0.0)
+            await kv.put(SIZE_KEY, encode_size(ca, n, at))
             click.echo(f"ideal size set to {n}")
 
         _with_cluster(sd(click_ctx, state_dir), body)

@@ -87,6 +87,33 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
         "table of the hosts), then a recap; json: one JSON object per line (a host's log "
         "record with its `host`, a `recap` per host, then the `total`).",
     )
+    @click.option(
+        "--install",
+        is_flag=True,
+        help="Leave an agent running on each HOST as a service: the hosts form a TLS "
+        "cluster (the first host forms it, the others join) and follow FILE, deployed "
+        "signed by --key. Needs etcd on each host.",
+    )
+    @click.option(
+        "--uninstall",
+        is_flag=True,
+        help="Stop and remove what --install left (service, unit, launcher, join token); "
+        "the state dir /var/lib/evergraph/state is kept unless --purge. FILE is not read.",
+    )
+    @click.option(
+        "--key",
+        "key_file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="With --install: the deploy key the hosts trust and FILE is signed with (as "
+        "`deploy --key`). [default: this host's key in its state dir]",
+    )
+    @click.option(
+        "--purge",
+        is_flag=True,
+        help="With --uninstall: also remove the state dir (keys, cluster CA, World data) "
+        "and the installed bundles.",
+    )
     def remote(
         file: Path,
         hosts: tuple[str, ...],
@@ -101,6 +128,10 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
         converged_exit: bool,
         seeds: str | None,
         log_format: str,
+        install: bool,
+        uninstall: bool,
+        key_file: Path | None,
+        purge: bool,
     ) -> None:
         """Converge the graph in FILE on each HOST over SSH, then leave.
 
@@ -124,6 +155,10 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
             db:
         An error in it is one line FILE:LINE and exit 2, before any connection.
 
+        With --install the agents stay, as services (systemd's; without systemd,
+        the unit's command is started directly and its PID kept): see --install,
+        --uninstall.
+
         \b
         Exit status: 0 every host converged clean, 1 a resource failed somewhere,
         2 bad input (the graph is checked here before any connection), 3 with --noop:
@@ -135,6 +170,8 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
           evergraph remote site.yaml --inventory hosts.yaml --diff
           evergraph remote site.yaml --inventory hosts.txt --log-format json | jq .
           evergraph remote site.yaml web1 web2 --seeds http://10.0.0.1:2379
+          evergraph remote site.yaml 10.0.0.1 10.0.0.2 10.0.0.3 --install --key ~/deployer.key
+          evergraph remote site.yaml 10.0.0.1 10.0.0.2 10.0.0.3 --uninstall
         """
         from evergraph.cli.common import load_for_check
         from evergraph.cli.logs import escape
@@ -161,17 +198,30 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
             for url in seed_urls:
                 if why := seed_problem(url):
                     raise InputError(why, "--seeds")
-            load_for_check(file)
+            if install and uninstall:
+                raise InputError("give one of --install and --uninstall", "--install")
+            if not uninstall:
+                load_for_check(file)
+            if purge and not uninstall:
+                raise InputError("--purge goes with --uninstall", "--purge")
         except InputError as e:
             _die(e)
+        ssh = SshOptions(
+            keys=[k.expanduser() for k in ssh_keys],
+            known_hosts=known_hosts,
+            accept_new_host_keys=accept_new_host_keys,
+        )
+        if install or uninstall:
+            from evergraph.cli.deploy import _signing_key
+            from evergraph.remote import install as ri
+
+            signing_key = _signing_key(key_file, None) if install else None
+            job = ri.Install(file, targets, key=signing_key, ssh=ssh, purge=purge)
+            sys.exit(ri.main(job, uninstall=uninstall, echo=click.echo))
         run = RemoteRun(
             file,
             targets,
-            ssh=SshOptions(
-                keys=[k.expanduser() for k in ssh_keys],
-                known_hosts=known_hosts,
-                accept_new_host_keys=accept_new_host_keys,
-            ),
+            ssh=ssh,
             agent=AgentArgs(
                 converged_timeout=converged_timeout, noop=noop, diff=diff, log_format=log_format
             ),

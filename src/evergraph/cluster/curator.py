@@ -46,8 +46,8 @@ from evergraph.cluster.roster import (
     SIZE_KEY,
     Candidate,
     Invite,
+    SizeSeen,
     decode_candidate,
-    decode_size,
     encode_change,
     encode_invite,
     leaving_names,
@@ -205,8 +205,11 @@ class Curator:
         election: Election,
         member_timeout: float,
         clock: Clock = SYSTEM,
+        size_seen: SizeSeen | None = None,
     ) -> None:
         self.kv = kv
+        #: the newest signed ideal size seen (a replayed older one is ignored)
+        self.size_seen = size_seen or SizeSeen(None)
         self.ca = ca
         self.election = election
         self.timeout = member_timeout
@@ -271,7 +274,7 @@ class Curator:
             candidates[c.name] = c
         leaving_kv, _ = await kv.range(LEAVING)  # type: ignore[attr-defined]
         leaving = leaving_names(self.ca, leaving_kv, revoked)
-        size = decode_size(self.ca, await kv.get(SIZE_KEY))  # type: ignore[attr-defined]
+        size = self.size_seen.size(self.ca, await kv.get(SIZE_KEY))  # type: ignore[attr-defined]
         invites_kv, _ = await kv.range(INVITES)  # type: ignore[attr-defined]
         invites = frozenset(item.key[len(INVITES) :] for item in invites_kv)
         return Snapshot(

@@ -33,7 +33,7 @@ import msgspec
 
 from evergraph._util.clock import SYSTEM, Clock
 from evergraph.cluster.ca import ClusterCA
-from evergraph.world.kv import KV
+from evergraph.world.kv import KV, Compare, Delete
 
 log = logging.getLogger("evergraph.cluster.tokens")
 
@@ -173,11 +173,31 @@ async def create_token(kv: KV, ca: ClusterCA, ttl: float, clock: Clock = SYSTEM)
         raise TokenError(f"a join token's lifetime must be positive, not {ttl}")
     secret = base64.urlsafe_b64encode(secrets.token_bytes(32)).rstrip(b"=").decode()
     now = clock.time()
+    await prune_tokens(kv, ca, now)
     while True:
         token_id = secrets.token_hex(6)
         record = _sign(ca, TokenRecord(token_id, _hash(secret), now, now + ttl))
         if await kv.cas(TOKENS + token_id, msgspec.json.encode(record), expect=0):
             return JoinToken(ca.fingerprint, token_id, secret)
+
+
+#: how long a dead token's record stays listed (`cluster token` shows it expired)
+KEEP_DEAD = 7 * 86400.0
+
+
+async def prune_tokens(kv: KV, ca: ClusterCA, now: float) -> int:
+    """Delete the records of tokens that expired more than KEEP_DEAD ago (each
+    token made prunes: the records never pile up); how many went. Only records
+    the CA signed: each is deleted only as it was read (a compare on its revision)."""
+    kvs, _ = await kv.range(TOKENS)
+    gone = 0
+    for item in kvs:
+        record = _verified(ca, item.key, item.value)
+        if record is not None and record.expires + KEEP_DEAD < now:
+            gone += (
+                await kv.txn([Compare(item.key, item.mod_revision)], [Delete(item.key)]) is not None
+            )
+    return gone
 
 
 def _id_of(ca: ClusterCA, which: str) -> str:

@@ -1,7 +1,9 @@
 """The records a self-forming etcd cluster keeps in its World (SPEC 4.8).
 
 - `cluster/size`: the ideal number of voters, signed by the cluster CA (a World
-  writer without the CA's key cannot shrink the cluster to one);
+  writer without the CA's key cannot shrink the cluster to one) and dated: the
+  curator keeps the newest it has seen (`SizeSeen`, in the state dir), so an
+  older signed record written back, or the record deleted, changes nothing;
 - `cluster/candidates/<name>`: every agent started with `--etcd embedded`
   (voter or standby), under its member lease, signed by its host key and
   carrying its host certificate: the curator considers only certified hosts;
@@ -22,6 +24,7 @@ from __future__ import annotations
 import base64
 import logging
 from collections.abc import Iterable
+from pathlib import Path
 
 import msgspec
 
@@ -79,19 +82,73 @@ def encode_size(ca: ClusterCA, size: int, now: float) -> bytes:
     return msgspec.json.encode(msgspec.structs.replace(rec, sig=_b64(ca.sign(_body(rec)))))
 
 
+def decode_size_record(ca: ClusterCA, kv: KeyValue) -> SizeRecord | None:
+    """The record if the cluster CA signed it (and its size is valid), else None."""
+    try:
+        rec = msgspec.json.decode(kv.value, type=SizeRecord)
+    except msgspec.DecodeError:
+        return None
+    if size_problem(rec.size) or not ca.check_signature(_body(rec), _unb64(rec.sig)):
+        return None
+    return rec
+
+
 def decode_size(ca: ClusterCA, kv: KeyValue | None) -> int:
     """The ideal size a valid record states; the default for none, and for one that
     does not verify (logged)."""
     if kv is None:
         return DEFAULT_SIZE
-    try:
-        rec = msgspec.json.decode(kv.value, type=SizeRecord)
-    except msgspec.DecodeError:
-        rec = None
-    if rec is None or size_problem(rec.size) or not ca.check_signature(_body(rec), _unb64(rec.sig)):
+    rec = decode_size_record(ca, kv)
+    if rec is None:
         log.error("cluster: %s is not signed by the cluster CA: ignored (ideal size 3)", kv.key)
         return DEFAULT_SIZE
     return rec.size
+
+
+class SizeSeen:
+    """The newest signed size record this host has seen, kept in a file: the
+    curator acts on it, never on an older one a World writer puts back (a replay
+    of a signed `size 1` from long ago), nor on the record's absence."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.newest: SizeRecord | None = None
+        if path is not None:
+            try:
+                self.newest = msgspec.json.decode(path.read_bytes(), type=SizeRecord)
+            except FileNotFoundError:
+                pass
+            except (OSError, msgspec.DecodeError) as e:
+                log.warning("cluster: %s unreadable (%s): starting from the World's size", path, e)
+
+    def size(self, ca: ClusterCA, kv: KeyValue | None) -> int:
+        """The ideal size to act on, given the World's record now."""
+        rec = None if kv is None else decode_size_record(ca, kv)
+        if kv is not None and rec is None:
+            log.error("cluster: %s is not signed by the cluster CA: ignored", kv.key)
+        known = self.newest
+        if rec is None:
+            return known.size if known is not None else DEFAULT_SIZE
+        if known is not None and rec.set_at < known.set_at:
+            log.error(
+                "cluster: %s is older (set at %.0f) than one seen before (set at %.0f): "
+                "a replay, ignored (ideal size %d)",
+                SIZE_KEY,
+                rec.set_at,
+                known.set_at,
+                known.size,
+            )
+            return known.size
+        if known is None or rec.set_at > known.set_at:
+            self.newest = rec
+            if self.path is not None:
+                from evergraph._util.atomic import atomic_write
+
+                try:
+                    atomic_write(self.path, msgspec.json.encode(rec), mode=0o600)
+                except OSError as e:
+                    log.warning("cluster: cannot keep %s: %s", self.path, e)
+        return rec.size
 
 
 async def read_size(kv: KV, ca: ClusterCA) -> int:
