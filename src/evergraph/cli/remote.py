@@ -4,6 +4,7 @@ evergraph (issue 26). A thin adapter over evergraph.remote."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,14 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
 
     @cli.command(context_settings=ctx)
     @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
-    @click.argument("hosts", nargs=-1, required=True, metavar="HOST...")
+    @click.argument("hosts", nargs=-1, metavar="[HOST]...")
+    @click.option(
+        "--inventory",
+        type=click.Path(dir_okay=False, path_type=Path),
+        metavar="FILE",
+        help="Hosts from FILE (besides any HOST): one [user@]host[:port] a line (# comments), "
+        "or YAML `hosts:` mapping each name to host, user, port, key, hostname (see below).",
+    )
     @click.option(
         "--ssh-key",
         "ssh_keys",
@@ -56,6 +64,29 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
         "and exits.",
     )
     @click.option("--noop", is_flag=True, help="Change nothing; say what would change.")
+    @click.option("--diff", is_flag=True, help="Show each change's diff (as `run --diff`).")
+    @click.option(
+        "--converged-exit",
+        is_flag=True,
+        help="Accepted for `run`'s sake: a remote agent always exits once converged "
+        "(with or without it), and the run ends when every host did.",
+    )
+    @click.option(
+        "--seeds",
+        metavar="URL,...",
+        help="The hosts use this etcd cluster (client URLs, as the hosts reach them) as "
+        "their World: no World is started here and none is forwarded. "
+        "[default: a World of this run's own, reached through each host's SSH connection]",
+    )
+    @click.option(
+        "--log-format",
+        type=click.Choice(["text", "json"]),
+        default="text",
+        show_default=True,
+        help="text: each host's lines prefixed by its name (on a terminal under a live "
+        "table of the hosts), then a recap; json: one JSON object per line (a host's log "
+        "record with its `host`, a `recap` per host, then the `total`).",
+    )
     @click.option(
         "--install",
         is_flag=True,
@@ -87,12 +118,17 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
     def remote(
         file: Path,
         hosts: tuple[str, ...],
+        inventory: Path | None,
         ssh_keys: tuple[Path, ...],
         known_hosts: Path,
         accept_new_host_keys: bool,
         parallel: int,
         converged_timeout: float,
         noop: bool,
+        diff: bool,
+        converged_exit: bool,
+        seeds: str | None,
+        log_format: str,
         install: bool,
         uninstall: bool,
         key_file: Path | None,
@@ -100,12 +136,25 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
     ) -> None:
         """Converge the graph in FILE on each HOST over SSH, then leave.
 
-        HOST is [user@]host[:port]. A host needs sshd and python3 (the same minor
+        HOST is [user@]host[:port]; --inventory FILE gives hosts too (HOST or
+        --inventory: at least one). A host needs sshd and python3 (the same minor
         version as here) and nothing else: evergraph is installed into a
         content-addressed directory under /var/lib/evergraph/remote on first contact
         (a later run sends only hashes). The hosts share a World the initiator owns
-        for the run, reached through each host's SSH connection. A remote agent lives
-        exactly as long as its SSH session.
+        for the run, reached through each host's SSH connection (with --seeds: that
+        cluster). A remote agent lives exactly as long as its SSH session.
+
+        \b
+        A YAML inventory (a first line `hosts:`; every field optional):
+          hosts:
+            web1:                 # the name: the agent's --hostname, and the
+              host: 10.0.0.5      #   address unless `host` is given
+              user: root          # [default: the local user]
+              port: 2222          # [default: 22]
+              key: ~/.ssh/deploy  # tried before --ssh-key (relative: to FILE's dir)
+              hostname: web1.lan  # the agent's --hostname [default: the name]
+            db:
+        An error in it is one line FILE:LINE and exit 2, before any connection.
 
         With --install the agents stay, as services (systemd's; without systemd,
         the unit's command is started directly and its PID kept): see --install,
@@ -119,20 +168,37 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
         Examples:
           evergraph remote site.yaml web1 web2 root@db:2222
           evergraph remote site.py 10.0.0.5 --ssh-key ~/.ssh/deploy --accept-new-host-keys
+          evergraph remote site.yaml --inventory hosts.yaml --diff
+          evergraph remote site.yaml --inventory hosts.txt --log-format json | jq .
+          evergraph remote site.yaml web1 web2 --seeds http://10.0.0.1:2379
           evergraph remote site.yaml 10.0.0.1 10.0.0.2 10.0.0.3 --install --key ~/deployer.key
           evergraph remote site.yaml 10.0.0.1 10.0.0.2 10.0.0.3 --uninstall
         """
         from evergraph.cli.common import load_for_check
+        from evergraph.cli.logs import escape
         from evergraph.cli.main import _die
-        from evergraph.remote.runner import RemoteRun, exit_status, total_line
+        from evergraph.remote.inventory import merge, read_inventory
+        from evergraph.remote.progress import Json, Live, Plain
+        from evergraph.remote.runner import RemoteRun, exit_status
         from evergraph.remote.session import AgentArgs, SshOptions
         from evergraph.remote.target import Target
+        from evergraph.world.open import seed_problem
 
+        del converged_exit  # always so (see its help)
         try:
-            targets = [Target.parse(h) for h in hosts]
+            targets = merge(
+                [Target.parse(h) for h in hosts],
+                read_inventory(inventory) if inventory is not None else [],
+            )
             for key in ssh_keys:
                 if not key.expanduser().is_file():
                     raise InputError("no such file", f"--ssh-key {key}")
+            seed_urls = [u.strip() for u in (seeds or "").split(",") if u.strip()]
+            if seeds is not None and not seed_urls:
+                raise InputError("no URL given", "--seeds")
+            for url in seed_urls:
+                if why := seed_problem(url):
+                    raise InputError(why, "--seeds")
             if install and uninstall:
                 raise InputError("give one of --install and --uninstall", "--install")
             if not uninstall:
@@ -165,19 +231,28 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
             file,
             targets,
             ssh=ssh,
-            agent=AgentArgs(converged_timeout=converged_timeout, noop=noop),
+            agent=AgentArgs(
+                converged_timeout=converged_timeout, noop=noop, diff=diff, log_format=log_format
+            ),
             parallel=parallel,
+            seeds=seed_urls,
         )
-        width = max(len(t.label) for t in targets)
+        labels = [t.label for t in targets]
 
-        def emit(label: str, line: str) -> None:
-            click.echo(f"{label:<{width}} | {line}")
+        def clean(text: str) -> str:
+            return escape(text, lines=False)
 
+        output: Json | Live | Plain
+        if log_format == "json":
+            output = Json()
+        elif sys.stdout.isatty():
+            output = Live(labels, clean)
+        else:
+            output = Plain(labels, clean)
         try:
-            outcomes = asyncio.run(run.run(emit))
+            with output if isinstance(output, Live) else contextlib.nullcontext():
+                outcomes = asyncio.run(run.run(output.emit, output.report))
         except KeyboardInterrupt:
             sys.exit(130)
-        for o in outcomes:
-            click.echo(o.line)
-        click.echo(total_line(outcomes))
+        output.finish(outcomes)
         sys.exit(exit_status(outcomes))

@@ -3,14 +3,21 @@ session (remote/session.py) bounded by ``--parallel``, and the recap.
 
 The World is an etcd on the initiator's loopback; each host reaches it through a
 reverse port forward of its own SSH connection, so nothing but SSH crosses the
-network and the World lives exactly as long as the run.
+network and the World lives exactly as long as the run. With ``seeds`` the hosts
+use that cluster instead (the URLs go to the agents as given): no etcd here, no
+forward.
+
+Each host's progress is told through `Report` (connecting, installing, running,
+then its outcome's state) for the live display (remote/progress.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import tempfile
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +38,14 @@ from evergraph.remote.target import Target
 
 #: exit statuses (SPEC: 0 clean, 1 a resource failed, 2 bad input, 4 a host not reached)
 EXIT_OK, EXIT_FAILED, EXIT_NOOP_CHANGES, EXIT_UNREACHABLE = 0, 1, 3, 4
+
+#: a host's progress: (its label, "connecting" | "installing" | "running" | the
+#: outcome's state once it ended)
+Report = Callable[[str, str], None]
+
+
+def _no_report(label: str, state: str) -> None:
+    del label, state
 
 
 @dataclass
@@ -58,13 +73,30 @@ class RemoteRun:
     ssh: SshOptions = field(default_factory=SshOptions)
     agent: AgentArgs = field(default_factory=AgentArgs)
     parallel: int = 32
+    #: the cluster the hosts use (etcd client URLs); empty: a World of the run's own
+    seeds: Sequence[str] = ()
 
-    async def run(self, emit: Emit) -> list[Outcome]:
+    async def run(self, emit: Emit, report: Report = _no_report) -> list[Outcome]:
         """Every host's outcome, in the order given."""
-        from evergraph.world.etcd_server import EtcdServer
-
         data = self.file.read_bytes()
         bundle = await asyncio.to_thread(Bundle.of_running_python)
+        async with self._world() as etcd_port:
+            gate = asyncio.Semaphore(self.parallel)
+            outcomes = [Outcome(t) for t in self.targets]
+            async with asyncio.TaskGroup() as tg:
+                for o in outcomes:
+                    tg.create_task(self._host(o, gate, bundle, data, etcd_port, emit, report))
+            return outcomes
+
+    @contextlib.asynccontextmanager
+    async def _world(self) -> AsyncIterator[int | None]:
+        """The loopback port of the run's own etcd, for as long as the run; None
+        with `seeds` (the hosts' World is theirs)."""
+        if self.seeds:
+            yield None
+            return
+        from evergraph.world.etcd_server import EtcdServer
+
         with tempfile.TemporaryDirectory(prefix="evergraph-remote-") as tmp:
             etcd = EtcdServer.single(Path(tmp) / "etcd", name="remote")
             # spawned from the loop's thread, which lives as long as the run: etcd
@@ -76,12 +108,7 @@ class RemoteRun:
                 etcd.stop()
                 raise
             try:
-                gate = asyncio.Semaphore(self.parallel)
-                outcomes = [Outcome(t) for t in self.targets]
-                async with asyncio.TaskGroup() as tg:
-                    for o in outcomes:
-                        tg.create_task(self._host(o, gate, bundle, data, etcd.client_port, emit))
-                return outcomes
+                yield etcd.client_port
             finally:
                 await asyncio.to_thread(etcd.stop)
 
@@ -91,25 +118,50 @@ class RemoteRun:
         gate: asyncio.Semaphore,
         bundle: Bundle,
         data: bytes,
-        etcd_port: int,
+        etcd_port: int | None,
         emit: Emit,
+        report: Report,
+    ) -> None:
+        label = outcome.target.label
+        try:
+            await self._session(outcome, gate, bundle, data, etcd_port, emit, report)
+        finally:
+            report(label, outcome.state)
+
+    async def _session(
+        self,
+        outcome: Outcome,
+        gate: asyncio.Semaphore,
+        bundle: Bundle,
+        data: bytes,
+        etcd_port: int | None,
+        emit: Emit,
+        report: Report,
     ) -> None:
         target = outcome.target
         label = target.label
+        # an inventory's key for this host is tried before the command line's
+        ssh = self.ssh
+        if target.key is not None:
+            ssh = dataclasses.replace(ssh, keys=[target.key, *ssh.keys])
         async with gate:
+            report(label, "connecting")
             try:
-                conn = await connect(target, self.ssh)
+                conn = await connect(target, ssh)
             except HostFailed as e:
                 outcome.reason = str(e)
                 emit(label, f"unreachable: {e}")
                 return
             async with conn:
+                report(label, "installing")
+                listener: asyncssh.SSHListener | None = None
                 try:
                     site = await install_bundle(conn, bundle, label)
                     graph = await copy_graph(conn, self.file, data)
-                    listener = await conn.forward_remote_port(
-                        "127.0.0.1", 0, "127.0.0.1", etcd_port
-                    )
+                    if etcd_port is not None:
+                        listener = await conn.forward_remote_port(
+                            "127.0.0.1", 0, "127.0.0.1", etcd_port
+                        )
                 except (BundleError, HostFailed) as e:
                     outcome.reason = str(e)
                     emit(label, f"not set up: {e}")
@@ -118,13 +170,17 @@ class RemoteRun:
                     outcome.reason = f"set-up failed: {' '.join(str(e).split())}"
                     emit(label, outcome.reason)
                     return
+                seeds = ",".join(self.seeds)
+                if listener is not None:
+                    seeds = f"http://127.0.0.1:{listener.get_port()}"
+                report(label, "running")
                 try:
                     status = await run_agent(
                         conn,
                         site=site,
                         graph=graph,
-                        seeds=f"http://127.0.0.1:{listener.get_port()}",
-                        hostname=target.host,
+                        seeds=seeds,
+                        hostname=target.agent_hostname,
                         args=self.agent,
                         emit=emit,
                         label=label,
@@ -138,7 +194,8 @@ class RemoteRun:
                     emit(label, outcome.reason)
                     return
                 finally:
-                    listener.close()
+                    if listener is not None:
+                        listener.close()
         outcome.state, outcome.reason = _agent_outcome(status)
 
 

@@ -98,10 +98,30 @@ class SshOptions:
 
 @dataclass(frozen=True)
 class AgentArgs:
-    """What the remote agent is run with, but for its seeds and hostname."""
+    """What the remote agent is run with, but for its seeds and hostname. It always
+    runs with `--converged-exit`: a remote run ends when its hosts converged."""
 
     converged_timeout: float = 5.0
     noop: bool = False
+    #: `run --diff`: each change's content diff in the log
+    diff: bool = False
+    #: the agent's `--log-format` (json: the initiator parses its lines)
+    log_format: str = "text"
+
+    def argv(self) -> list[str]:
+        """These as `evergraph run` flags."""
+        out = [
+            "--converged-timeout",
+            f"{self.converged_timeout:g}",
+            "--converged-exit",
+            "--log-format",
+            self.log_format,
+        ]
+        if self.noop:
+            out.append("--noop")
+        if self.diff:
+            out.append("--diff")
+        return out
 
 
 #: where each line a host prints goes (the host's label, the line)
@@ -310,12 +330,8 @@ async def run_agent(
         hostname,
         "--state-dir",
         STATE_DIR,
-        "--converged-timeout",
-        f"{args.converged_timeout:g}",
-        "--converged-exit",
+        *args.argv(),
     ]
-    if args.noop:
-        argv.append("--noop")
     command = shlex.join(["python3", "-I", "-c", AGENT_WRAPPER, site, *argv])
     # stdin stays open (written only with heartbeats, never closed) until the agent exits
     async with (
