@@ -427,7 +427,7 @@ class Install:
             argv = ["setup", "systemd", "--state-dir", STATE]
             if not h.systemd:
                 argv += ["--root", NO_SYSTEMD_ROOT]
-            argv += ["--", "--etcd", "embedded", "--hostname", h.addr]
+            argv += ["--", "--etcd", "embedded", "--hostname", h.target.agent_hostname]
             argv += ["--etcd-client-url", h.client_url]
             argv += ["--etcd-peer-url", f"https://{h.url_host}:{PEER_PORT}"]
             if seed is not None:

@@ -158,7 +158,8 @@ def _check_unique(targets: Sequence[Target], wheres: Sequence[str]) -> None:
     for i, t in enumerate(targets):
         j = seen.setdefault((t.host, t.port), i)
         if j != i:
-            raise InputError(f"{t.label} is given twice (first at {wheres[j]})", wheres[i])
+            addr = t.host if t.port == 22 else f"{t.host}:{t.port}"
+            raise InputError(f"{addr} is given twice (first at {wheres[j]})", wheres[i])
         j = names.setdefault(t.agent_hostname, i)
         if j != i:
             raise InputError(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -140,10 +139,7 @@ class RemoteRun:
     ) -> None:
         target = outcome.target
         label = target.label
-        # an inventory's key for this host is tried before the command line's
         ssh = self.ssh
-        if target.key is not None:
-            ssh = dataclasses.replace(ssh, keys=[target.key, *ssh.keys])
         async with gate:
             report(label, "connecting")
             try:

@@ -174,7 +174,8 @@ async def connect(target: Target, ssh: SshOptions) -> asyncssh.SSHClientConnecti
             target.host,
             port=target.port,
             username=user,
-            client_keys=[str(k) for k in ssh.keys] or (),
+            # an inventory's key for this host is tried before the command line's
+            client_keys=[str(k) for k in (target.key, *ssh.keys) if k is not None] or (),
             known_hosts=_known_hosts(known),
             # password methods are offered so that a server wanting one can be told
             # apart; _NoPasswords declines them (never a prompt)

@@ -37,7 +37,10 @@ class Target:
 
     @property
     def label(self) -> str:
-        """How the host is named in output (``host`` or ``host:port``)."""
+        """How the host is named in output: its inventory hostname, else ``host``
+        or ``host:port``."""
+        if self.hostname:
+            return self.hostname
         return self.host if self.port == 22 else f"{self.host}:{self.port}"
 
     @classmethod
