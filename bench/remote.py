@@ -58,6 +58,8 @@ QUICK_SIZES = (1, 8)
 TOOLS = ("evergraph", "pyinfra", "ansible")
 RUNS = ("first", "second")
 FORKS = 32
+#: evergraph's --converged-timeout: the tests' value (remote_argv); a run waits it out
+CONVERGED_TIMEOUT = 1.0
 #: a run that takes longer than this is a failure of the run, not a number
 RUN_TIMEOUT = 900.0
 REQUIREMENTS = REPO / "bench" / "compare-requirements.txt"
@@ -141,13 +143,17 @@ def _addrs(bed: Any) -> list[str]:
     return [h.addr for h in bed.hosts]
 
 
-def evergraph_job(bed: Any, work: Path) -> tuple[list[str], dict[str, str]]:
+def evergraph_job(
+    bed: Any, work: Path, converged_timeout: float
+) -> tuple[list[str], dict[str, str]]:
     from tests.remote.test_remote import graph_file, remote_argv
 
     d = work / "evergraph"
     d.mkdir(exist_ok=True)
     site = graph_file(d, bed.files)
     argv = remote_argv(bed, site, *(f"root@{a}" for a in _addrs(bed)))
+    # the last --converged-timeout wins (click)
+    argv += ["--converged-timeout", f"{converged_timeout:g}"]
     return argv, _env(d)
 
 
@@ -314,7 +320,12 @@ def one_cluster_lock() -> Iterator[None]:
 
 
 def bench_size(
-    n: int, tools: Sequence[str], bin_dir: Path | None, tmp: Path, logs: Path
+    n: int,
+    tools: Sequence[str],
+    bin_dir: Path | None,
+    tmp: Path,
+    logs: Path,
+    converged_timeout: float,
 ) -> list[Result]:
     from tests.kit.sshbed import SshBed
 
@@ -326,7 +337,7 @@ def bench_size(
         work.mkdir()
         for tool in tools:
             if tool == "evergraph":
-                argv, env = evergraph_job(bed, work)
+                argv, env = evergraph_job(bed, work, converged_timeout)
             elif tool == "pyinfra":
                 assert bin_dir is not None
                 argv, env = pyinfra_job(bed, work, bin_dir)
@@ -393,7 +404,9 @@ def render(results: list[Result], versions: dict[str, str]) -> str:
     return text
 
 
-def bench(sizes: Sequence[int], tools: Sequence[str]) -> tuple[dict[str, Any], str]:
+def bench(
+    sizes: Sequence[int], tools: Sequence[str], converged_timeout: float = CONVERGED_TIMEOUT
+) -> tuple[dict[str, Any], str]:
     bin_dir: Path | None = None
     versions: dict[str, str] = {}
     if any(t != "evergraph" for t in tools):
@@ -404,13 +417,183 @@ def bench(sizes: Sequence[int], tools: Sequence[str]) -> tuple[dict[str, Any], s
         logs.mkdir()
         try:
             for n in sizes:
-                results += bench_size(n, tools, bin_dir, tmp, logs)
+                results += bench_size(n, tools, bin_dir, tmp, logs, converged_timeout)
         finally:
             keep = REPO / "bench" / "results" / "remote-logs"
             shutil.rmtree(keep, ignore_errors=True)
             shutil.copytree(logs, keep)
-    out = {"versions": versions, "results": [asdict(r) for r in results]}
+    out = {
+        "versions": versions,
+        "converged_timeout": converged_timeout,
+        "results": [asdict(r) for r in results],
+    }
     return out, render(results, versions)
+
+
+# -- where evergraph's seconds go ------------------------------------------------------
+@dataclass
+class Span:
+    host: str
+    phase: str
+    start: float
+    end: float
+
+
+def profile_run(bed: Any, site: Path, converged_timeout: float) -> tuple[float, list[Span], int]:
+    """One `evergraph remote` run in this process (RemoteRun, as the CLI builds it),
+    each phase timed: the bundle's build and hash, etcd's start and stop, and per
+    host the SSH connect, the bundle install, the graph copy, the agent (up to its
+    first line: python start + imports + World; to its `converged:` line; to its
+    exit). Returns the wall time, the spans and the run's exit status."""
+    import asyncio
+    from unittest import mock
+
+    from evergraph.remote import runner
+    from evergraph.remote.bundle import Bundle
+    from evergraph.remote.runner import RemoteRun, exit_status
+    from evergraph.remote.session import AgentArgs, SshOptions
+    from evergraph.remote.target import Target
+    from evergraph.world.etcd_server import EtcdServer
+
+    spans: list[Span] = []
+    lines: dict[str, list[tuple[float, str]]] = {}
+
+    def sync(phase: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            s = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spans.append(Span("-", phase, s, time.perf_counter()))
+
+        return wrapper
+
+    def host_async(phase: str, fn: Any, host: Any) -> Any:
+        async def wrapper(*a: Any, **kw: Any) -> Any:
+            s = time.perf_counter()
+            try:
+                return await fn(*a, **kw)
+            finally:
+                spans.append(Span(host(a, kw), phase, s, time.perf_counter()))
+
+        return wrapper
+
+    def peer(a: Any, kw: Any) -> str:
+        return str(a[0].get_extra_info("peername")[0])
+
+    def emit(label: str, line: str) -> None:
+        lines.setdefault(label, []).append((time.perf_counter(), line))
+
+    targets = [Target.parse(f"root@{a}") for a in _addrs(bed)]
+    rr = RemoteRun(
+        site,
+        targets,
+        ssh=SshOptions(keys=[bed.client_key], known_hosts=bed.known_hosts),
+        agent=AgentArgs(converged_timeout=converged_timeout),
+        parallel=FORKS,
+    )
+    bundle_of = Bundle.of_running_python
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.dict(os.environ, {"SSH_AUTH_SOCK": ""}))
+        stack.enter_context(
+            mock.patch.object(Bundle, "of_running_python", sync("bundle build + hash", bundle_of))
+        )
+        for name, phase in (("spawn", "etcd spawn"), ("wait_healthy", "etcd healthy")):
+            fn = getattr(EtcdServer, name)
+            stack.enter_context(mock.patch.object(EtcdServer, name, sync(phase, fn)))
+        stack.enter_context(
+            mock.patch.object(EtcdServer, "stop", sync("etcd stop", EtcdServer.stop))
+        )
+        for name, phase, host in (
+            ("connect", "ssh connect", lambda a, kw: a[0].host),
+            ("install_bundle", "bundle install", lambda a, kw: peer(a, kw)),
+            ("copy_graph", "graph copy", peer),
+            ("run_agent", "agent", peer),
+        ):
+            fn = getattr(runner, name)
+            stack.enter_context(mock.patch.object(runner, name, host_async(phase, fn, host)))
+        t0 = time.perf_counter()
+        outcomes = asyncio.run(rr.run(emit))
+        wall = time.perf_counter() - t0
+    # the agent's own milestones, from the lines it sent (arrival time here)
+    for a in spans[:]:
+        if a.phase != "agent":
+            continue
+        got = lines.get(a.host, [])
+        if got:
+            spans.append(Span(a.host, "agent: start to first line", a.start, got[0][0]))
+        conv = [t for t, ln in got if " converged: " in ln]
+        if conv and got:
+            spans.append(Span(a.host, "agent: first line to converged", got[0][0], conv[0]))
+            spans.append(Span(a.host, "agent: converged to exit", conv[0], a.end))
+    for s in spans:
+        s.start -= t0
+        s.end -= t0
+    return wall, spans, exit_status(outcomes)
+
+
+PHASES = (
+    "bundle build + hash",
+    "etcd spawn",
+    "etcd healthy",
+    "ssh connect",
+    "bundle install",
+    "graph copy",
+    "agent",
+    "agent: start to first line",
+    "agent: first line to converged",
+    "agent: converged to exit",
+    "etcd stop",
+)
+
+
+def profile(n: int, converged_timeout: float = CONVERGED_TIMEOUT) -> str:
+    """Two in-process runs (first: the bundle store wiped; second: no change) on a
+    fresh bed of `n` hosts; per phase the seconds (median and max over the hosts for
+    per-host phases) and when the phase ended on the run's clock."""
+    from tests.kit.sshbed import SshBed
+    from tests.remote.test_remote import graph_file
+
+    out: list[list[str]] = []
+    with (
+        temp_dir("/tmp", "evergraph-bench-remote-") as tmp,
+        one_cluster_lock(),
+        SshBed(n, tmp=tmp / "bed") as bed,
+    ):
+        site = graph_file(tmp, bed.files)
+        reset_hosts(bed)
+        t0 = time.perf_counter()
+        # what the CLI process pays before RemoteRun starts: python and the imports
+        # of the CLI, the runner and the etcd World
+        imports = "import evergraph.cli.main, evergraph.remote.runner, evergraph.world.etcd"
+        subprocess.run([sys.executable, "-c", imports], env=_env(tmp), check=True)
+        startup = time.perf_counter() - t0
+        for which in RUNS:
+            wall, spans, status = profile_run(bed, site, converged_timeout)
+            out.append([f"{which} run", "", f"{wall:.2f}", f"exit {status}"])
+            for phase in PHASES:
+                mine = [s for s in spans if s.phase == phase]
+                if not mine:
+                    continue
+                took = sorted(s.end - s.start for s in mine)
+                med = took[len(took) // 2]
+                last = max(s.end for s in mine)
+                out.append(
+                    [
+                        "  " + phase,
+                        str(len(mine)),
+                        f"{med:.2f}",
+                        f"max {took[-1]:.2f}",
+                        f"{last:.2f}",
+                    ]
+                )
+    text = table(
+        f"remote --profile: where evergraph's seconds go, {n} host(s) "
+        f"(not in the runs: the CLI's python start + imports, {startup:.2f} s)",
+        ["phase", "n", "s (median)", "max", "ends at s"],
+        [r + [""] * (5 - len(r)) for r in out],
+    )
+    return text
 
 
 def run(quick: bool) -> tuple[dict[str, Any], str]:
@@ -423,11 +606,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts", default=",".join(map(str, SIZES)), help="[default: %(default)s]")
     ap.add_argument("--tools", default=",".join(TOOLS), help="[default: %(default)s]")
     ap.add_argument("--json", type=Path, help="write the results here too")
+    ap.add_argument(
+        "--converged-timeout",
+        type=float,
+        default=CONVERGED_TIMEOUT,
+        help="evergraph's --converged-timeout [default: %(default)s, as the tests]",
+    )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        metavar="N",
+        help="instead: where evergraph's seconds go in one first and one second run on N hosts",
+    )
     args = ap.parse_args(argv)
+    if args.profile:
+        print(profile(args.profile, args.converged_timeout))
+        return 0
     tools = [t for t in args.tools.split(",") if t]
     if bad := [t for t in tools if t not in TOOLS]:
         ap.error(f"--tools: unknown {bad}; known: {', '.join(TOOLS)}")
-    out, text = bench([int(n) for n in args.hosts.split(",")], tools)
+    out, text = bench([int(n) for n in args.hosts.split(",")], tools, args.converged_timeout)
     out["machine"] = machine()
     print(text)
     if args.json:
