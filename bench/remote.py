@@ -26,7 +26,10 @@ made from bench/compare-requirements.txt with pip on first use (never in the
 project's .venv); the bench says when it makes it and which versions ran.
 
 `python -m bench.remote [--hosts 1,8,32] [--tools evergraph,pyinfra,ansible]
-[--json F]` runs it alone; `scripts/bench --only remote` runs it over 1, 8 and
+[--converged-timeout S] [--json F]` runs it alone; `--profile N` instead times
+the phases of one first and one second evergraph run on N hosts (in-process:
+bundle hash, etcd, SSH connect, bundle install, graph copy, agent start-up,
+the converged wait); `scripts/bench --only remote` runs it over 1, 8 and
 32 hosts (`--quick`: 1 and 8). Needs root, iproute2, nft, ssh-keygen and
 Debian's openssh-server (as the remote tests do). While it runs it holds the
 tests' one-cluster lock (tests/kit/machine.py), so no multi-host cluster test
