@@ -36,6 +36,7 @@ BENCHMARKS = (
     "cluster",
     "selfform",
     "world10k",
+    "remote",
 )
 
 
