@@ -151,7 +151,7 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
               host: 10.0.0.5      #   address unless `host` is given
               user: root          # [default: the local user]
               port: 2222          # [default: 22]
-              key: ~/.ssh/deploy  # tried before --ssh-key (relative: to FILE's dir)
+              key: ~/.ssh/deploy  # tried before --ssh-key (relative: to the inventory's dir)
               hostname: web1.lan  # the agent's --hostname [default: the name]
             db:
         An error in it is one line FILE:LINE and exit 2, before any connection.
