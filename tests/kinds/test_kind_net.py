@@ -21,8 +21,11 @@ from tests.kit.namespaces import NsAgent, ns_once
 
 NET_NS = ["--net"]
 IFACE = "eg0"
-#: the interface, made inside the namespace (no dummy module here: a veth pair then)
+#: the interface, made inside the namespace (no dummy module here: a veth pair then),
+#: not forwarding to begin with (a new namespace copies the host's ip_forward, which
+#: a container engine or libvirtd on the machine may have turned on)
 MAKE_IFACE = (
+    "echo 0 > /proc/sys/net/ipv4/ip_forward && "
     f"ip link add {IFACE} type dummy 2>/dev/null"
     f" || ip link add {IFACE} type veth peer name {IFACE}peer"
 )

@@ -40,7 +40,9 @@ IN_NS = [
     "private",
     "sh",
     "-c",
-    'mount -t tmpfs none /etc/sysctl.d && exec "$@"',
+    # not forwarding to begin with: a new namespace copies the host's ip_forward,
+    # which a container engine or libvirtd on the machine may have turned on
+    'mount -t tmpfs none /etc/sysctl.d && echo 0 > /proc/sys/net/ipv4/ip_forward && exec "$@"',
     "sh",
 ]
 
@@ -50,9 +52,13 @@ def proc(name: str) -> str:
 
 
 def fresh_defaults() -> tuple[str, str]:
-    """The values a new network namespace starts with."""
+    """The values a new network namespace of these tests starts with (ip_forward
+    set to 0, as IN_NS does)."""
     out = subprocess.run(
-        ["unshare", "--net", "cat", proc(FORWARD), proc(PORTS)],
+        [
+            *("unshare", "--net", "sh", "-c"),
+            f"echo 0 > {proc(FORWARD)} && cat {proc(FORWARD)} {proc(PORTS)}",
+        ],
         capture_output=True,
         text=True,
         check=True,
