@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 import evergraph.resources  # noqa: F401  (declares the built-in kinds)
@@ -383,9 +384,8 @@ def test_second_run_changes_nothing(engine: DockerBed, tmp_path: Path) -> None:
         runs.append(r.stderr)
     assert "docker:image[evergraph-test/e2e:3]: taken from" in runs[0]
     assert "docker:container[eg-twice]: started" in runs[0]
-    assert "docker:" not in "\n".join(
-        line for line in runs[1].splitlines() if "changed" in line or "started" in line
-    ), runs[1]
+    assert "recap: nothing changed or failed, 2 clean" in runs[1], runs[1]
+    assert "changed docker:" not in runs[1]
     assert engine.state("eg-twice") == "running"
     engine.cli("rm", "-f", "eg-twice")
     engine.cli("rmi", "evergraph-test/e2e:3")
@@ -393,3 +393,61 @@ def test_second_run_changes_nothing(engine: DockerBed, tmp_path: Path) -> None:
 
 def _cmd() -> str:
     return "['/bin/sh', '-c', 'trap \"exit 0\" TERM; while :; do sleep 1; done']"
+
+
+def test_reversal_is_what_was_found(engine: DockerBed) -> None:
+    async def reversals() -> list[dict[str, Any] | None]:
+        out = []
+        for res in (
+            container("eg-rev"),  # none there: reversed by removing it
+            container("eg-rev", state="removed"),  # none there, none wanted: nothing
+            image("evergraph-test/rev:1"),  # not there: reversed by removing it
+            image(IMAGE, state="absent"),  # there: reversed by getting it back
+        ):
+            h = FakeHandle()
+            await Start().run(res, h)
+            rev = res.reversal()
+            out.append(None if rev is None else {"kind": rev.kind, **msgspec.to_builtins(rev)})
+            await res.cleanup()
+            await h.services.aclose()
+        return out
+
+    got = asyncio.run(reversals())
+    assert got[0] is not None
+    assert (got[0]["kind"], got[0]["state"], got[0]["image"]) == (
+        "docker:container",
+        "removed",
+        IMAGE,
+    )
+    assert got[1] is None
+    assert got[2] is not None
+    assert (got[2]["kind"], got[2]["state"]) == ("docker:image", "absent")
+    assert got[3] is not None
+    assert (got[3]["kind"], got[3]["state"]) == ("docker:image", "exists")
+
+
+def test_no_engine_fails_the_vertex_in_one_line_and_the_rest_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no.sock")
+    other = tmp_path / "other"
+    g = tmp_path / "g.yaml"
+    g.write_text(
+        "graph: d\nresources:\n  docker:container:\n"
+        f"  - {{name: eg-nowhere, image: '{IMAGE}', network: none}}\n"
+        f"  file:\n  - {{name: {other}, content: 'x'}}\n"
+    )
+    r = subprocess.run(
+        [*EVERGRAPH, "run", str(g), "--state-dir", str(tmp_path / "s"), "--converged-exit"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1, r.stderr
+    assert other.read_text() == "x"
+    lines = [
+        line for line in r.stderr.splitlines() if "error: docker:container[eg-nowhere]" in line
+    ]
+    assert lines, r.stderr
+    assert "does not answer" in lines[0]
+    assert "Traceback" not in r.stderr

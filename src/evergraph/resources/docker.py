@@ -92,21 +92,19 @@ class _Docker(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         raise NotImplementedError
 
     async def watch(self) -> None:
-        engine = self._engine
-        first = asyncio.get_running_loop().create_future()
         handle = self.handle
 
         def listen(event: dict[str, Any] | None) -> None:
-            if event is None:  # (re)connected: anything may have changed unseen
-                if not first.done():
-                    first.set_result(None)
-                    handle.ready()
-                handle.event()
-            elif self._concerns(event):
+            # None: the stream (re)connected, anything may have changed unseen
+            if event is None or self._concerns(event):
                 handle.event()
 
-        unsubscribe = engine.subscribe(listen)
+        unsubscribe = self._engine.subscribe(listen)
         try:
+            # ready at once: what changes before the stream is open is covered by the
+            # look again that its opening brings (an engine down at start is then the
+            # checks' clear failure, repaired when it answers)
+            handle.ready()
             await asyncio.Future()  # until cancelled; the stream reconnects by itself
         finally:
             unsubscribe()
