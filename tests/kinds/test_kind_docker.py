@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import re
 import subprocess
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -271,6 +272,7 @@ async def _until(pred: Callable[[], bool], what: str, timeout: float = 30) -> No
     assert pred(), what
 
 
+@pytest.mark.slow
 def test_watch_follows_events_and_the_engine_restarting(engine: DockerBed) -> None:
     res = container("eg-watch")
     handle = FakeHandle()
@@ -384,6 +386,7 @@ def test_second_run_changes_nothing(engine: DockerBed, tmp_path: Path) -> None:
         runs.append(r.stderr)
     assert "docker:image[evergraph-test/e2e:3]: taken from" in runs[0]
     assert "docker:container[eg-twice]: started" in runs[0]
+    assert " error: " not in runs[0]  # the image first (autoedge), no failed try
     assert "recap: nothing changed or failed, 2 clean" in runs[1], runs[1]
     assert "changed docker:" not in runs[1]
     assert engine.state("eg-twice") == "running"
@@ -451,3 +454,37 @@ def test_no_engine_fails_the_vertex_in_one_line_and_the_rest_runs(
     assert lines, r.stderr
     assert "does not answer" in lines[0]
     assert "Traceback" not in r.stderr
+
+
+def test_resources_of_an_agent_share_one_client_and_one_event_stream(engine: DockerBed) -> None:
+    from evergraph.engine.services import Services
+    from evergraph.resources._docker import DockerEngines
+
+    async def scenario() -> None:
+        services = Services()
+        resources = [container(f"eg-share{i}") for i in range(5)] + [image(IMAGE)]
+        handles = [FakeHandle(services=services) for _ in resources]
+        tasks = []
+        try:
+            for res, h in zip(resources, handles, strict=True):
+                await Start().run(res, h)
+                tasks.append(asyncio.create_task(res.watch()))
+            await _until(lambda: all(h.readies == 1 for h in handles), "every watch ready")
+            engines = services.get(DockerEngines)._engines
+            assert len(engines) == 1
+            (shared,) = engines.values()
+            await _until(shared.connected.is_set, "the stream open")
+            for res in resources:
+                assert res._engine is shared  # type: ignore[attr-defined]
+            streams = [t for t in threading.enumerate() if t.name.startswith("docker events")]
+            assert len(streams) == 1
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for res in resources:
+                await res.cleanup()
+            await services.aclose()
+        assert not [t for t in threading.enumerate() if t.name.startswith("docker events")]
+
+    asyncio.run(scenario())
