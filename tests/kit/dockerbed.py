@@ -1,8 +1,9 @@
 """A private Docker engine for the docker kinds' tests: Debian's `dockerd` (package
 docker.io, installed by scripts/setup) with its own data root, exec root, socket
 and pid file under a temporary directory, the vfs storage driver (works on any
-filesystem, no overlay mounts), and no bridge, iptables or masquerading (nothing
-of the host's network is touched; containers run with `network: none`).
+filesystem, no overlay mounts), and no bridge, iptables, masquerading or IP
+forwarding (nothing of the host's network is touched; containers run with
+`network: none`).
 
 The one image the tests use is imported from a rootfs tarball built here from
 the host's static busybox (package busybox-static): nothing is ever pulled
@@ -100,6 +101,7 @@ class DockerBed:
             "--storage-driver", "vfs",
             "--iptables=false", "--ip6tables=false",
             "--bridge=none", "--ip-masq=false",
+            "--ip-forward=false",  # the host's net.ipv4.ip_forward is not ours to turn on
         ]  # fmt: skip
         with open(self.log, "ab") as log:
             subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=30)
