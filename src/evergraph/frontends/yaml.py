@@ -73,7 +73,7 @@ MGMT_KINDS = frozenset(
     {
         "acme:account", "aws:ec2", "bmc:firmware", "bmc:power", "cloudflare:dns",
         "config:etcd", "consul:kv", "deploy:tar", "dhcp:host", "dhcp:range",
-        "dhcp:server", "docker:container", "docker:image", "docker:network",
+        "dhcp:server", "docker:network",
         "firewalld", "fwupd:device", "fwupd:remote", "fwupd:system", "gpio", "gsettings",
         "hetzner:ssh_key", "hetzner:vm", "hetzner:vm_protection",
         "http:server", "http:server:file", "http:server:flag",

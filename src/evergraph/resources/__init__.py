@@ -17,6 +17,7 @@ from evergraph.engine.contract import default_registry
 KINDS: dict[str, tuple[str, ...]] = {
     "augeas": ("augeas",),
     "cron": ("cron",),
+    "docker": ("docker:container", "docker:image"),
     "exec": ("exec",),
     "exit_": ("exit",),
     "file": ("file",),
