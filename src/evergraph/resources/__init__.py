@@ -39,6 +39,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "timer": ("timer",),
     "users": ("user", "group"),
     "value": ("value",),
+    "virt": ("virt",),
 }
 
 for _module, _names in KINDS.items():
