@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import libvirt
 import pytest
 
 from evergraph.engine.build import build
@@ -37,7 +38,8 @@ from evergraph.testing.kinds import (
     arun_steps,
     run_steps,
 )
-from tests.conftest import run_cli
+from tests.conftest import Agent, run_cli, wait_for
+from tests.kit.agents import save
 from tests.kit.libvirtbed import GUEST_KIB, PREFIX, LibvirtBed
 
 TEST_URI = "test:///default"
@@ -352,6 +354,91 @@ def test_reverse_undefines_what_the_graph_created(tmp_path: Path) -> None:
     asyncio.run(go())
 
 
+def test_startup_refresh_and_devices(tmp_path: Path) -> None:
+    """Autostart managed; a refresh restarts with `restartonrefresh`; disks, cdroms,
+    networks and filesystems are in the definition, and changing one redefines it."""
+    name = f"{PREFIX}dev"
+    img = tmp_path / "a.qcow2"
+    img.write_bytes(b"")
+    devices: dict[str, Any] = {
+        "disk": [{"source": str(img), "type": "qcow2"}],
+        "cdrom": [{"source": str(img)}],
+        "network": [
+            {"name": "default"},
+            {"type": "bridge", "name": "br0", "mac": "52:54:00:aa:bb:cc"},
+        ],
+        "filesystem": [{"source": str(tmp_path), "target": "share", "read_only": True}],
+        "boot": ["hd", "cdrom"],
+    }
+
+    async def go() -> None:
+        services = Shared()
+        try:
+            link = await services.get(LibvirtLinks).acquire(TEST_URI)
+            conn = link.conn
+            _remove(conn, name)
+
+            def h() -> FakeHandle:
+                return FakeHandle(state_dir=tmp_path / "st", services=services)
+
+            res = virt(name=name, startup="enabled", **devices)
+            await _steps_no_close(
+                res,
+                [
+                    Start(),
+                    Check(changes=["definition", "startup", "state"]),
+                    Apply(),
+                    ExpectClean(),
+                ],
+                h(),
+            )
+            dom = conn.lookupByName(name)
+            assert dom.autostart() == 1
+            xml = dom.XMLDesc(0)
+            for needle in (
+                f"file='{img}'",
+                "device='cdrom'",
+                "network='default'",
+                "bridge='br0'",
+                "52:54:00:aa:bb:cc",
+                "dir='share'",
+                "<readonly/>",
+                "<boot dev='hd'/>",
+                "<boot dev='cdrom'/>",
+            ):
+                assert needle in xml, needle
+            # a refresh restarts it (restartonrefresh); without the flag nothing happens
+            hd = h()
+            hd.refresh_now = True
+            await _steps_no_close(
+                virt(name=name, startup="enabled", **devices), [Start(), ExpectClean()], hd
+            )
+            hd = h()
+            hd.refresh_now = True
+            again = virt(name=name, startup="enabled", restartonrefresh=True, **devices)
+            await _steps_no_close(again, [Start(), Apply(changes=["state"])], hd)
+            # a network dropped from the graph: redefined, autostart off
+            fewer = {**devices, "network": devices["network"][:1]}
+            await _steps_no_close(
+                virt(name=name, startup="disabled", **fewer),
+                [Start(), Apply(changes=["definition", "startup"]), ExpectClean()],
+                h(),
+            )
+            dom = conn.lookupByName(name)
+            assert "br0" not in dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
+            assert dom.autostart() == 0
+            # other credentials: a connection of their own
+            other = virt(name=name, auth={"username": "u", "password": "p"}, **fewer)
+            await other.init(h())
+            assert services.get(LibvirtLinks).links()[TEST_URI] is not link
+            await other.cleanup()
+            _remove(conn, name)
+        finally:
+            await services.really_close()
+
+    asyncio.run(go())
+
+
 def test_one_connection_per_uri_for_many_resources(tmp_path: Path) -> None:
     async def go() -> None:
         services = Shared()
@@ -572,3 +659,46 @@ def test_a_transient_guest_and_live_cpus(libvirtbed: LibvirtBed, tmp_path: Path)
             bed.remove_test_domains()
 
     asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_an_agent_converges_a_guest_repairs_it_once_per_drift_and_reverses_it(
+    libvirtbed: LibvirtBed, tmp_path: Path, agents: Callable[..., Agent]
+) -> None:
+    """End to end: `evergraph run` twice (the second changes nothing), then an agent
+    that repairs a `virsh destroy` with one start, and undefines the guest when the
+    graph drops it (`meta: {reverse: true}`)."""
+    bed = libvirtbed
+    name = f"{PREFIX}agent"
+    g = tmp_path / "g.yaml"
+    graph = (
+        f"graph: g\nresources:\n  virt:\n  - name: {name}\n    uri: '{bed.uri}'\n"
+        f"    memory: {GUEST_KIB}\n    domaintype: qemu\n    kernel: {bed.kernel}\n"
+        f"    initrd: {bed.initrd}\n    cmdline: console=ttyS0\n"
+        "    network:\n    - type: user\n    meta: {reverse: true}\n"
+    )
+    save(g, graph)
+    try:
+        first = run_cli("run", g, "--state-dir", tmp_path / "s1", "--converged-exit")
+        assert first.returncode == 0, first.stderr
+        assert bed.state(name) == "running"
+        uuid = bed.virsh("domuuid", name).stdout.strip()
+        again = run_cli("run", g, "--state-dir", tmp_path / "s1", "--converged-exit")
+        assert again.returncode == 0, again.stderr
+        assert f"virt[{name}]: started" not in again.stderr + again.stdout
+        assert f"virt[{name}]: defined" not in again.stderr + again.stdout
+        assert "recap: nothing changed or failed, 1 clean" in again.stderr + again.stdout
+
+        agent = agents(g, tmp_path / "s1")  # the first run captured the reversal
+        agent.wait_converged(1, timeout=60)
+        bed.virsh("destroy", name)
+        agent.wait_converged(2, timeout=60)
+        assert bed.state(name) == "running"
+        assert agent.log.read_text().count(f"virt[{name}]: started") == 1  # the one repair
+        assert bed.virsh("domuuid", name).stdout.strip() == uuid
+        # the graph drops it: reversed (it did not exist before the first run)
+        save(g, "graph: g\nresources:\n  noop:\n  - name: n\n")
+        wait_for(lambda: bed.state(name) == "", 60, "the guest to be undefined")
+        agent.wait_converged(3, timeout=60)
+    finally:
+        bed.remove_test_domains()

@@ -109,8 +109,9 @@ def _domain_name(dom: Any) -> str | None:
 class Link:
     """One connection to a libvirt URI, shared; reconnected when it is lost."""
 
-    def __init__(self, uri: str, owner: LibvirtLinks) -> None:
+    def __init__(self, uri: str, owner: LibvirtLinks, auth: tuple[str, str] | None) -> None:
         self.uri = uri
+        self._auth = auth
         self._owner = owner
         self._loop = asyncio.get_running_loop()
         self.conn: Any = None  # libvirt.virConnect while connected
@@ -134,7 +135,21 @@ class Link:
         self._connected.set()
 
     def _open(self) -> Any:
-        conn = libvirt.open(self.uri)
+        if self._auth is None:
+            conn = libvirt.open(self.uri)
+        else:
+            user, password = self._auth
+
+            def answer(creds: list[list[Any]], _o: Any) -> int:
+                for cred in creds:
+                    if cred[0] == libvirt.VIR_CRED_AUTHNAME:
+                        cred[4] = user
+                    elif cred[0] == libvirt.VIR_CRED_PASSPHRASE:
+                        cred[4] = password
+                return 0
+
+            asked = [libvirt.VIR_CRED_AUTHNAME, libvirt.VIR_CRED_PASSPHRASE]
+            conn = libvirt.openAuth(self.uri, [asked, answer, None], 0)
         try:
             conn.evergraph_callback = conn.domainEventRegisterAny(
                 None, libvirt.VIR_DOMAIN_EVENT_ID_LIFECYCLE, self._on_lifecycle, None
@@ -243,7 +258,7 @@ class LibvirtLinks:
     links' tasks (reconnecting) and closes them, and releases the event thread."""
 
     def __init__(self) -> None:
-        self._links: dict[str, asyncio.Future[Link]] = {}
+        self._links: dict[tuple[str, tuple[str, str] | None], asyncio.Future[Link]] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
         self._events = False
 
@@ -254,18 +269,19 @@ class LibvirtLinks:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
 
-    async def acquire(self, uri: str) -> Link:
-        """The shared link to `uri`, connected (libvirt.libvirtError if it cannot be)."""
-        fut = self._links.get(uri)
+    async def acquire(self, uri: str, auth: tuple[str, str] | None = None) -> Link:
+        """The shared link to `uri` (with these credentials), connected
+        (libvirt.libvirtError if it cannot be)."""
+        fut = self._links.get((uri, auth))
         if fut is None or (fut.done() and (fut.cancelled() or fut.exception() is not None)):
             if not self._events:
                 EVENTS.acquire()
                 self._events = True
-            fut = self._links[uri] = self.spawn(self._open(uri))
+            fut = self._links[uri, auth] = self.spawn(self._open(uri, auth))
         return await asyncio.shield(fut)
 
-    async def _open(self, uri: str) -> Link:
-        link = Link(uri, self)
+    async def _open(self, uri: str, auth: tuple[str, str] | None) -> Link:
+        link = Link(uri, self, auth)
         await link.connect()
         return link
 
@@ -273,7 +289,7 @@ class LibvirtLinks:
         """The links open now, by URI."""
         return {
             uri: f.result()
-            for uri, f in self._links.items()
+            for (uri, _auth), f in self._links.items()
             if f.done() and not f.cancelled() and f.exception() is None
         }
 

@@ -115,11 +115,22 @@ class Virt(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     memory: Annotated[int, doc("memory in KiB (> 0)")] = 0
     osinit: Annotated[str, doc("init of an lxc domain")] = ""
     boot: Annotated[list[str], doc("boot order: fd, hd, cdrom, network")] = []
-    disk: Annotated[list[Disk], doc("disk images")] = []
-    cdrom: Annotated[list[CDRom], doc("CD-ROM images")] = []
-    network: Annotated[list[Network], doc("network interfaces")] = []
-    filesystem: Annotated[list[Filesystem], doc("shared host directories")] = []
-    auth: Annotated[Auth | None, doc("credentials for the connection")] = None
+    disk: Annotated[
+        list[Disk], doc("disk images: `source` (file), `type` (format: qcow2, raw)")
+    ] = []
+    cdrom: Annotated[list[CDRom], doc("CD-ROM images: `source` (file), `type` (format)")] = []
+    network: Annotated[
+        list[Network],
+        doc(
+            "interfaces: `name` (network), `mac` (default derived), `type` (network, bridge, user)"
+        ),
+    ] = []
+    filesystem: Annotated[
+        list[Filesystem], doc("host directories: `source`, `target`, `access`, `read_only`")
+    ] = []
+    auth: Annotated[Auth | None, doc("credentials for the connection: `username`, `password`")] = (
+        None
+    )
     restartondiverge: Annotated[
         Literal["", "ignore", "ifneeded", "error"],
         doc("a running domain whose definition changed: ignore, ifneeded (restart), error"),
@@ -178,7 +189,8 @@ class Virt(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
 
         self._link: Link | None = None
         try:
-            self._link = await handle.services.get(LibvirtLinks).acquire(self.uri)
+            auth = (self.auth.username, self.auth.password) if self.auth else None
+            self._link = await handle.services.get(LibvirtLinks).acquire(self.uri, auth)
         except libvirt.libvirtError as e:
             raise ResourceError(
                 f"{self.ident}.uri: cannot connect to {self.uri}: {one_line(e)}"
