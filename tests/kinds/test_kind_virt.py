@@ -214,6 +214,9 @@ def test_every_state_converges_and_a_second_run_changes_nothing(
             await _steps_no_close(
                 res, [Start(watch=True), Check(ok=already), Apply(ok=already), ExpectClean()], h
             )
+            # what a noop run reports is what the apply changed
+            half = len(h.changes) // 2
+            assert h.fields()[:half] == h.fields()[half:], h.changes
             found = _domains(conn).get(name)
             if not exists_after:
                 assert found is None

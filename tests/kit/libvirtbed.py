@@ -2,7 +2,7 @@
 
 Debian's libvirtd keeps its QEMU driver's state in fixed places (/run/libvirt,
 /etc/libvirt/qemu, /var/lib/libvirt): one libvirtd per machine. The fixture
-`libvirtbed` takes a machine-wide file lock for the module that uses it; it
+`libvirtbed` takes a machine-wide file lock for the test that uses it; it
 reuses a libvirtd that already runs (one it did not start: it never stops that
 one), else starts virtlogd (QEMU logs through its fixed socket) and libvirtd
 with a private socket directory, as children whose pids it keeps, and stops
@@ -285,18 +285,21 @@ class LibvirtBed:
 
 
 def _virtlogd_running() -> bool:
-    return subprocess.run(["pgrep", "-x", "virtlogd"], capture_output=True).returncode == 0
+    r = subprocess.run(["pgrep", "-x", "virtlogd"], capture_output=True, text=True)
+    return any(_alive(int(p)) for p in r.stdout.split())
 
 
 def _foreign_libvirtd() -> str:
     """The pids of a libvirtd the bed did not start ("" when none runs)."""
     r = subprocess.run(["pgrep", "-x", "libvirtd"], capture_output=True, text=True)
-    return " ".join(r.stdout.split())
+    return " ".join(p for p in r.stdout.split() if _alive(int(p)))  # (not a zombie)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def libvirtbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LibvirtBed]:
-    """A libvirtd for this test module (module-scoped, under a machine-wide lock)."""
+    """A libvirtd for one test, under a machine-wide lock: tests on several xdist
+    workers take turns (a module-wide bed would keep the others waiting past their
+    timeout), each starting its own (~1 s once QEMU's capabilities are cached)."""
     for tool in ("libvirtd", "virtlogd", "virsh"):
         if shutil.which(tool) is None:
             pytest.fail(f"{tool} is not installed: run scripts/setup as root")

@@ -220,7 +220,12 @@ class Virt(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             if apply:
                 await link.call(_undefine, self.name)
                 self._log("undefined (transient)")
-            found = await link.call(_observe, self.name) if apply else None
+            if apply:
+                found = await link.call(_observe, self.name)
+            elif found.state == "shutoff":  # (noop: what undefining would leave)
+                found = None
+            else:
+                found = msgspec.structs.replace(found, persistent=False, inactive_shape=None)
         if self.transient and self.state == "shutoff":
             if found is not None:
                 clean = False
