@@ -107,6 +107,18 @@ def test_mgmts_virt_examples_load_unchanged(n: int) -> None:
     assert "(virt: 1)" in r.stdout
 
 
+def test_autoedge_after_the_file_of_its_disk_image(tmp_path: Path) -> None:
+    g = tmp_path / "g.yaml"
+    img = tmp_path / "a.qcow2"
+    g.write_text(
+        f"graph: g\nresources:\n  file:\n  - name: {img}\n    content: ''\n"
+        f"  virt:\n  - name: vm\n    memory: 1024\n    disk:\n    - source: {img}\n"
+    )
+    r = run_cli("graph", g)
+    assert r.returncode == 0, r.stderr
+    assert f'"file[{img}]" -> "virt[vm]"' in r.stdout
+
+
 def test_unreachable_uri_is_one_line_naming_uri(tmp_path: Path) -> None:
     res = virt(name="vm", uri=f"qemu+unix:///system?socket={tmp_path}/nothing")
     h = run_steps(res, [Start(raises=r"^virt\[vm\]\.uri: cannot connect to qemu\+unix")])
@@ -436,6 +448,28 @@ def test_startup_refresh_and_devices(tmp_path: Path) -> None:
             assert services.get(LibvirtLinks).links()[TEST_URI] is not link
             await other.cleanup()
             _remove(conn, name)
+        finally:
+            await services.really_close()
+
+    asyncio.run(go())
+
+
+def test_a_refresh_never_starts_a_domain_that_is_to_be_shut_off(tmp_path: Path) -> None:
+    name = f"{PREFIX}ref"
+
+    async def go() -> None:
+        services = Shared()
+        try:
+            link = await services.get(LibvirtLinks).acquire(TEST_URI)
+            _remove(link.conn, name)
+            on = virt(name=name, restartonrefresh=True)
+            await _steps_no_close(on, [Start(), Apply()], FakeHandle(services=services))
+            h = FakeHandle(services=services)
+            h.refresh_now = True  # and the graph says shut off now: off it goes, no restart
+            off = virt(name=name, state="shutoff", restartonrefresh=True)
+            await _steps_no_close(off, [Start(), Apply(changes=["state"]), ExpectClean()], h)
+            assert link.conn.lookupByName(name).isActive() == 0
+            _remove(link.conn, name)
         finally:
             await services.really_close()
 

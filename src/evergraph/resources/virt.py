@@ -239,45 +239,19 @@ class Virt(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         if apply:
             self._missing_files()
         if not self.transient:
-            inactive = found.inactive_shape if found is not None and found.persistent else None
-            if inactive is None or _diff(inactive, _shape(xml)):
-                clean = False
-                self.handle.changed("definition", None if found is None else "differs", "defined")
-                if apply:
-                    await link.call(_define, xml)
-                    self._keep_uuid(want_uuid)
-                    self._log("defined")
-            if self.startup and (found is None or found.autostart != (self.startup == "enabled")):
-                clean = False
-                self.handle.changed("startup", None if found is None else found.autostart,
-                                    self.startup)  # fmt: skip
-                if apply:
-                    await link.call(_autostart, self.name, self.startup == "enabled")
+            clean = await self._definition(link, found, xml, want_uuid, apply) and clean
         now = found.state if found is not None else "shutoff"
-        restart = self.handle.refresh() and self.restartonrefresh and now != "shutoff"
-        if now != "shutoff" and found is not None and not restart:
-            diverged = _diff(found.live_shape, _shape(xml))
-            if "cpus" in diverged and self.hotcpus and diverged - {"cpus"} == set():
-                clean = False
-                self.handle.changed("cpus", (found.live_shape or {}).get("cpus"), self.cpus)
+        if now != "shutoff" and self.state != "shutoff" and found is not None:
+            live = await self._live(link, found, xml, apply)
+            if live == "restart":
+                self.handle.changed("state", now, f"{self.state} (restarted)")
                 if apply:
-                    await link.call(_set_vcpus, self.name, self.cpus)
-                diverged = set()
-            if diverged and self.restartondiverge == "error":
-                raise ResourceError(
-                    f"{self.ident}: the running domain differs ({', '.join(sorted(diverged))})"
-                    " and restartondiverge is `error`"
-                )
-            restart = bool(diverged) and self.restartondiverge == "ifneeded"
-        if restart:
-            clean = False
-            self.handle.changed("state", now, f"{self.state} (restarted)")
-            if apply:
-                await link.call(_destroy, self.name)
-                self._keep_uuid(want_uuid)
-                await self._start(link, xml, paused=self.state == "paused")
-                self._log("restarted")
-            return clean
+                    await link.call(_destroy, self.name)
+                    self._keep_uuid(want_uuid)
+                    await self._start(link, xml, paused=self.state == "paused")
+                    self._log("restarted")
+                return False
+            clean = clean and live != "changed"
         if now == self.state:
             return clean
         clean = False
@@ -298,6 +272,49 @@ class Virt(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
             await link.call(_resume, self.name)
             self._log("resumed")
         return clean
+
+    async def _definition(
+        self, link: Link, found: Found | None, xml: str, want_uuid: str, apply: bool
+    ) -> bool:
+        """A persistent domain: defined as the graph says, autostart as `startup`."""
+        clean = True
+        inactive = found.inactive_shape if found is not None and found.persistent else None
+        if inactive is None or _diff(inactive, _shape(xml)):
+            clean = False
+            self.handle.changed("definition", None if found is None else "differs", "defined")
+            if apply:
+                await link.call(_define, xml)
+                self._keep_uuid(want_uuid)
+                self._log("defined")
+        want_auto = self.startup == "enabled"
+        if self.startup and (found is None or found.autostart != want_auto):
+            clean = False
+            self.handle.changed("startup", None if found is None else found.autostart,
+                                self.startup)  # fmt: skip
+            if apply:
+                await link.call(_autostart, self.name, want_auto)
+        return clean
+
+    async def _live(
+        self, link: Link, found: Found, xml: str, apply: bool
+    ) -> Literal["restart", "changed", ""]:
+        """A running (or paused) domain against the graph's definition: `restart` it
+        (a refresh with `restartonrefresh`, or `restartondiverge: ifneeded`), or its
+        cpu count `changed` live (`hotcpus`), or nothing to do here."""
+        if self.handle.refresh() and self.restartonrefresh:
+            return "restart"
+        diverged = _diff(found.live_shape, _shape(xml))
+        if diverged == {"cpus"} and self.hotcpus:
+            self.handle.changed("cpus", (found.live_shape or {}).get("cpus"), self.cpus)
+            if apply:
+                await link.call(_set_vcpus, self.name, self.cpus)
+            return "changed"
+        if diverged and self.restartondiverge == "error":
+            raise ResourceError(
+                f"{self.ident}: the running domain differs ({', '.join(sorted(diverged))})"
+                " and restartondiverge is `error`"
+            )
+        return "restart" if diverged and self.restartondiverge == "ifneeded" else ""
 
     async def _start(self, link: Link, xml: str, paused: bool) -> None:
         if self.transient:
