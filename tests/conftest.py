@@ -22,6 +22,7 @@ from evergraph.world.etcd_server import EtcdServer
 #: module finds them by name (a test imports only the kit's functions and classes)
 pytest_plugins = [
     "tests.kit.accounts",
+    "tests.kit.libvirtbed",
     "tests.kit.machine",
     "tests.kit.namespaces",
     "tests.kit.netbed",

@@ -583,7 +583,7 @@ def test_an_at_at_resource_is_applied_here_too_when_this_graph_collects_its_kind
 # -- mgmt's kinds evergraph lacks ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["virt", "nspawn", "aws:ec2", "hetzner:vm", "bmc:power"])
+@pytest.mark.parametrize("kind", ["virt:builder", "nspawn", "aws:ec2", "hetzner:vm", "bmc:power"])
 def test_an_mgmt_kind_evergraph_lacks_is_named_as_such(tmp_path: Path, kind: str) -> None:
     g = write(tmp_path, f"graph: g\nresources:\n  noop:\n  - name: n\n  {kind}:\n  - name: x\n")
     r = run_cli("check", g)
@@ -612,7 +612,7 @@ def test_the_runner_sorts_a_folder_of_graphs(tmp_path: Path) -> None:
         "graph: g\nresources:\n  exec:\n  - {name: a, cmd: 'true', timeout: 0, state: present}\n"
         "  - {name: b, cmd: 'true', timeout: 5}\nremote: ssh://h\n"
     )
-    (top / "vm.yaml").write_text("graph: g\nresources:\n  virt:\n  - name: vm\n")
+    (top / "vm.yaml").write_text("graph: g\nresources:\n  nspawn:\n  - name: vm\n")
     (top / "notes.txt").write_text("not a graph")
     r = subprocess.run(
         [str(REPO / "scripts" / "mgmt-compat"), str(top)], capture_output=True, text=True
@@ -621,7 +621,7 @@ def test_the_runner_sorts_a_folder_of_graphs(tmp_path: Path) -> None:
     assert r.stdout.splitlines() == [
         "warned    nested/old.yml: 4 ignored: top-level `remote:`, exec timeout x2, exec state",
         "accepted  plain.yaml",
-        "rejected  vm.yaml: line 3:3: resource kind 'virt' is one of mgmt's that evergraph does"
+        "rejected  vm.yaml: line 3:3: resource kind 'nspawn' is one of mgmt's that evergraph does"
         " not provide yet (docs/mgmt-compatibility.md)",
         "total: 3 files: 1 accepted, 1 warned, 1 rejected",
     ]

@@ -79,7 +79,7 @@ MGMT_KINDS = frozenset(
         "http:server", "http:server:file", "http:server:flag",
         "http:server:proxy", "http:server:ui", "nspawn", "panic",
         "pippet", "ssh:authorized_key", "tftp:file", "tftp:server",
-        "virt", "virt:builder", "virt:network",
+        "virt:builder", "virt:network",
     }
 )  # fmt: skip
 #: msgspec's complaint about an integer given for a field that takes text

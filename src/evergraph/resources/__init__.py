@@ -40,6 +40,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "timer": ("timer",),
     "users": ("user", "group"),
     "value": ("value",),
+    "virt": ("virt",),
 }
 
 for _module, _names in KINDS.items():

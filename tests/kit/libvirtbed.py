@@ -1,0 +1,326 @@
+"""A real libvirtd for the virt tests, and a tiny guest for it to run.
+
+Debian's libvirtd keeps its QEMU driver's state in fixed places (/run/libvirt,
+/etc/libvirt/qemu, /var/lib/libvirt): one libvirtd per machine. The fixture
+`libvirtbed` takes a machine-wide file lock for the test that uses it; it
+reuses a libvirtd that already runs (one it did not start: it never stops that
+one), else starts virtlogd (QEMU logs through its fixed socket) and libvirtd
+with a private socket directory, as children whose pids it keeps, and stops
+them by pid at the end. Every domain named with `PREFIX` is destroyed and
+undefined at the end whoever made it.
+
+The guest boots Debian's kernel directly (no disk) with a busybox initramfs:
+128 MiB (64 MiB does not boot) under TCG (`<domain type='qemu'>`, no KVM). The
+kernel is fetched once with `apt-get download` + `dpkg-deb -x` into a cache
+directory (`EVERGRAPH_TEST_CACHE`, default /var/tmp/evergraph-tests), which
+QEMU (user libvirt-qemu) must be able to read: hence not under /root.
+
+libvirt probes KVM as libvirt-qemu; with /dev/kvm 600 root it re-probes QEMU's
+capabilities on every domain start (+5 s each). The bed gives /dev/kvm group
+kvm, 0660 (what Debian's udev rule does) while it runs and puts back what it
+found at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gzip
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_for
+
+#: the lock held while a libvirtd of the tests runs (one libvirtd per machine)
+LOCK = os.path.join(tempfile.gettempdir(), "evergraph-tests-libvirtd.lock")
+#: every test domain's name starts with this (the teardown removes them all)
+PREFIX = "evgt-"
+#: the guest's memory in KiB (64 MiB does not boot Debian's kernel)
+GUEST_KIB = 131072
+#: what the guest's /init prints on its serial console once up
+GUEST_UP = "EVERGRAPH GUEST UP"
+
+_INIT = f"""#!/bin/busybox sh
+/bin/busybox mount -t proc proc /proc
+/bin/busybox mount -t sysfs sys /sys
+echo "{GUEST_UP}"
+while :; do /bin/busybox sleep 3600; done
+"""
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("EVERGRAPH_TEST_CACHE", "/var/tmp/evergraph-tests")) / "virt"
+    d.mkdir(parents=True, exist_ok=True)
+    for p in (d.parent, d):  # QEMU runs as libvirt-qemu: it must get through
+        p.chmod(0o755)
+    return d
+
+
+def _kernel_package() -> str:
+    """The versioned package the `linux-image-amd64` metapackage depends on."""
+    out = subprocess.run(
+        ["apt-cache", "depends", "linux-image-amd64"], capture_output=True, text=True, check=True
+    ).stdout
+    for line in out.splitlines():
+        dep = line.strip().removeprefix("Depends:").strip()
+        if line.strip().startswith("Depends:") and dep.startswith("linux-image-"):
+            return dep
+    raise RuntimeError(f"no kernel package among linux-image-amd64's dependencies:\n{out}")
+
+
+def guest_kernel() -> Path:
+    """Debian's kernel (vmlinuz), fetched once into the cache."""
+    kernel = cache_dir() / "vmlinuz"
+    if kernel.exists():
+        return kernel
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        subprocess.run(
+            ["apt-get", "download", "-q", _kernel_package()],
+            cwd=tmp,
+            check=True,
+            capture_output=True,
+        )
+        (deb,) = Path(tmp).glob("*.deb")
+        subprocess.run(["dpkg-deb", "-x", str(deb), f"{tmp}/x"], check=True)
+        (found,) = Path(tmp, "x", "boot").glob("vmlinuz-*")
+        shutil.copyfile(found, f"{kernel}.part")
+        os.chmod(f"{kernel}.part", 0o644)
+        os.replace(f"{kernel}.part", kernel)
+    return kernel
+
+
+def guest_initrd() -> Path:
+    """A busybox initramfs whose /init says GUEST_UP and idles (made once)."""
+    initrd = cache_dir() / "initrd.gz"
+    if initrd.exists():
+        return initrd
+    busybox = shutil.which("busybox")
+    if busybox is None:
+        raise RuntimeError("busybox (busybox-static) is not installed: scripts/setup does it")
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        root = Path(tmp, "root")
+        for d in ("bin", "proc", "sys", "dev"):
+            (root / d).mkdir(parents=True)
+        shutil.copyfile(busybox, root / "bin" / "busybox")
+        (root / "bin" / "busybox").chmod(0o755)
+        (root / "bin" / "sh").symlink_to("busybox")
+        (root / "init").write_text(_INIT)
+        (root / "init").chmod(0o755)
+        names = "\n".join(
+            str(p.relative_to(root)) for p in sorted(root.rglob("*"), key=lambda p: str(p))
+        )
+        cpio = subprocess.run(
+            [busybox, "cpio", "-o", "-H", "newc"],
+            cwd=root,
+            input=names.encode() + b"\n",
+            capture_output=True,
+            check=True,
+        ).stdout
+        Path(f"{initrd}.part").write_bytes(gzip.compress(cpio))
+        os.chmod(f"{initrd}.part", 0o644)
+        os.replace(f"{initrd}.part", initrd)
+    return initrd
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for init to reap it is not)."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat_line.rpartition(")")[2].split()[0] != "Z"
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        pid = int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+    return pid if _alive(pid) else None
+
+
+def _stop(pid: int | None) -> None:
+    """terminate -> grace -> kill, by pid."""
+    if pid is None or not _alive(pid):
+        return
+    os.kill(pid, signal.SIGTERM)
+    with contextlib.suppress(AssertionError):
+        wait_for(lambda: not _alive(pid), 10, f"pid {pid} to end")
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not _alive(pid), 10, f"pid {pid} to end")
+
+
+@dataclass
+class LibvirtBed:
+    """A running libvirtd: its URI, and (when the bed started it) its process."""
+
+    root: Path
+    uri: str
+    kernel: Path
+    initrd: Path
+    #: the pid of the libvirtd the bed started (None: it reuses the machine's)
+    pid: int | None = None
+    virtlogd_pid: int | None = None
+    _kvm: tuple[int, int] | None = field(default=None, repr=False)
+
+    #: the bed started libvirtd (and may kill and restart it)
+    ours: bool = False
+
+    def virsh(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run(["virsh", "-q", "-c", self.uri, *args], capture_output=True, text=True)
+        if check and r.returncode != 0:
+            raise AssertionError(f"virsh {' '.join(args)}: exit {r.returncode}: {r.stderr}")
+        return r
+
+    def up(self) -> bool:
+        return self.virsh("uri", check=False).returncode == 0
+
+    def start_libvirtd(self) -> None:
+        """Start (or, after `kill_libvirtd`, restart) the bed's libvirtd; wait for it.
+        Daemonised (`-d`): it outlives the test that restarts it; its pid is the pid
+        file's, and `teardown` ends it by that pid."""
+        pidfile = self.root / "libvirtd.pid"
+        conf = self.root / "libvirtd.conf"
+        with open(self.root / "libvirtd.out", "ab") as log:
+            r = subprocess.run(
+                ["libvirtd", "-d", "-f", str(conf), "-p", str(pidfile)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        if r.returncode != 0:
+            out = (self.root / "libvirtd.out").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"libvirtd exited {r.returncode}:\n{out}")
+        wait_for(lambda: _read_pid(pidfile) is not None, 30, "libvirtd's pid file")
+        self.pid = _read_pid(pidfile)
+        wait_for(self.up, 60, "libvirtd to answer")
+
+    def kill_libvirtd(self, sig: int = signal.SIGKILL) -> None:
+        """Kill the bed's libvirtd by its pid (its guests live on) and wait for its end."""
+        pid = self.pid
+        assert pid is not None
+        os.kill(pid, sig)
+        wait_for(lambda: not _alive(pid), 30, f"libvirtd (pid {pid}) to end")
+        self.pid = None
+
+    def domains(self) -> list[str]:
+        out = self.virsh("list", "--all", "--name", check=False).stdout
+        return [n for n in out.split() if n.startswith(PREFIX)]
+
+    def state(self, name: str) -> str:
+        """`virsh domstate`: running, paused, shut off; "" when there is no such domain."""
+        r = self.virsh("domstate", name, check=False)
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    def persistent(self, name: str) -> bool:
+        return "Persistent:     yes" in self.virsh("dominfo", name).stdout
+
+    def dumpxml(self, name: str, inactive: bool = False) -> str:
+        return self.virsh("dumpxml", *(["--inactive"] if inactive else []), name).stdout
+
+    def remove_test_domains(self) -> None:
+        for name in self.domains():
+            self.virsh("destroy", name, check=False)
+            self.virsh("undefine", name, check=False)
+
+    # -- setup and teardown ------------------------------------------------------
+    def _open_kvm(self) -> None:
+        try:
+            st = os.stat("/dev/kvm")
+        except FileNotFoundError:
+            return
+        self._kvm = (st.st_gid, stat.S_IMODE(st.st_mode))
+        with contextlib.suppress(KeyError, PermissionError):
+            import grp
+
+            os.chown("/dev/kvm", -1, grp.getgrnam("kvm").gr_gid)
+            os.chmod("/dev/kvm", 0o660)
+
+    def _restore_kvm(self) -> None:
+        if self._kvm is not None:
+            gid, mode = self._kvm
+            with contextlib.suppress(OSError):
+                os.chown("/dev/kvm", -1, gid)
+                os.chmod("/dev/kvm", mode)
+
+    def setup(self) -> None:
+        run = self.root / "run"
+        run.mkdir(parents=True, exist_ok=True)
+        (self.root / "libvirtd.conf").write_text(
+            f'unix_sock_dir = "{run}"\n'
+            'unix_sock_group = "root"\n'
+            'unix_sock_rw_perms = "0770"\n'
+            'auth_unix_ro = "none"\n'
+            'auth_unix_rw = "none"\n'
+            'log_filters = "3:*"\n'
+            f'log_outputs = "3:file:{self.root}/libvirtd.log"\n'
+        )
+        self._open_kvm()
+        self.ours = True
+        if not Path("/run/libvirt/virtlogd-sock").is_socket() or not _virtlogd_running():
+            pidfile = self.root / "virtlogd.pid"
+            subprocess.run(["virtlogd", "-d", "-p", str(pidfile)], check=True)
+            wait_for(lambda: _read_pid(pidfile) is not None, 30, "virtlogd's pid file")
+            self.virtlogd_pid = _read_pid(pidfile)
+        self.start_libvirtd()
+
+    def teardown(self) -> None:
+        try:
+            if self.pid is not None and _alive(self.pid):
+                self.remove_test_domains()
+            _stop(self.pid)
+            _stop(self.virtlogd_pid)
+        finally:
+            self._restore_kvm()
+
+
+def _virtlogd_running() -> bool:
+    r = subprocess.run(["pgrep", "-x", "virtlogd"], capture_output=True, text=True)
+    return any(_alive(int(p)) for p in r.stdout.split())
+
+
+def _foreign_libvirtd() -> str:
+    """The pids of a libvirtd the bed did not start ("" when none runs)."""
+    r = subprocess.run(["pgrep", "-x", "libvirtd"], capture_output=True, text=True)
+    return " ".join(p for p in r.stdout.split() if _alive(int(p)))  # (not a zombie)
+
+
+@pytest.fixture
+def libvirtbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LibvirtBed]:
+    """A libvirtd for one test, under a machine-wide lock: tests on several xdist
+    workers take turns (a module-wide bed would keep the others waiting past their
+    timeout), each starting its own (~1 s once QEMU's capabilities are cached)."""
+    for tool in ("libvirtd", "virtlogd", "virsh"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} is not installed: run scripts/setup as root")
+    with open(LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        root = tmp_path_factory.mktemp("libvirt")
+        root.chmod(0o755)
+        bed = LibvirtBed(root, f"qemu+unix:///system?socket={root}/run/libvirt-sock",
+                         guest_kernel(), guest_initrd())  # fmt: skip
+        if foreign := _foreign_libvirtd():  # the machine's own: reuse it, never stop it
+            if not Path("/run/libvirt/libvirt-sock").is_socket():
+                pytest.fail(f"a libvirtd runs (pid {foreign}) with its socket elsewhere")
+            bed.uri = "qemu:///system"
+            try:
+                yield bed
+            finally:
+                bed.remove_test_domains()
+            return
+        try:
+            bed.setup()
+            bed.remove_test_domains()  # left by a run that was killed
+            yield bed
+        finally:
+            bed.teardown()
