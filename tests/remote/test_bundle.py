@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -28,6 +28,7 @@ from evergraph.remote.bundle import (
     BundleError,
     HashCache,
     Installed,
+    Stdin,
     cache_path,
     install,
     plan,
@@ -44,7 +45,7 @@ class HostFailed(Exception):
     """The host's half exited non-zero (its stderr is the message)."""
 
 
-async def run_here(argv: Sequence[str], stdin: bytes) -> bytes:
+async def run_here(argv: Sequence[str], stdin: Stdin) -> bytes:
     """The `Run` of the tests: ``python3 argv`` as a local subprocess."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -53,7 +54,22 @@ async def run_here(argv: Sequence[str], stdin: bytes) -> bytes:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    out, err = await proc.communicate(stdin)
+    if isinstance(stdin, bytes):
+        out, err = await proc.communicate(stdin)
+    else:
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        to_host = proc.stdin
+
+        async def feed() -> None:
+            async for chunk in stdin:
+                to_host.write(chunk)
+                await to_host.drain()
+            to_host.close()
+
+        _, out, err = await asyncio.gather(feed(), proc.stdout.read(), proc.stderr.read())
+        await proc.wait()
     if proc.returncode != 0:
         raise HostFailed(err.decode().strip())
     return out
@@ -248,13 +264,13 @@ def test_hosts_missing_the_same_objects_share_one_plan_built_once(
     (tmp_path / "src").mkdir()
     bundle = small_bundle(tmp_path / "src", {"site/demo/a.py": b"a\n", "site/demo/b.py": b"b\n"})
     built: list[tuple[str, ...]] = []
-    real_plan = bundle_mod.plan
+    real_build = bundle_mod.SharedPlan.build
 
-    def counting_plan(b: Bundle, missing: Iterable[str]) -> bytes:
-        built.append(tuple(missing))
-        return real_plan(b, missing)
+    def counting_build(self: bundle_mod.SharedPlan, b: Bundle, key: tuple[str, ...]) -> None:
+        built.append(key)
+        real_build(self, b, key)
 
-    monkeypatch.setattr(bundle_mod, "plan", counting_plan)
+    monkeypatch.setattr(bundle_mod.SharedPlan, "build", counting_build)
     hosts = [tmp_path / f"host-{i}" for i in range(4)]
 
     async def first_contact() -> list[Installed]:
@@ -273,18 +289,40 @@ def test_hosts_missing_the_same_objects_share_one_plan_built_once(
 
     async def twice() -> tuple[bytes, bytes, bytes]:
         return (
-            await bundle.plan_for([sha_a]),
-            await bundle.plan_for([sha_a, sha_a]),
-            await bundle.plan_for(bundle.sources),
+            await bundle.plan_for([sha_a]).read(),
+            await bundle.plan_for([sha_a, sha_a]).read(),
+            await bundle.plan_for(bundle.sources).read(),
         )
 
     one, same, everything = asyncio.run(twice())
-    assert one is same
-    assert everything is not one
+    assert one == same == plan(bundle, [sha_a])
+    assert everything == plan(bundle, bundle.sources)
     assert built == [tuple(sorted(bundle.sources)), (sha_a,)]
-    # an object the bundle does not hold fails every caller with the same line
+    assert bundle.plan_for([sha_a]) is bundle.plan_for([sha_a])
+    # an object the bundle does not hold: refused before anything is built
     with pytest.raises(BundleError, match="not in this bundle"):
-        asyncio.run(bundle.plan_for(["f" * 64]))
+        bundle.plan_for(["f" * 64])
+    assert len(built) == 2
+
+
+def test_a_plan_read_while_it_is_built_is_the_whole_plan(tmp_path: Path) -> None:
+    """Hosts read the plan as it grows (PLAN_CHUNK at a time), from their own start."""
+    import evergraph.remote.bundle as bundle_mod
+
+    (tmp_path / "src").mkdir()
+    files = {f"site/demo/m{i}.py": os.urandom(100_000) for i in range(8)}  # incompressible
+    bundle = small_bundle(tmp_path / "src", files)
+    whole = plan(bundle, bundle.sources)
+    assert len(whole) > 2 * bundle_mod.PLAN_CHUNK  # more than one piece
+
+    async def readers() -> list[bytes]:
+        shared = bundle.plan_for(bundle.sources)
+        first = asyncio.create_task(shared.read())  # most likely while it is built
+        return [await first, await shared.read()]  # and one after
+
+    assert asyncio.run(readers()) == [whole, whole]
+    with tarfile.open(fileobj=io.BytesIO(whole), mode="r|gz") as tar:
+        assert sorted(m.name for m in tar) == sorted(bundle.sources)
 
 
 # --- the initiator's cache of file hashes --------------------------------------------

@@ -29,12 +29,10 @@ the same Python minor version on the same machine architecture
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import csv
 import hashlib
 import importlib.metadata
-import io
 import os
 import platform
 import re
@@ -44,9 +42,18 @@ import tarfile
 import threading
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, cast
 
 import msgspec
 
@@ -104,23 +111,27 @@ class Bundle:
     sources: Mapping[str, Path]
     #: the compressed tar of each distinct set of missing objects, built once and
     #: shared by every host that misses that set (see `plan_for`)
-    _plans: dict[tuple[str, ...], concurrent.futures.Future[bytes]] = field(
+    _plans: dict[tuple[str, ...], SharedPlan] = field(
         default_factory=dict, repr=False, compare=False
     )
     _plans_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    async def plan_for(self, missing: Iterable[str]) -> bytes:
-        """`plan` of these objects, built in a thread the first time a set is asked
-        for; every host missing the same set (all of them, on a first run) awaits
-        that one build. A cancelled caller does not cancel the build."""
+    def plan_for(self, missing: Iterable[str]) -> SharedPlan:
+        """`plan` of these objects as a stream: built in a thread of its own the
+        first time a set is asked for, read by every host missing the same set (all
+        of them, on a first run) as it is made, so compressing, sending and the
+        host's store overlap. BundleError now if an object is not in the bundle."""
         key = tuple(sorted(set(missing)))
+        if unknown := [sha for sha in key if sha not in self.sources]:
+            raise BundleError(
+                f"the host asked for object {unknown[0]}, which is not in this bundle"
+            )
         with self._plans_lock:
-            fut = self._plans.get(key)
-            if fut is None:
-                fut = self._plans[key] = concurrent.futures.Future()
-                fut.set_running_or_notify_cancel()  # running: cancel() is refused
-                threading.Thread(target=_build_plan, args=(self, key, fut), daemon=True).start()
-        return await asyncio.wrap_future(fut)
+            shared = self._plans.get(key)
+            if shared is None:
+                shared = self._plans[key] = SharedPlan()
+                threading.Thread(target=shared.build, args=(self, key), daemon=True).start()
+        return shared
 
     @property
     def manifest_bytes(self) -> bytes:
@@ -464,18 +475,23 @@ def plan(bundle: Bundle, missing: Iterable[str]) -> bytes:
     return _tar(bundle, missing, compress=True)
 
 
-def _build_plan(
-    bundle: Bundle, key: tuple[str, ...], fut: concurrent.futures.Future[bytes]
-) -> None:
-    try:
-        fut.set_result(plan(bundle, key))
-    except BaseException as e:  # every waiting host sees why
-        fut.set_exception(e)
+#: bytes of compressed output handed to the hosts at a time
+PLAN_CHUNK = 1 << 18
 
 
 def _tar(bundle: Bundle, missing: Iterable[str], *, compress: bool) -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+    out: list[bytes] = []
+    _write_tar(bundle, missing, out.append, compress=compress)
+    return b"".join(out)
+
+
+def _write_tar(
+    bundle: Bundle, missing: Iterable[str], emit: Callable[[bytes], None], *, compress: bool
+) -> None:
+    """The tar of `missing`, gzip'd with `compress`, handed to `emit` piece by piece."""
+    sink = _Sink(emit, compress)
+    out = cast(IO[bytes], sink)  # tarfile's stream writer needs write() only
+    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT, bufsize=1 << 16) as tar:
         for sha in sorted(set(missing)):
             source = bundle.sources.get(sha)
             if source is None:
@@ -485,16 +501,108 @@ def _tar(bundle: Bundle, missing: Iterable[str], *, compress: bool) -> bytes:
             info.mode = 0o644
             with source.open("rb") as f:
                 tar.addfile(info, f)
-    if not compress:
-        return out.getvalue()
-    gz = zlib.compressobj(COMPRESS_LEVEL, zlib.DEFLATED, 16 + zlib.MAX_WBITS)  # gzip framing
-    return gz.compress(out.getbuffer()) + gz.flush()
+    sink.close()
+
+
+class _Sink:
+    """What tarfile writes to: compresses (gzip framing) and hands out PLAN_CHUNKs."""
+
+    def __init__(self, emit: Callable[[bytes], None], compress: bool) -> None:
+        self.emit = emit
+        self.gz = zlib.compressobj(COMPRESS_LEVEL, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+        self.compress = compress
+        self.buf = bytearray()
+
+    def write(self, data: bytes) -> int:
+        self.buf += self.gz.compress(data) if self.compress else data
+        if len(self.buf) >= PLAN_CHUNK:
+            self.emit(bytes(self.buf))
+            self.buf.clear()
+        return len(data)
+
+    def close(self) -> None:
+        if self.compress:
+            self.buf += self.gz.flush()
+        if self.buf:
+            self.emit(bytes(self.buf))
+            self.buf.clear()
+
+
+class SharedPlan:
+    """One plan being built in a thread, read by any number of hosts (each from its
+    start, at its own pace) while it grows. Every reader sees the builder's error."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._chunks: list[bytes] = []
+        self._done = False
+        self._error: BaseException | None = None
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    def build(self, bundle: Bundle, key: tuple[str, ...]) -> None:
+        """The builder thread's body."""
+        try:
+            _write_tar(bundle, key, self._publish, compress=True)
+        except BaseException as e:  # every reader sees why
+            self._finish(e)
+        else:
+            self._finish(None)
+
+    def _publish(self, chunk: bytes) -> None:
+        with self._lock:
+            self._chunks.append(chunk)
+            waiters, self._waiters = self._waiters, []
+        _wake(waiters)
+
+    def _finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            self._done, self._error = True, error
+            waiters, self._waiters = self._waiters, []
+        _wake(waiters)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The plan from its first byte, as it is built."""
+        loop = asyncio.get_running_loop()
+        i = 0
+        while True:
+            with self._lock:
+                have, done, error = self._chunks[i:], self._done, self._error
+                wait: asyncio.Future[None] | None = None
+                if not have and not done:
+                    wait = loop.create_future()
+                    self._waiters.append((loop, wait))
+            for chunk in have:
+                yield chunk
+            i += len(have)
+            if wait is not None:
+                await wait
+            elif not have:
+                if error is not None:
+                    raise error
+                return
+
+    async def read(self) -> bytes:
+        """The whole plan."""
+        return b"".join([c async for c in self.chunks()])
+
+
+def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]) -> None:
+    for loop, fut in waiters:
+        with contextlib.suppress(RuntimeError):  # a loop closed meanwhile
+            loop.call_soon_threadsafe(_set_once, fut)
+
+
+def _set_once(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 # --- the conversation ------------------------------------------------------------
 
 #: run ``python3 <argv...>`` on the host with ``stdin``; return its stdout, raise on failure
-Run = Callable[[Sequence[str], bytes], Awaitable[bytes]]
+#: (stdin: bytes, or an async iterable of them sent as they come)
+Stdin = bytes | AsyncIterable[bytes]
+Run = Callable[[Sequence[str], Stdin], Awaitable[bytes]]
 
 
 @dataclass(frozen=True)
@@ -514,11 +622,20 @@ async def install(
     """Make sure ``bundle`` is materialised in ``store`` on a host; send only what it lacks."""
     sent = 0
 
-    async def call(argv: Sequence[str], stdin: bytes = b"") -> bytes:
+    async def counted(chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+        nonlocal sent
+        async for chunk in chunks:
+            sent += len(chunk)
+            yield chunk
+
+    async def call(argv: Sequence[str], stdin: Stdin = b"") -> bytes:
         nonlocal sent
         full = ["-I", "-c", REMOTE_SCRIPT, *argv]
-        sent += sum(len(a) + 1 for a in full) + len(stdin)
-        return await run(full, stdin)
+        sent += sum(len(a) + 1 for a in full)
+        if isinstance(stdin, bytes):
+            sent += len(stdin)
+            return await run(full, stdin)
+        return await run(full, counted(stdin))
 
     site = f"{store}/bundles/{bundle.dir_name}/site"
     probe = msgspec.json.decode(await call(["probe", store, bundle.digest]), type=_Probe)
@@ -530,7 +647,7 @@ async def install(
     missing = (
         (await call(["missing", store, bundle.digest], bundle.manifest_bytes)).decode().split()
     )
-    await call(["store", store, bundle.digest], await bundle.plan_for(missing))
+    await call(["store", store, bundle.digest], bundle.plan_for(missing).chunks())
     return Installed(site, sent, len(missing))
 
 
