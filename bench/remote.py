@@ -485,9 +485,6 @@ def profile_run(bed: Any, site: Path, converged_timeout: float) -> tuple[float, 
     def peer(a: Any, kw: Any) -> str:
         return str(a[0].get_extra_info("peername")[0])
 
-    def peer_of_plan(a: Any, kw: Any) -> str:
-        return "-"  # Bundle.plan_for does not know the host: median and max over hosts
-
     def emit(label: str, line: str) -> None:
         lines.setdefault(label, []).append((time.perf_counter(), line))
 
@@ -500,22 +497,15 @@ def profile_run(bed: Any, site: Path, converged_timeout: float) -> tuple[float, 
         parallel=FORKS,
     )
     bundle_of = Bundle.of_running_python
-    plan_for = Bundle.plan_for
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.dict(os.environ, {"SSH_AUTH_SOCK": ""}))
         stack.enter_context(
             mock.patch.object(Bundle, "of_running_python", sync("bundle build + hash", bundle_of))
         )
-        # the objects' tar + gzip, built once for the hosts missing the same set, and
-        # each host's wait for it (the rest of "bundle install" is SSH and the host)
-        stack.enter_context(
-            mock.patch.object(bundle_mod, "plan", sync("bundle plan: tar + gzip", bundle_mod.plan))
-        )
-        stack.enter_context(
-            mock.patch.object(
-                Bundle, "plan_for", host_async("bundle plan: a host waits", plan_for, peer_of_plan)
-            )
-        )
+        # the objects' tar + gzip, built once for the hosts missing the same set, in a
+        # thread, while the hosts read it (it overlaps "bundle install")
+        build = sync("bundle plan: tar + gzip", bundle_mod.SharedPlan.build)
+        stack.enter_context(mock.patch.object(bundle_mod.SharedPlan, "build", build))
         for name, phase in (("spawn", "etcd spawn"), ("wait_healthy", "etcd healthy")):
             fn = getattr(EtcdServer, name)
             stack.enter_context(mock.patch.object(EtcdServer, name, sync(phase, fn)))
@@ -557,7 +547,6 @@ PHASES = (
     "ssh connect",
     "bundle install",
     "bundle plan: tar + gzip",
-    "bundle plan: a host waits",
     "graph copy",
     "agent",
     "agent: start to first line",
