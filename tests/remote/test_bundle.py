@@ -15,8 +15,9 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -534,3 +535,50 @@ def test_install_stops_at_a_host_with_another_python(running: Bundle) -> None:
     with pytest.raises(BundleError, match=r"web1 has python 3\.9 .*: install python3\.\d+ on web1"):
         asyncio.run(install(running, old_host, store="/nowhere", host="web1"))
     assert calls == ["probe"]  # nothing else was sent
+
+
+def test_a_finished_plan_is_kept_and_sent_again_without_compressing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import evergraph.remote.bundle as bundle_mod
+
+    (tmp_path / "src").mkdir()
+    files = {"site/demo/a.py": b"a\n", "site/demo/b.py": b"b\n"}
+    cache = tmp_path / "cache" / "hashes.json"
+    paths = {rel: tmp_path / "src" / rel.replace("/", "__") for rel in files}
+    for rel, local in paths.items():
+        local.write_bytes(files[rel])
+    dists = [("demo", "1.0")]
+    first = Bundle.of_paths((paths, dists), cache=cache)
+    assert first.plan_cache == tmp_path / "cache" / "plans"
+    built: list[tuple[str, ...]] = []
+    real = bundle_mod._write_tar
+
+    def counting(b: Bundle, missing: Iterable[str], emit: Any, *, compress: bool) -> None:
+        built.append(tuple(missing))
+        real(b, missing, emit, compress=compress)
+
+    monkeypatch.setattr(bundle_mod, "_write_tar", counting)
+    whole = asyncio.run(first.plan_for(first.sources).read())
+    assert len(built) == 1
+    kept = list((tmp_path / "cache" / "plans").glob("*.tar.gz"))
+    assert len(kept) == 1
+    assert kept[0].stat().st_mode & 0o777 == 0o600
+    assert kept[0].read_bytes() == whole
+
+    # the next run (a new Bundle of the same files): the kept plan, not a new one
+    again = Bundle.of_paths((paths, dists), cache=cache)
+    assert asyncio.run(again.plan_for(again.sources).read()) == whole
+    assert len(built) == 1
+
+    # a damaged plan is not sent: it is built anew (and kept again)
+    kept[0].write_bytes(whole[:10] + bytes([whole[10] ^ 1]) + whole[11:])
+    damaged = Bundle.of_paths((paths, dists), cache=cache)
+    assert asyncio.run(damaged.plan_for(damaged.sources).read()) == whole
+    assert len(built) == 2
+    assert kept[0].read_bytes() == whole
+    # and one that others could have written is not trusted either
+    kept[0].chmod(0o666)
+    loose = Bundle.of_paths((paths, dists), cache=cache)
+    assert asyncio.run(loose.plan_for(loose.sources).read()) == whole
+    assert len(built) == 3

@@ -115,6 +115,8 @@ class Bundle:
         default_factory=dict, repr=False, compare=False
     )
     _plans_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    #: where finished plans are kept across runs (`PlanCache`); None: not kept
+    plan_cache: Path | None = field(default=None, compare=False)
 
     def plan_for(self, missing: Iterable[str]) -> SharedPlan:
         """`plan` of these objects as a stream: built in a thread of its own the
@@ -193,7 +195,8 @@ class Bundle:
             dists=sorted(dists),
             files=entries,
         )
-        return cls(manifest, sources)
+        plans = cache.parent / PLANS_DIR if cache is not None else None
+        return cls(manifest, sources, plan_cache=plans)
 
 
 def running_python() -> str:
@@ -528,6 +531,65 @@ class _Sink:
             self.buf.clear()
 
 
+#: the plans kept, beside the hash cache; the newest PLANS_KEPT of them
+PLANS_DIR = "plans"
+PLANS_KEPT = 4
+
+
+class PlanCache:
+    """A finished plan kept on the initiator (0600, beside the hash cache), named by
+    the sha256 of the objects it holds: a later first contact (new hosts, the same
+    evergraph) sends it without compressing again. Its own sha256 is kept beside it
+    and checked before use; a plan not ours, or damaged, is rebuilt (and the host
+    checks every object's hash anyway)."""
+
+    def __init__(self, where: Path, key: tuple[str, ...]) -> None:
+        name = hashlib.sha256("".join(key).encode()).hexdigest()
+        self.where = where
+        self.path = where / f"{name}.tar.gz"
+        self.sum = where / f"{name}.sha256"
+
+    def read(self, emit: Callable[[bytes], None]) -> bool:
+        """Hand the kept plan to `emit`; False if there is none fit to use."""
+        try:
+            with self.path.open("rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                    return False
+                data = f.read()
+            want = self.sum.read_text().strip()
+        except OSError:
+            return False
+        if hashlib.sha256(data).hexdigest() != want:
+            return False
+        view = memoryview(data)
+        for at in range(0, len(data), PLAN_CHUNK):
+            emit(bytes(view[at : at + PLAN_CHUNK]))
+        return True
+
+    def write(self, pieces: list[bytes]) -> None:
+        """Keep a plan just built (never fails the run); drop the oldest beyond PLANS_KEPT."""
+        h = hashlib.sha256()
+        tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
+        try:
+            self.where.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                for piece in pieces:
+                    h.update(piece)
+                    f.write(piece)
+            self.sum.write_text(h.hexdigest() + "\n")
+            os.chmod(self.sum, 0o600)
+            os.replace(tmp, self.path)
+            plans = sorted(self.where.glob("*.tar.gz"), key=lambda p: p.stat().st_mtime_ns)
+            for old in plans[:-PLANS_KEPT]:
+                old.unlink()
+                old.with_name(old.name.removesuffix(".tar.gz") + ".sha256").unlink(missing_ok=True)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
 class SharedPlan:
     """One plan being built in a thread, read by any number of hosts (each from its
     start, at its own pace) while it grows. Every reader sees the builder's error."""
@@ -542,7 +604,19 @@ class SharedPlan:
     def build(self, bundle: Bundle, key: tuple[str, ...]) -> None:
         """The builder thread's body."""
         try:
-            _write_tar(bundle, key, self._publish, compress=True)
+            kept = PlanCache(bundle.plan_cache, key) if bundle.plan_cache else None
+            if kept is not None and kept.read(self._publish):
+                self._finish(None)
+                return
+            pieces: list[bytes] = []
+
+            def publish(chunk: bytes) -> None:
+                pieces.append(chunk)
+                self._publish(chunk)
+
+            _write_tar(bundle, key, publish, compress=True)
+            if kept is not None:
+                kept.write(pieces)
         except BaseException as e:  # every reader sees why
             self._finish(e)
         else:
