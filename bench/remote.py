@@ -28,7 +28,9 @@ project's .venv); the bench says when it makes it and which versions ran.
 `python -m bench.remote [--hosts 1,8,32] [--tools evergraph,pyinfra,ansible]
 [--converged-timeout S] [--json F]` runs it alone; `--profile N` instead times
 the phases of one first and one second evergraph run on N hosts (in-process:
-bundle hash, etcd, SSH connect, bundle install, graph copy, agent start-up,
+bundle hash, etcd, SSH connect, bundle install and within it the build of the
+shared gzip'd plan (a thread; ~0.2 s when the initiator kept it from an earlier
+run: delete ~/.cache/evergraph/plans for a cold one), graph copy, agent start-up,
 the converged wait); `scripts/bench --only remote` runs it over 1, 8 and
 32 hosts (`--quick`: 1 and 8). Needs root, iproute2, nft, ssh-keygen and
 Debian's openssh-server (as the remote tests do). While it runs it holds the
