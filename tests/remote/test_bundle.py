@@ -7,6 +7,7 @@ runs as a real subprocess of this interpreter, exactly as it will over a channel
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import os
 import platform
@@ -14,16 +15,22 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
 from evergraph.remote.bundle import (
+    COMPRESS_LEVEL,
     REMOTE_SCRIPT,
     Bundle,
     BundleError,
+    HashCache,
+    Installed,
+    Stdin,
+    cache_path,
     install,
     plan,
     python_problem,
@@ -31,11 +38,15 @@ from evergraph.remote.bundle import (
 )
 
 
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 class HostFailed(Exception):
     """The host's half exited non-zero (its stderr is the message)."""
 
 
-async def run_here(argv: Sequence[str], stdin: bytes) -> bytes:
+async def run_here(argv: Sequence[str], stdin: Stdin) -> bytes:
     """The `Run` of the tests: ``python3 argv`` as a local subprocess."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -44,7 +55,22 @@ async def run_here(argv: Sequence[str], stdin: bytes) -> bytes:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    out, err = await proc.communicate(stdin)
+    if isinstance(stdin, bytes):
+        out, err = await proc.communicate(stdin)
+    else:
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        to_host = proc.stdin
+
+        async def feed() -> None:
+            async for chunk in stdin:
+                to_host.write(chunk)
+                await to_host.drain()
+            to_host.close()
+
+        _, out, err = await asyncio.gather(feed(), proc.stdout.read(), proc.stderr.read())
+        await proc.wait()
     if proc.returncode != 0:
         raise HostFailed(err.decode().strip())
     return out
@@ -63,8 +89,9 @@ def host_op(
 
 
 @pytest.fixture(scope="module")
-def running() -> Bundle:
-    return Bundle.of_running_python()
+def running(tmp_path_factory: pytest.TempPathFactory) -> Bundle:
+    # its own hash cache: the tests leave the user's ~/.cache alone
+    return Bundle.of_running_python(cache=tmp_path_factory.mktemp("cache") / "hashes.json")
 
 
 def small_bundle(root: Path, files: dict[str, bytes], executable: Sequence[str] = ()) -> Bundle:
@@ -107,8 +134,8 @@ def test_the_running_bundle_holds_evergraph_and_its_dependencies(running: Bundle
     assert running.dir_name == running.digest[:16]
 
 
-def test_the_digest_is_stable_across_two_calls(running: Bundle) -> None:
-    again = Bundle.of_running_python()
+def test_the_digest_is_stable_across_two_calls(running: Bundle, tmp_path: Path) -> None:
+    again = Bundle.of_running_python(cache=tmp_path / "hashes.json")
     assert again.digest == running.digest
     assert again.manifest_bytes == running.manifest_bytes
 
@@ -210,22 +237,195 @@ def test_first_contact_installs_an_importable_bundle_and_the_second_sends_only_h
     assert other.sent == first.sent
 
 
-def test_plain_tar_against_gzip_for_a_first_run(running: Bundle) -> None:
-    """The numbers behind `plan` choosing a plain tar (printed with -s; no timing asserts)."""
+def test_the_plan_is_gzip_and_the_numbers_behind_it(running: Bundle) -> None:
+    """The numbers behind `plan` compressing (printed with -s; no timing asserts)."""
     from evergraph.remote.bundle import _tar
 
     started = time.monotonic()
-    plain = plan(running, running.sources)
+    plain = _tar(running, running.sources, compress=False)
     plain_s = time.monotonic() - started
     started = time.monotonic()
-    gz = _tar(running, running.sources, compress=True)
+    gz = plan(running, running.sources)
     gz_s = time.monotonic() - started
     print(
         f"\nfirst-run plan: tar {len(plain):,} bytes in {plain_s:.2f} s; "
-        f"gzip -1 {len(gz):,} bytes in {gz_s:.2f} s"
+        f"gzip -{COMPRESS_LEVEL} {len(gz):,} bytes in {gz_s:.2f} s"
     )
-    with tarfile.open(fileobj=io.BytesIO(gz), mode="r|*") as tar:
+    assert gz[:2] == b"\x1f\x8b"  # what the host's stdlib reads with "r|gz"
+    assert len(gz) < len(plain)
+    with tarfile.open(fileobj=io.BytesIO(gz), mode="r|gz") as tar:
         assert sorted(m.name for m in tar) == sorted(running.sources)
+
+
+def test_hosts_missing_the_same_objects_share_one_plan_built_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import evergraph.remote.bundle as bundle_mod
+
+    (tmp_path / "src").mkdir()
+    bundle = small_bundle(tmp_path / "src", {"site/demo/a.py": b"a\n", "site/demo/b.py": b"b\n"})
+    built: list[tuple[str, ...]] = []
+    real_build = bundle_mod.SharedPlan.build
+
+    def counting_build(self: bundle_mod.SharedPlan, b: Bundle, key: tuple[str, ...]) -> None:
+        built.append(key)
+        real_build(self, b, key)
+
+    monkeypatch.setattr(bundle_mod.SharedPlan, "build", counting_build)
+    hosts = [tmp_path / f"host-{i}" for i in range(4)]
+
+    async def first_contact() -> list[Installed]:
+        return await asyncio.gather(
+            *(install(bundle, run_here, store=str(h), host=h.name) for h in hosts)
+        )
+
+    done = asyncio.run(first_contact())
+    assert built == [tuple(sorted(bundle.sources))]  # once, for the four hosts
+    assert all(d.objects == 2 for d in done)
+    assert len({d.sent for d in done}) == 1
+    for h in hosts:
+        assert (h / "bundles" / bundle.dir_name / "site/demo/b.py").read_bytes() == b"b\n"
+    # a host missing another set gets a plan of its own; the same set again is not rebuilt
+    sha_a = next(f.sha256 for f in bundle.manifest.files if f.path.endswith("a.py"))
+
+    async def twice() -> tuple[bytes, bytes, bytes]:
+        return (
+            await bundle.plan_for([sha_a]).read(),
+            await bundle.plan_for([sha_a, sha_a]).read(),
+            await bundle.plan_for(bundle.sources).read(),
+        )
+
+    one, same, everything = asyncio.run(twice())
+    assert one == same == plan(bundle, [sha_a])
+    assert everything == plan(bundle, bundle.sources)
+    assert built == [tuple(sorted(bundle.sources)), (sha_a,)]
+    assert bundle.plan_for([sha_a]) is bundle.plan_for([sha_a])
+    # an object the bundle does not hold: refused before anything is built
+    with pytest.raises(BundleError, match="not in this bundle"):
+        bundle.plan_for(["f" * 64])
+    assert len(built) == 2
+
+
+def test_a_plan_read_while_it_is_built_is_the_whole_plan(tmp_path: Path) -> None:
+    """Hosts read the plan as it grows (PLAN_CHUNK at a time), from their own start."""
+    import evergraph.remote.bundle as bundle_mod
+
+    (tmp_path / "src").mkdir()
+    files = {f"site/demo/m{i}.py": os.urandom(100_000) for i in range(8)}  # incompressible
+    bundle = small_bundle(tmp_path / "src", files)
+    whole = plan(bundle, bundle.sources)
+    assert len(whole) > 2 * bundle_mod.PLAN_CHUNK  # more than one piece
+
+    async def readers() -> list[bytes]:
+        shared = bundle.plan_for(bundle.sources)
+        first = asyncio.create_task(shared.read())  # most likely while it is built
+        return [await first, await shared.read()]  # and one after
+
+    assert asyncio.run(readers()) == [whole, whole]
+    with tarfile.open(fileobj=io.BytesIO(whole), mode="r|gz") as tar:
+        assert sorted(m.name for m in tar) == sorted(bundle.sources)
+
+
+# --- the initiator's cache of file hashes --------------------------------------------
+
+LATER = 3600 * 10**9  # an hour: a clock past RACY_NS for files written just now
+
+
+def test_the_hash_cache_spares_rehashing_and_sees_an_in_place_change(tmp_path: Path) -> None:
+    cache = tmp_path / "cache" / "bundle-hashes.json"
+    f = tmp_path / "mod.py"
+    f.write_bytes(b"x = 1\n")
+
+    first = HashCache.load(cache)
+    first.now_ns = lambda: time.time_ns() + LATER
+    sha1, size, mode = first.hash(f)
+    first.save()
+    assert (sha1, size, mode) == (sha256_hex(b"x = 1\n"), 6, 0o644)
+    assert first.hashed == 1
+    assert cache.stat().st_mode & 0o777 == 0o600
+    assert cache.parent.stat().st_mode & 0o777 == 0o700
+
+    again = HashCache.load(cache)
+    assert again.hash(f) == (sha1, 6, 0o644)
+    assert again.hashed == 0  # its stat is unchanged: the kept hash
+
+    # the content changes in place, same size, its mtime put back: ctime moved
+    # (a write or utime sets it to now, and nothing can set it back)
+    before = os.stat(f)
+    with f.open("r+b") as w:
+        w.write(b"x = 2\n")
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(f)
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
+        before.st_size,
+        before.st_mtime_ns,
+        before.st_ino,
+    )
+    changed = HashCache.load(cache)
+    assert changed.hash(f)[0] == sha256_hex(b"x = 2\n")
+    assert changed.hashed == 1
+
+    # so does a chmod (the mode that travels is taken from the same stat)
+    f.chmod(0o755)
+    assert HashCache.load(cache).hash(f) == (sha256_hex(b"x = 2\n"), 6, 0o755)
+
+
+def test_a_file_changed_within_the_racy_window_is_never_kept(tmp_path: Path) -> None:
+    """A write in the same clock tick as the stat leaves every stat field as it
+    was: a hash taken of a file changed less than RACY_NS ago is used, not kept."""
+    cache = tmp_path / "bundle-hashes.json"
+    f = tmp_path / "mod.py"
+    f.write_bytes(b"x = 1\n")
+    fresh = HashCache.load(cache)  # the real clock: f was written just now
+    assert fresh.hash(f)[0] == sha256_hex(b"x = 1\n")
+    fresh.save()
+    assert not cache.exists()  # nothing worth keeping
+    # so an in-place change within the same tick (stat identical) is still seen
+    st = os.stat(f)
+    with f.open("r+b") as w:
+        w.write(b"x = 3\n")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert HashCache.load(cache).hash(f)[0] == sha256_hex(b"x = 3\n")
+
+
+def test_a_hash_cache_not_ours_or_of_another_version_is_ignored(tmp_path: Path) -> None:
+    cache = tmp_path / "bundle-hashes.json"
+    f = tmp_path / "mod.py"
+    f.write_bytes(b"x = 1\n")
+    hc = HashCache.load(cache)
+    hc.now_ns = lambda: time.time_ns() + LATER
+    hc.hash(f)
+    hc.save()
+    assert HashCache.load(cache).old  # kept
+
+    cache.chmod(0o666)  # writable by others: anyone could have put a lie there
+    assert not HashCache.load(cache).old
+    cache.chmod(0o600)
+    entry = msgspec.json.decode(cache.read_bytes())
+    entry["key"] = "0.0.1 " + entry["key"]  # another evergraph's
+    cache.write_bytes(msgspec.json.encode(entry))
+    assert not HashCache.load(cache).old
+    cache.write_bytes(b"{not json")
+    assert not HashCache.load(cache).old
+    # and a cache that cannot be written costs nothing but the hashing
+    blocked = HashCache(tmp_path / "mod.py" / "no" / "cache.json")
+    blocked.now_ns = lambda: time.time_ns() + LATER
+    blocked.hash(f)
+    blocked.save()
+
+
+def test_a_cached_bundle_is_the_same_bundle(
+    tmp_path: Path, running: Bundle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_path() == tmp_path / "xdg" / "evergraph" / "bundle-hashes.json"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")
+    assert cache_path() == Path.home() / ".cache" / "evergraph" / "bundle-hashes.json"
+    cache = tmp_path / "cache.json"
+    cold = Bundle.of_running_python(cache=cache)
+    warm = Bundle.of_running_python(cache=cache)
+    assert cold.manifest_bytes == warm.manifest_bytes == running.manifest_bytes
+    assert cache.is_file()
 
 
 def test_the_store_links_objects_and_copies_executables(tmp_path: Path) -> None:
@@ -335,3 +535,50 @@ def test_install_stops_at_a_host_with_another_python(running: Bundle) -> None:
     with pytest.raises(BundleError, match=r"web1 has python 3\.9 .*: install python3\.\d+ on web1"):
         asyncio.run(install(running, old_host, store="/nowhere", host="web1"))
     assert calls == ["probe"]  # nothing else was sent
+
+
+def test_a_finished_plan_is_kept_and_sent_again_without_compressing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import evergraph.remote.bundle as bundle_mod
+
+    (tmp_path / "src").mkdir()
+    files = {"site/demo/a.py": b"a\n", "site/demo/b.py": b"b\n"}
+    cache = tmp_path / "cache" / "hashes.json"
+    paths = {rel: tmp_path / "src" / rel.replace("/", "__") for rel in files}
+    for rel, local in paths.items():
+        local.write_bytes(files[rel])
+    dists = [("demo", "1.0")]
+    first = Bundle.of_paths((paths, dists), cache=cache)
+    assert first.plan_cache == tmp_path / "cache" / "plans"
+    built: list[tuple[str, ...]] = []
+    real = bundle_mod._write_tar
+
+    def counting(b: Bundle, missing: Iterable[str], emit: Any, *, compress: bool) -> None:
+        built.append(tuple(missing))
+        real(b, missing, emit, compress=compress)
+
+    monkeypatch.setattr(bundle_mod, "_write_tar", counting)
+    whole = asyncio.run(first.plan_for(first.sources).read())
+    assert len(built) == 1
+    kept = list((tmp_path / "cache" / "plans").glob("*.tar.gz"))
+    assert len(kept) == 1
+    assert kept[0].stat().st_mode & 0o777 == 0o600
+    assert kept[0].read_bytes() == whole
+
+    # the next run (a new Bundle of the same files): the kept plan, not a new one
+    again = Bundle.of_paths((paths, dists), cache=cache)
+    assert asyncio.run(again.plan_for(again.sources).read()) == whole
+    assert len(built) == 1
+
+    # a damaged plan is not sent: it is built anew (and kept again)
+    kept[0].write_bytes(whole[:10] + bytes([whole[10] ^ 1]) + whole[11:])
+    damaged = Bundle.of_paths((paths, dists), cache=cache)
+    assert asyncio.run(damaged.plan_for(damaged.sources).read()) == whole
+    assert len(built) == 2
+    assert kept[0].read_bytes() == whole
+    # and one that others could have written is not trusted either
+    kept[0].chmod(0o666)
+    loose = Bundle.of_paths((paths, dists), cache=cache)
+    assert asyncio.run(loose.plan_for(loose.sources).read()) == whole
+    assert len(built) == 3

@@ -12,7 +12,14 @@ Three pieces, all local and pure so they are tested without SSH:
   keeps the store (``objects/<sha[:2]>/<sha>``, ``bundles/<digest[:16]>/``)
   and answers ``probe``, ``missing`` and ``store`` (see the script).
 - `install`: the conversation, over any ``run(argv, stdin) -> stdout`` the
-  caller provides (an SSH channel in `remote`, a subprocess in the tests).
+  caller provides (an SSH channel in `remote`, a subprocess in the tests): one
+  exec (``probe``) when the host has the bundle, three on first contact, whose
+  gzip'd tar of objects is built once per run for every host missing the same
+  objects (`Bundle.plan_for`).
+
+The initiator keeps the sha256 of each file it bundled (`HashCache`, under
+~/.cache/evergraph), trusted only while the file's stat is unchanged, so a run
+with nothing changed reads no file's content.
 
 Compiled extension modules travel as they are, which is why the host must run
 the same Python minor version on the same machine architecture
@@ -21,19 +28,32 @@ the same Python minor version on the same machine architecture
 
 from __future__ import annotations
 
-import gzip
+import asyncio
+import contextlib
+import csv
 import hashlib
 import importlib.metadata
-import io
 import os
 import platform
 import re
 import stat
 import sys
 import tarfile
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+import threading
+import time
+import zlib
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, cast
 
 import msgspec
 
@@ -43,6 +63,18 @@ ROOT_DIST = "evergraph"
 DEFAULT_STORE = "/var/lib/evergraph/remote"
 #: hex digits of the digest that name a bundle's directory
 DIR_DIGITS = 16
+
+#: zlib level of the objects' tar (gzip): 1 makes the project's 62 MB 23 MB in
+#: ~0.7 s, once per run whatever the number of hosts (levels 2-3: 2-5 % smaller,
+#: 15-60 % slower)
+COMPRESS_LEVEL = 1
+#: the initiator's cache of file hashes, under $XDG_CACHE_HOME (or ~/.cache)
+CACHE_FILE = "evergraph/bundle-hashes.json"
+#: a file whose ctime is this recent is hashed but its hash is not kept: a write in
+#: the same clock tick as the stat would leave every stat field as it was
+RACY_NS = 2_000_000_000
+#: entries kept in the hash cache beyond the current bundle's
+CACHE_SPARE = 10_000
 
 #: dist-info files that describe this installation, not the package
 _LOCAL_RECORDS = frozenset({"RECORD", "INSTALLER", "direct_url.json", "REQUESTED"})
@@ -77,6 +109,31 @@ class Bundle:
     manifest: Manifest
     #: sha256 -> a local file with that content
     sources: Mapping[str, Path]
+    #: the compressed tar of each distinct set of missing objects, built once and
+    #: shared by every host that misses that set (see `plan_for`)
+    _plans: dict[tuple[str, ...], SharedPlan] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+    _plans_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    #: where finished plans are kept across runs (`PlanCache`); None: not kept
+    plan_cache: Path | None = field(default=None, compare=False)
+
+    def plan_for(self, missing: Iterable[str]) -> SharedPlan:
+        """`plan` of these objects as a stream: built in a thread of its own the
+        first time a set is asked for, read by every host missing the same set (all
+        of them, on a first run) as it is made, so compressing, sending and the
+        host's store overlap. BundleError now if an object is not in the bundle."""
+        key = tuple(sorted(set(missing)))
+        if unknown := [sha for sha in key if sha not in self.sources]:
+            raise BundleError(
+                f"the host asked for object {unknown[0]}, which is not in this bundle"
+            )
+        with self._plans_lock:
+            shared = self._plans.get(key)
+            if shared is None:
+                shared = self._plans[key] = SharedPlan()
+                threading.Thread(target=shared.build, args=(self, key), daemon=True).start()
+        return shared
 
     @property
     def manifest_bytes(self) -> bytes:
@@ -99,14 +156,17 @@ class Bundle:
         return sum({f.sha256: f.size for f in self.manifest.files}.values())
 
     @classmethod
-    def of_running_python(cls, programs: Mapping[str, Path] | None = None) -> Bundle:
+    def of_running_python(
+        cls, programs: Mapping[str, Path] | None = None, *, cache: Path | None = None
+    ) -> Bundle:
         """The evergraph package that is running and every distribution it needs;
         `programs` (name -> local file) go to the bundle's ``bin/`` (etcd, for
-        hosts that will run an embedded World)."""
+        hosts that will run an embedded World). Hashes come from `cache` (default:
+        `cache_path()`) for every file whose stat is unchanged."""
         paths, dists = collect_files()
         for name, local in (programs or {}).items():
             paths[f"bin/{name}"] = local
-        return cls.of_paths((paths, dists))
+        return cls.of_paths((paths, dists), cache=cache or cache_path())
 
     @classmethod
     def of_paths(
@@ -115,23 +175,28 @@ class Bundle:
         *,
         python: str | None = None,
         machine: str | None = None,
+        cache: Path | None = None,
     ) -> Bundle:
-        """A bundle of ``site/``-relative paths -> local files, and (dist, version)s."""
+        """A bundle of ``site/``-relative paths -> local files, and (dist, version)s;
+        with `cache`, file hashes are kept there and reused (`HashCache`)."""
         paths, dists = files
         entries: list[FileEntry] = []
         sources: dict[str, Path] = {}
+        hashes = HashCache.load(cache) if cache is not None else HashCache(None)
         for rel in sorted(paths):
             local = paths[rel]
-            sha, size = _hash_file(local)
-            entries.append(FileEntry(rel, _mode(local), sha, size))
+            sha, size, mode = hashes.hash(local)
+            entries.append(FileEntry(rel, mode, sha, size))
             sources.setdefault(sha, local)
+        hashes.save()
         manifest = Manifest(
             python=python or running_python(),
             machine=machine or platform.machine(),
             dists=sorted(dists),
             files=entries,
         )
-        return cls(manifest, sources)
+        plans = cache.parent / PLANS_DIR if cache is not None else None
+        return cls(manifest, sources, plan_cache=plans)
 
 
 def running_python() -> str:
@@ -179,7 +244,8 @@ def collect_files() -> tuple[dict[str, Path], list[tuple[str, str]]]:
         files[f"site/{_dist_info_name(root)}/METADATA"] = Path(str(meta))
     dists = [(ROOT_DIST, root.version)]
     for dist in required_dists(root):
-        dists.append((_normalise(dist.metadata["Name"]), dist.version))
+        info = dist.metadata  # parsed anew at each access: once here
+        dists.append((_normalise(info["Name"]), info["Version"]))
         for rel, local in _dist_files(dist):
             files.setdefault("site/" + rel, local)
     return files, dists
@@ -232,17 +298,28 @@ def _requirement(line: str, extras: frozenset[str]) -> tuple[str, frozenset[str]
 
 def _dist_files(dist: importlib.metadata.Distribution) -> Iterable[tuple[str, Path]]:
     """A distribution's installed files under site-packages, minus local records."""
-    for ref in dist.files or ():
-        parts = ref.parts
-        if not parts or parts[0] == ".." or os.path.isabs(str(ref)):
+    base = str(dist.locate_file(""))
+    for rel in _listed(dist):
+        parts = rel.split("/")
+        if not parts or parts[0] == ".." or os.path.isabs(rel):
             continue  # entry-point scripts and data outside site-packages
-        if "__pycache__" in parts or ref.name.endswith(".pyc"):
+        name = parts[-1]
+        if "__pycache__" in parts or name.endswith(".pyc"):
             continue
-        if ref.name in _LOCAL_RECORDS and parts[0].endswith(".dist-info"):
+        if name in _LOCAL_RECORDS and parts[0].endswith(".dist-info"):
             continue
-        local = Path(str(dist.locate_file(ref)))
-        if local.is_file():
-            yield ref.as_posix(), local
+        local = os.path.join(base, rel)
+        if os.path.isfile(local):
+            yield rel, Path(local)
+
+
+def _listed(dist: importlib.metadata.Distribution) -> Iterable[str]:
+    """The paths a distribution lists (RECORD read directly: `dist.files` makes a
+    pathlib object of each, a third of the bundle's build time)."""
+    record = dist.read_text("RECORD")
+    if record is None:  # an egg-info or other layout: the general way
+        return [str(ref).replace(os.sep, "/") for ref in dist.files or ()]
+    return [row[0] for row in csv.reader(record.splitlines()) if row]
 
 
 def _walk(top: Path) -> Iterable[Path]:
@@ -262,9 +339,9 @@ def _normalise(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _mode(path: Path) -> int:
+def _mode_of(st_mode: int) -> int:
     # only the executable bit travels: owner and umask are the host's business
-    return 0o755 if path.stat().st_mode & stat.S_IXUSR else 0o644
+    return 0o755 if st_mode & stat.S_IXUSR else 0o644
 
 
 def _hash_file(path: Path) -> tuple[str, int]:
@@ -277,25 +354,147 @@ def _hash_file(path: Path) -> tuple[str, int]:
     return h.hexdigest(), size
 
 
+def cache_path() -> Path:
+    """Where the initiator keeps its file hashes: $XDG_CACHE_HOME (when absolute)
+    or ~/.cache, then `CACHE_FILE`."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"
+    return root / CACHE_FILE
+
+
+def _cache_key() -> str:
+    # another evergraph or python may bundle other files the same paths point at
+    # (and a cache format of its own): their entries are not ours
+    try:
+        version = importlib.metadata.version(ROOT_DIST)
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a bare checkout
+        version = "?"
+    return f"{version} {sys.version.split()[0]} {sys.executable} v1"
+
+
+#: what a cached hash is keyed on: every field of a file's stat that a change of its
+#: content or mode moves (ctime: any write or utime or chmod sets it to now, and no
+#: caller can set it back), plus where the inode is
+_StatKey = tuple[int, int, int, int, int, int]
+
+
+def _stat_key(st: os.stat_result) -> _StatKey:
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, st.st_mode)
+
+
+class _CacheFile(msgspec.Struct):
+    key: str
+    #: absolute local path -> (its stat key, sha256)
+    files: dict[str, tuple[_StatKey, str]]
+
+
+class HashCache:
+    """sha256 of local files, kept across runs, trusted only while the file's stat
+    (`_StatKey`) is what it was when it was hashed.
+
+    Sound because: the content cannot change without ctime moving (to the time of
+    the change, which no syscall can set back); a file changed within RACY_NS of
+    being hashed is never kept (a write in the same coarse clock tick would leave
+    ctime as it was); a file whose stat moved while it was read is not kept; the
+    cache is ignored unless it is ours (our uid, not writable by group or others)
+    and of this evergraph and python. Any error reading or writing it: no cache."""
+
+    def __init__(self, path: Path | None, entries: dict[str, tuple[_StatKey, str]] | None = None):
+        self.path = path
+        self.old = entries or {}
+        self.used: dict[str, tuple[_StatKey, str]] = {}
+        self.hashed = 0
+        self.changed = False
+        #: the clock the racy check compares ctime with (tests move it)
+        self.now_ns: Callable[[], int] = time.time_ns
+
+    @classmethod
+    def load(cls, path: Path) -> HashCache:
+        """The cache at `path`, or an empty one that will be written there."""
+        try:
+            with path.open("rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                    return cls(path)
+                data = msgspec.json.decode(f.read(), type=_CacheFile)
+        except (OSError, msgspec.DecodeError):
+            return cls(path)
+        return cls(path, data.files if data.key == _cache_key() else None)
+
+    def hash(self, local: Path) -> tuple[str, int, int]:
+        """(sha256, size, the mode that travels) of a local file."""
+        name = os.path.abspath(local)
+        before = os.stat(name)
+        key = _stat_key(before)
+        old = self.old.get(name)
+        if old is not None and tuple(old[0]) == key:
+            self.used[name] = old
+            return old[1], before.st_size, _mode_of(before.st_mode)
+        sha, size = _hash_file(local)
+        self.hashed += 1
+        after = os.stat(name)
+        fresh = self.now_ns() - max(after.st_ctime_ns, after.st_mtime_ns) < RACY_NS
+        if _stat_key(after) == key and size == after.st_size and not fresh:
+            self.used[name] = (key, sha)
+            self.changed = True
+        return sha, size, _mode_of(after.st_mode)
+
+    def save(self) -> None:
+        """Write the cache (0600 in a 0700 directory) if a hash was added; never
+        fails the bundle. Entries of files not in this bundle are kept, up to
+        CACHE_SPARE of them (a bundle with etcd and one without share it)."""
+        if self.path is None or not self.changed:
+            return
+        keep = dict(self.used)
+        for name, entry in self.old.items():
+            if len(keep) >= len(self.used) + CACHE_SPARE:
+                break
+            keep.setdefault(name, entry)
+        data = msgspec.json.encode(_CacheFile(_cache_key(), keep))
+        tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
 # --- what to send ---------------------------------------------------------------
 
 
 def plan(bundle: Bundle, missing: Iterable[str]) -> bytes:
-    """An uncompressed tar of the missing objects, each named by its sha256.
+    """A gzip'd tar (`COMPRESS_LEVEL`) of the missing objects, each named by its sha256.
 
-    Uncompressed because time beats bytes on the links this is for: measured on
-    this project's bundle (1,665 objects, 60 MB, a loaded 2-core machine), the
-    plain tar is built in 0.9-1.5 s, gzip level 1 takes 4.3-6.2 s for 23 MB; that
-    CPU is spent per first contact on the initiator, and a LAN moves the 38 MB
-    saved in well under that (SSH can still compress if the operator asks).
-    `tests/remote/test_bundle.py` prints both (``-s``).
+    Compressed: the project's bundle (1,743 objects, 62 MB) becomes 23 MB in
+    ~0.7 s (a quiet 2-core machine), and `Bundle.plan_for` builds it once per run
+    for all the hosts that miss the same objects, where every host would otherwise
+    take 62 MB through SSH's encryption on both ends (issue 26's benchmarks:
+    BENCHMARKS.md). `tests/remote/test_bundle.py` prints both sizes (``-s``).
     """
-    return _tar(bundle, missing, compress=False)
+    return _tar(bundle, missing, compress=True)
+
+
+#: bytes of compressed output handed to the hosts at a time
+PLAN_CHUNK = 1 << 18
 
 
 def _tar(bundle: Bundle, missing: Iterable[str], *, compress: bool) -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+    out: list[bytes] = []
+    _write_tar(bundle, missing, out.append, compress=compress)
+    return b"".join(out)
+
+
+def _write_tar(
+    bundle: Bundle, missing: Iterable[str], emit: Callable[[bytes], None], *, compress: bool
+) -> None:
+    """The tar of `missing`, gzip'd with `compress`, handed to `emit` piece by piece."""
+    sink = _Sink(emit, compress)
+    out = cast(IO[bytes], sink)  # tarfile's stream writer needs write() only
+    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT, bufsize=1 << 16) as tar:
         for sha in sorted(set(missing)):
             source = bundle.sources.get(sha)
             if source is None:
@@ -305,13 +504,179 @@ def _tar(bundle: Bundle, missing: Iterable[str], *, compress: bool) -> bytes:
             info.mode = 0o644
             with source.open("rb") as f:
                 tar.addfile(info, f)
-    return gzip.compress(out.getvalue(), compresslevel=1) if compress else out.getvalue()
+    sink.close()
+
+
+class _Sink:
+    """What tarfile writes to: compresses (gzip framing) and hands out PLAN_CHUNKs."""
+
+    def __init__(self, emit: Callable[[bytes], None], compress: bool) -> None:
+        self.emit = emit
+        self.gz = zlib.compressobj(COMPRESS_LEVEL, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+        self.compress = compress
+        self.buf = bytearray()
+
+    def write(self, data: bytes) -> int:
+        self.buf += self.gz.compress(data) if self.compress else data
+        if len(self.buf) >= PLAN_CHUNK:
+            self.emit(bytes(self.buf))
+            self.buf.clear()
+        return len(data)
+
+    def close(self) -> None:
+        if self.compress:
+            self.buf += self.gz.flush()
+        if self.buf:
+            self.emit(bytes(self.buf))
+            self.buf.clear()
+
+
+#: the plans kept, beside the hash cache; the newest PLANS_KEPT of them
+PLANS_DIR = "plans"
+PLANS_KEPT = 4
+
+
+class PlanCache:
+    """A finished plan kept on the initiator (0600, beside the hash cache), named by
+    the sha256 of the objects it holds: a later first contact (new hosts, the same
+    evergraph) sends it without compressing again. Its own sha256 is kept beside it
+    and checked before use; a plan not ours, or damaged, is rebuilt (and the host
+    checks every object's hash anyway)."""
+
+    def __init__(self, where: Path, key: tuple[str, ...]) -> None:
+        name = hashlib.sha256("".join(key).encode()).hexdigest()
+        self.where = where
+        self.path = where / f"{name}.tar.gz"
+        self.sum = where / f"{name}.sha256"
+
+    def read(self, emit: Callable[[bytes], None]) -> bool:
+        """Hand the kept plan to `emit`; False if there is none fit to use."""
+        try:
+            with self.path.open("rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                    return False
+                data = f.read()
+            want = self.sum.read_text().strip()
+        except OSError:
+            return False
+        if hashlib.sha256(data).hexdigest() != want:
+            return False
+        view = memoryview(data)
+        for at in range(0, len(data), PLAN_CHUNK):
+            emit(bytes(view[at : at + PLAN_CHUNK]))
+        return True
+
+    def write(self, pieces: list[bytes]) -> None:
+        """Keep a plan just built (never fails the run); drop the oldest beyond PLANS_KEPT."""
+        h = hashlib.sha256()
+        tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
+        try:
+            self.where.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                for piece in pieces:
+                    h.update(piece)
+                    f.write(piece)
+            self.sum.write_text(h.hexdigest() + "\n")
+            os.chmod(self.sum, 0o600)
+            os.replace(tmp, self.path)
+            plans = sorted(self.where.glob("*.tar.gz"), key=lambda p: p.stat().st_mtime_ns)
+            for old in plans[:-PLANS_KEPT]:
+                old.unlink()
+                old.with_name(old.name.removesuffix(".tar.gz") + ".sha256").unlink(missing_ok=True)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+class SharedPlan:
+    """One plan being built in a thread, read by any number of hosts (each from its
+    start, at its own pace) while it grows. Every reader sees the builder's error."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._chunks: list[bytes] = []
+        self._done = False
+        self._error: BaseException | None = None
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    def build(self, bundle: Bundle, key: tuple[str, ...]) -> None:
+        """The builder thread's body."""
+        try:
+            kept = PlanCache(bundle.plan_cache, key) if bundle.plan_cache else None
+            if kept is not None and kept.read(self._publish):
+                self._finish(None)
+                return
+            pieces: list[bytes] = []
+
+            def publish(chunk: bytes) -> None:
+                pieces.append(chunk)
+                self._publish(chunk)
+
+            _write_tar(bundle, key, publish, compress=True)
+            if kept is not None:
+                kept.write(pieces)
+        except BaseException as e:  # every reader sees why
+            self._finish(e)
+        else:
+            self._finish(None)
+
+    def _publish(self, chunk: bytes) -> None:
+        with self._lock:
+            self._chunks.append(chunk)
+            waiters, self._waiters = self._waiters, []
+        _wake(waiters)
+
+    def _finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            self._done, self._error = True, error
+            waiters, self._waiters = self._waiters, []
+        _wake(waiters)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The plan from its first byte, as it is built."""
+        loop = asyncio.get_running_loop()
+        i = 0
+        while True:
+            with self._lock:
+                have, done, error = self._chunks[i:], self._done, self._error
+                wait: asyncio.Future[None] | None = None
+                if not have and not done:
+                    wait = loop.create_future()
+                    self._waiters.append((loop, wait))
+            for chunk in have:
+                yield chunk
+            i += len(have)
+            if wait is not None:
+                await wait
+            elif not have:
+                if error is not None:
+                    raise error
+                return
+
+    async def read(self) -> bytes:
+        """The whole plan."""
+        return b"".join([c async for c in self.chunks()])
+
+
+def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]) -> None:
+    for loop, fut in waiters:
+        with contextlib.suppress(RuntimeError):  # a loop closed meanwhile
+            loop.call_soon_threadsafe(_set_once, fut)
+
+
+def _set_once(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 # --- the conversation ------------------------------------------------------------
 
 #: run ``python3 <argv...>`` on the host with ``stdin``; return its stdout, raise on failure
-Run = Callable[[Sequence[str], bytes], Awaitable[bytes]]
+#: (stdin: bytes, or an async iterable of them sent as they come)
+Stdin = bytes | AsyncIterable[bytes]
+Run = Callable[[Sequence[str], Stdin], Awaitable[bytes]]
 
 
 @dataclass(frozen=True)
@@ -331,11 +696,20 @@ async def install(
     """Make sure ``bundle`` is materialised in ``store`` on a host; send only what it lacks."""
     sent = 0
 
-    async def call(argv: Sequence[str], stdin: bytes = b"") -> bytes:
+    async def counted(chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+        nonlocal sent
+        async for chunk in chunks:
+            sent += len(chunk)
+            yield chunk
+
+    async def call(argv: Sequence[str], stdin: Stdin = b"") -> bytes:
         nonlocal sent
         full = ["-I", "-c", REMOTE_SCRIPT, *argv]
-        sent += sum(len(a) + 1 for a in full) + len(stdin)
-        return await run(full, stdin)
+        sent += sum(len(a) + 1 for a in full)
+        if isinstance(stdin, bytes):
+            sent += len(stdin)
+            return await run(full, stdin)
+        return await run(full, counted(stdin))
 
     site = f"{store}/bundles/{bundle.dir_name}/site"
     probe = msgspec.json.decode(await call(["probe", store, bundle.digest]), type=_Probe)
@@ -347,7 +721,7 @@ async def install(
     missing = (
         (await call(["missing", store, bundle.digest], bundle.manifest_bytes)).decode().split()
     )
-    await call(["store", store, bundle.digest], plan(bundle, missing))
+    await call(["store", store, bundle.digest], bundle.plan_for(missing).chunks())
     return Installed(site, sent, len(missing))
 
 
@@ -362,7 +736,7 @@ class _Probe(msgspec.Struct, frozen=True):
 #:   probe   -> {"python", "machine", "present"} as JSON
 #:   missing -> stdin: the manifest (kept as manifests/DIGEST.json when its hash is
 #:              DIGEST); stdout: the sha256 of each object the store lacks, one a line
-#:   store   -> stdin: a tar of objects named by their sha256; each is verified and
+#:   store   -> stdin: a tar (gzip'd: `plan`) of objects named by their sha256; each is verified and
 #:              kept, then bundles/DIGEST[:16]/ is built beside and renamed into place
 REMOTE_SCRIPT = r"""
 import hashlib, json, os, platform, re, shutil, sys, tarfile
@@ -377,24 +751,33 @@ def obj(sha):
 def fail(msg):
     sys.stderr.write(msg + "\n")
     sys.exit(3)
+made = set()
+def makedirs(d):
+    if d not in made:
+        os.makedirs(d, exist_ok=True)
+        made.add(d)
 def put(path, data_iter, want):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    makedirs(os.path.dirname(path))
     tmp = "%s.tmp%d" % (path, os.getpid())
     h = hashlib.sha256()
-    with open(tmp, "wb") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    with os.fdopen(fd, "wb") as f:
         for chunk in data_iter:
             h.update(chunk)
             f.write(chunk)
+        if os.fstat(fd).st_mode & 0o777 != 0o644:  # a umask other than 022
+            os.fchmod(fd, 0o644)
     if h.hexdigest() != want:
         os.unlink(tmp)
         fail("object %s: its content hashes to %s, refused" % (want, h.hexdigest()))
-    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
-def chunks(f):
-    while True:
-        b = f.read(1 << 20)
+def chunks(f, size):
+    # reads of exactly what is left (a bigger read allocates, and clears, its size)
+    while size > 0:
+        b = f.read(min(size, 1 << 22))
         if not b:
             return
+        size -= len(b)
         yield b
 if op == "probe":
     v = sys.version_info
@@ -409,11 +792,13 @@ elif op == "missing":
 elif op == "store":
     if not os.path.isfile(kept):
         fail("no manifest %s in %s: run missing first" % (digest, store))
+    # gzip or a plain tar; tarfile's stream copies its buffer's rest at each read:
+    # its 10 KB default beats any bigger buffer
     with tarfile.open(fileobj=sys.stdin.buffer, mode="r|*") as tar:
         for m in tar:
             if not (m.isreg() and HEX.match(m.name)):
                 fail("refused tar member %r: only objects named by their sha256" % m.name)
-            put(obj(m.name), chunks(tar.extractfile(m)), m.name)
+            put(obj(m.name), chunks(tar.extractfile(m), m.size), m.name)
     with open(kept, "rb") as f:
         raw = f.read()
     files = json.loads(raw.decode())["files"]
@@ -427,14 +812,15 @@ elif op == "store":
         if path.startswith("/") or ".." in parts or parts[0] not in ("site", "bin"):
             fail("refused path %r in the manifest" % path)
         src, dst = obj(sha), os.path.join(tmp, *parts)
-        if not os.path.isfile(src):
+        makedirs(os.path.dirname(dst))
+        try:
+            if mode & 0o111:
+                shutil.copyfile(src, dst)
+                os.chmod(dst, 0o755)
+            else:
+                os.link(src, dst)
+        except FileNotFoundError:
             fail("object %s for %s is missing from %s" % (sha, path, store))
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        if mode & 0o111:
-            shutil.copyfile(src, dst)
-            os.chmod(dst, 0o755)
-        else:
-            os.link(src, dst)
     with open(os.path.join(tmp, "manifest.json"), "wb") as f:
         f.write(raw)
     try:

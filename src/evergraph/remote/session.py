@@ -26,7 +26,7 @@ from pathlib import Path
 
 import asyncssh
 
-from evergraph.remote.bundle import DEFAULT_STORE, Bundle, BundleError, install
+from evergraph.remote.bundle import DEFAULT_STORE, Bundle, BundleError, Stdin, install
 from evergraph.remote.target import Target
 
 #: seconds to wait for a host's SSH handshake (an unknown key must fail within 5 s)
@@ -259,10 +259,24 @@ _UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ECONNRESET, errno.E
 
 
 async def install_bundle(conn: asyncssh.SSHClientConnection, bundle: Bundle, label: str) -> str:
-    """Install `bundle` on the host; its site directory there."""
+    """Install `bundle` on the host; its site directory there. A streamed stdin (the
+    objects' plan, as it is compressed) is written as it comes, with SSH's flow
+    control; a host that fails early is reported by its own message."""
 
-    async def run(argv: Sequence[str], stdin: bytes) -> bytes:
-        r = await conn.run(shlex.join(["python3", *argv]), input=stdin, encoding=None)
+    async def run(argv: Sequence[str], stdin: Stdin) -> bytes:
+        command = shlex.join(["python3", *argv])
+        if isinstance(stdin, bytes):
+            r = await conn.run(command, input=stdin, encoding=None)
+        else:
+            async with conn.create_process(command, encoding=None) as proc:
+                try:
+                    async for chunk in stdin:
+                        proc.stdin.write(chunk)
+                        await proc.stdin.drain()
+                    proc.stdin.write_eof()
+                except (OSError, asyncssh.Error):
+                    pass  # the host stopped reading: its exit status and stderr say why
+                r = await proc.wait()
         if r.exit_status != 0:
             err = r.stderr if isinstance(r.stderr, bytes) else b""
             raise BundleError(
