@@ -295,6 +295,21 @@ def _foreign_libvirtd() -> str:
     return " ".join(p for p in r.stdout.split() if _alive(int(p)))  # (not a zombie)
 
 
+#: how long a test may wait for its turn at the machine's one libvirtd (LOCK):
+#: every other test of this suite and of one more suite (or bench) beside it
+LOCK_WAIT = 1800
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """pytest-timeout counts a libvirtbed test's wait for its turn: its time-out is
+    its own (or the default) plus LOCK_WAIT."""
+    for item in items:
+        if "libvirtbed" in getattr(item, "fixturenames", ()):
+            own = item.get_closest_marker("timeout")
+            base = float(own.args[0]) if own is not None and own.args else 120.0
+            item.add_marker(pytest.mark.timeout(base + LOCK_WAIT), append=False)
+
+
 @pytest.fixture
 def libvirtbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LibvirtBed]:
     """A libvirtd for one test, under a machine-wide lock: tests on several xdist

@@ -164,11 +164,19 @@ class Link:
         # on libvirt's event thread
         name = _domain_name(dom)
         if name is not None and not self._closed:
-            self._loop.call_soon_threadsafe(self._dispatch, name, event)
+            self._soon(self._dispatch, name, event)
 
     def _on_close(self, conn: Any, reason: int, _o: Any) -> None:
         if not self._closed:
-            self._loop.call_soon_threadsafe(self._lost, conn, reason)
+            self._soon(self._lost, conn, reason)
+
+    def _soon(self, fn: Callable[..., None], *args: Any) -> None:
+        """`fn(*args)` on the agent's loop, from libvirt's event thread; nothing once
+        that loop has closed (an event in flight as the agent stops)."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed
+            pass
 
     def _dispatch(self, name: str, event: int) -> None:
         log.debug("libvirt %s: domain %s %s", self.uri, name, LIFECYCLE.get(event, event))
