@@ -210,6 +210,36 @@ def sign(key: nacl.signing.SigningKey, digest: str) -> str:
     return base64.b64encode(key.sign(_signed_bytes(digest)).signature).decode()
 
 
+def signed_deploy(
+    key: nacl.signing.SigningKey,
+    *,
+    n: int,
+    parent: str,
+    entry: str,
+    files: dict[str, File],
+    git: str | None,
+    by: str,
+    time: float,
+) -> Deploy:
+    """Deploy `n` after `parent`, hashed and signed by `key`."""
+    signer = verify_key_of(key)
+    digest = record_hash(
+        n=n, parent=parent, entry=entry, files=files, git=git, by=by, time=time, signer=signer
+    )
+    return Deploy(
+        n=n,
+        parent=parent,
+        hash=digest,
+        entry=entry,
+        files=files,
+        git=git,
+        by=by,
+        time=time,
+        signer=signer,
+        signature=sign(key, digest),
+    )
+
+
 def verify_key_of(key: nacl.signing.SigningKey) -> str:
     """The base64 verify key of a signing key (what records name as `signer`)."""
     return base64.b64encode(bytes(key.verify_key)).decode()

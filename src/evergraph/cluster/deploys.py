@@ -102,6 +102,7 @@ from evergraph.cluster.deploy_record import (
     record_hash,
     record_key,
     sign,
+    signed_deploy,
     signer_key,
     verify,
     verify_key_of,
@@ -476,7 +477,6 @@ async def publish(
             raise DeployError(f"{p}: {e}") from None
     if sum(f.size for f in refs.values()) > MAX_BYTES:
         raise DeployError(f"deploy: more than {MAX_BYTES} bytes of files")
-    signer = verify_key_of(key)
     blobs_written = False
     for _ in range(MAX_ATTEMPTS):
         n, prev = await next_slot(kv)
@@ -485,29 +485,15 @@ async def publish(
         if not blobs_written:
             await put_blobs(kv, [files[p].data for p in refs])
             blobs_written = True
-        parent = prev.hash if prev else ""
-        now = time.time()
-        digest = record_hash(
+        d = signed_deploy(
+            key,
             n=n + 1,
-            parent=parent,
+            parent=prev.hash if prev else "",
             entry=entry,
             files=refs,
             git=git,
             by=by,
-            time=now,
-            signer=signer,
-        )
-        d = Deploy(
-            n=n + 1,
-            parent=parent,
-            hash=digest,
-            entry=entry,
-            files=refs,
-            git=git,
-            by=by,
-            time=now,
-            signer=signer,
-            signature=sign(key, digest),
+            time=time.time(),
         )
         if await claim(kv, d, msgspec.json.encode(d)):
             return d

@@ -177,31 +177,17 @@ class Deployment:
 
     def record(self, n: int, parent: str) -> bytes:
         """The signed record of this deploy as deploy `n` after `parent`."""
-        from evergraph.cluster.deploy_record import Deploy, file_ref, record_hash, sign
+        from evergraph.cluster.deploy_record import file_ref, signed_deploy
 
-        files = {self.entry: file_ref(self.data, 0o644)}
-        now = time.time()
-        digest = record_hash(
+        d = signed_deploy(
+            self.key,
             n=n,
             parent=parent,
             entry=self.entry,
-            files=files,
+            files={self.entry: file_ref(self.data, 0o644)},
             git=None,
             by=self.by,
-            time=now,
-            signer=self.signer,
-        )
-        d = Deploy(
-            n=n,
-            parent=parent,
-            hash=digest,
-            entry=self.entry,
-            files=files,
-            git=None,
-            by=self.by,
-            time=now,
-            signer=self.signer,
-            signature=sign(self.key, digest),
+            time=time.time(),
         )
         return msgspec.json.encode(d)
 
