@@ -821,6 +821,47 @@ def test_every_state_transient_startup_from_nothing_then_a_second_run_changes_no
     assert len(done) == len(MATRIX) == 12, done
 
 
+#: walks through every change of state (persistent: all six; transient: the four
+#: between existing states, and shut off = gone and back)
+WALKS = {
+    False: ["running", "paused", "shutoff", "paused", "running", "shutoff", "running"],
+    True: ["running", "paused", "running", "shutoff", "paused", "shutoff"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transient", [False, True])
+def test_every_change_of_state_of_a_real_guest_is_one_apply_then_clean(
+    libvirtbed: LibvirtBed, tmp_path: Path, transient: bool
+) -> None:
+    """From each state to each other on the real daemon: one apply reporting `state`,
+    libvirt has it, and the next run (a new resource) changes nothing."""
+    bed = libvirtbed
+    name = f"{PREFIX}walk"
+
+    async def go() -> None:
+        services = Shared()
+        try:
+            before = None
+            for state in WALKS[transient]:
+                step = f"{before} -> {state} (transient={transient})"
+                h = FakeHandle(state_dir=tmp_path, services=services)
+                res = guest(bed, name, state=state, transient=transient)
+                first = ["definition", "state"] if before is None and not transient else ["state"]
+                await _steps_no_close(res, [Start(), Apply(changes=first), ExpectClean()], h)
+                gone = transient and state == "shutoff"
+                assert bed.state(name) == ("" if gone else SHOWN[state]), step
+                again = guest(bed, name, state=state, transient=transient)
+                h2 = FakeHandle(state_dir=tmp_path, services=services)
+                await _steps_no_close(again, [Start(), Apply(ok=True, changes=[])], h2)
+                before = state
+        finally:
+            await services.really_close()
+            bed.remove_test_domains()
+
+    asyncio.run(go())
+
+
 def _clients_of(bed: LibvirtBed, pid: int) -> list[str]:
     """The clients of libvirtd's `libvirtd` server that process `pid` holds (by its
     admin socket: `virt-admin client-list`, then `client-info` for each one's pid)."""
