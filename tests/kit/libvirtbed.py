@@ -148,8 +148,17 @@ def _read_pid(path: Path) -> int | None:
     return pid if _alive(pid) else None
 
 
-def _stop(pid: int | None) -> None:
-    """terminate -> grace -> kill, by pid."""
+def _stop(pid: int | None, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """terminate -> grace -> kill, by pid; `proc` (our child): reaped."""
+    if proc is not None:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        return
     if pid is None or not _alive(pid):
         return
     os.kill(pid, signal.SIGTERM)
@@ -158,6 +167,16 @@ def _stop(pid: int | None) -> None:
     if _alive(pid):
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: not _alive(pid), 10, f"pid {pid} to end")
+
+
+def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """A daemon in the foreground, our child: when it ends we reap it (a daemonised
+    one ends as init's child, and an init that does not reap keeps a zombie)."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,  # (a ^C to pytest is not for it: the teardown stops it)
+        )  # fmt: skip
 
 
 @dataclass
@@ -172,6 +191,8 @@ class LibvirtBed:
     pid: int | None = None
     virtlogd_pid: int | None = None
     _kvm: tuple[int, int] | None = field(default=None, repr=False)
+    _libvirtd: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    _virtlogd: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     #: the bed started libvirtd (and may kill and restart it)
     ours: bool = False
@@ -187,31 +208,29 @@ class LibvirtBed:
 
     def start_libvirtd(self) -> None:
         """Start (or, after `kill_libvirtd`, restart) the bed's libvirtd; wait for it.
-        Daemonised (`-d`): it outlives the test that restarts it; its pid is the pid
-        file's, and `teardown` ends it by that pid."""
+        In the foreground, a child of the test process: it outlives the test that
+        restarts it; `teardown` ends it by its pid and reaps it."""
         pidfile = self.root / "libvirtd.pid"
         conf = self.root / "libvirtd.conf"
-        with open(self.root / "libvirtd.out", "ab") as log:
-            r = subprocess.run(
-                ["libvirtd", "-d", "-f", str(conf), "-p", str(pidfile)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-        if r.returncode != 0:
-            out = (self.root / "libvirtd.out").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"libvirtd exited {r.returncode}:\n{out}")
-        wait_for(lambda: _read_pid(pidfile) is not None, 30, "libvirtd's pid file")
-        self.pid = _read_pid(pidfile)
-        wait_for(self.up, 60, "libvirtd to answer")
+        log = self.root / "libvirtd.out"
+        proc = _spawn(["libvirtd", "-f", str(conf), "-p", str(pidfile)], log)
+        self._libvirtd, self.pid = proc, proc.pid
+
+        def answers() -> bool:
+            if proc.poll() is not None:
+                out = log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"libvirtd exited {proc.returncode}:\n{out}")
+            return _read_pid(pidfile) == proc.pid and self.up()
+
+        wait_for(answers, 60, "libvirtd to answer")
 
     def kill_libvirtd(self, sig: int = signal.SIGKILL) -> None:
-        """Kill the bed's libvirtd by its pid (its guests live on) and wait for its end."""
-        pid = self.pid
-        assert pid is not None
-        os.kill(pid, sig)
-        wait_for(lambda: not _alive(pid), 30, f"libvirtd (pid {pid}) to end")
-        self.pid = None
+        """Kill the bed's libvirtd by its pid (its guests live on); its end awaited."""
+        proc = self._libvirtd
+        assert proc is not None
+        os.kill(proc.pid, sig)
+        proc.wait(30)
+        self._libvirtd, self.pid = None, None
 
     def domains(self) -> list[str]:
         out = self.virsh("list", "--all", "--name", check=False).stdout
@@ -269,17 +288,17 @@ class LibvirtBed:
         self.ours = True
         if not Path("/run/libvirt/virtlogd-sock").is_socket() or not _virtlogd_running():
             pidfile = self.root / "virtlogd.pid"
-            subprocess.run(["virtlogd", "-d", "-p", str(pidfile)], check=True)
-            wait_for(lambda: _read_pid(pidfile) is not None, 30, "virtlogd's pid file")
-            self.virtlogd_pid = _read_pid(pidfile)
+            proc = _spawn(["virtlogd", "-p", str(pidfile)], self.root / "virtlogd.out")
+            self._virtlogd, self.virtlogd_pid = proc, proc.pid
+            wait_for(lambda: _read_pid(pidfile) == proc.pid, 30, "virtlogd's pid file")
         self.start_libvirtd()
 
     def teardown(self) -> None:
         try:
             if self.pid is not None and _alive(self.pid):
                 self.remove_test_domains()
-            _stop(self.pid)
-            _stop(self.virtlogd_pid)
+            _stop(self.pid, self._libvirtd)
+            _stop(self.virtlogd_pid, self._virtlogd)
         finally:
             self._restore_kvm()
 
