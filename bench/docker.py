@@ -5,7 +5,8 @@ its own data root, exec root and socket, vfs, no bridge; the busybox image
 imported from a local tarball, never pulled). The kit takes no machine lock
 (the engine is private), nor does the bench.
 
-Measured: an agent (`evergraph run`, one running container, `network: none`)
+Measured: an agent (`evergraph run`, one running container, `network: none`,
+whose command ends at once on SIGTERM: `CMD`)
 and out-of-band `docker stop` (then `docker rm -f`), TRIALS times each: the
 time from the command's launch and from its return to the container running
 again (the engine's `start` event for it, seen by an observer of the bench's
@@ -45,6 +46,10 @@ from bench.virt import Agent, drift_rows, env, ratio_rows, wait
 TRIALS = 50
 POLL = 1.0
 NAME = "eg-bench"
+#: the container's command: PID 1 ends on SIGTERM at once (`wait` is interrupted by
+#: the trap; the kit's IMAGE_CMD waits out its `sleep 1` first, so a `docker stop`
+#: would end on the container's own second, phase-locked to the poller's ticks)
+CMD = ["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 1 & wait $!; done"]
 
 
 @contextlib.contextmanager
@@ -76,7 +81,8 @@ class Observer:
         import docker
 
         self.client = docker.DockerClient(base_url=host)
-        self.events: list[tuple[float, str]] = []
+        #: (monotonic time, container name, action: start, die, destroy...)
+        self.events: list[tuple[float, str, str]] = []
         self.cond = threading.Condition()
         self.stream = self.client.events(decode=True, filters={"type": "container"})
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -86,21 +92,21 @@ class Observer:
         with contextlib.suppress(Exception):
             for ev in self.stream:
                 t = time.monotonic()
-                if ev.get("Action") == "start":
-                    with self.cond:
-                        self.events.append((t, ev["Actor"]["Attributes"].get("name", "")))
-                        self.cond.notify_all()
+                name = ev.get("Actor", {}).get("Attributes", {}).get("name", "")
+                with self.cond:
+                    self.events.append((t, name, ev.get("Action", "")))
+                    self.cond.notify_all()
 
-    def wait(self, name: str, since: float, timeout: float) -> float:
+    def wait(self, name: str, action: str, since: float, timeout: float) -> float:
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:
-                for t, n in self.events:
-                    if t >= since and n == name:
+                for t, n, a in self.events:
+                    if t >= since and n == name and a == action:
                         return t
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"{name}: not started again after {timeout:g} s")
+                    raise TimeoutError(f"{name}: no {action} event after {timeout:g} s")
                 self.cond.wait(left)
 
     def running(self, name: str) -> bool:
@@ -120,7 +126,6 @@ class Observer:
 
 def poll_main(argv: list[str]) -> int:
     """`python -m bench.docker poll HOST NAME IMAGE`: every POLL s, NAME running."""
-    from tests.kit.dockerbed import IMAGE_CMD
 
     import docker
 
@@ -132,7 +137,7 @@ def poll_main(argv: list[str]) -> int:
             try:
                 c = client.containers.get(name)
             except docker.errors.NotFound:
-                client.containers.run(image, IMAGE_CMD, name=name, network_mode="none", detach=True)
+                client.containers.run(image, CMD, name=name, network_mode="none", detach=True)
             else:
                 if c.status == "paused":
                     c.unpause()
@@ -151,16 +156,18 @@ def drift_trials(
 ) -> dict[str, list[float]]:
     from_launch: list[float] = []
     from_done: list[float] = []
+    from_event: list[float] = []
     for _ in range(trials):
         wait(lambda: obs.running(NAME) and ready(), 120, f"{NAME} running and settled")
         time.sleep(random.uniform(0, 1))
         began = time.monotonic()
         cli(*drift, NAME)
         done = time.monotonic()
-        t = obs.wait(NAME, began, 60)
+        t = obs.wait(NAME, "start", began, 60)
         from_launch.append(t - began)
         from_done.append(t - done)
-    return {"from_launch": from_launch, "from_done": from_done}
+        from_event.append(t - obs.wait(NAME, "die", began, 1))
+    return {"from_launch": from_launch, "from_done": from_done, "from_event": from_event}
 
 
 DRIFTS = {"stop": ["stop"], "rm": ["rm", "-f"]}
@@ -172,7 +179,7 @@ def repair_latency(bed: Any, tmp: Path, trials: int) -> dict[str, Any]:
     graph = tmp / "one.yaml"
     graph.write_text(
         "graph: d\nresources:\n  docker:container:\n"
-        f"  - {{name: {NAME}, image: '{IMAGE}', network: none}}\n"
+        f"  - {{name: {NAME}, image: '{IMAGE}', network: none, cmd: {json.dumps(CMD)}}}\n"
     )
     obs = Observer(bed.host)
     out: dict[str, Any] = {}

@@ -309,8 +309,10 @@ def drift_trials(
     """`virsh DRIFT NAME` `trials` times; seconds from its launch / return to running."""
     lv = obs.lv
     back = [lv.VIR_DOMAIN_EVENT_STARTED, lv.VIR_DOMAIN_EVENT_RESUMED]
+    gone = [lv.VIR_DOMAIN_EVENT_STOPPED, lv.VIR_DOMAIN_EVENT_SUSPENDED]
     from_launch: list[float] = []
     from_done: list[float] = []
+    from_event: list[float] = []
     for _ in range(trials):
         wait(lambda: obs.running(name) and ready(), 120, f"{name} running and settled")
         time.sleep(random.uniform(0, 1))
@@ -320,7 +322,8 @@ def drift_trials(
         t = obs.wait(name, back, began, 60)
         from_launch.append(t - began)
         from_done.append(t - done)
-    return {"from_launch": from_launch, "from_done": from_done}
+        from_event.append(t - obs.wait(name, gone, began, 1))
+    return {"from_launch": from_launch, "from_done": from_done, "from_event": from_event}
 
 
 def repair_latency(bed: Any, tmp: Path, trials: int) -> dict[str, Any]:
@@ -435,11 +438,12 @@ def drift_rows(
             d = res.get(f"{key}_{drift}")
             if not d:
                 continue
-            for frm in ("from_done", "from_launch"):
+            for frm in ("from_done", "from_launch", "from_event"):
                 xs = d[frm]
+                since = "its event" if frm == "from_event" else f"the command's {frm[5:]}"
                 rows.append(
                     [
-                        f"{label}: {drift}, from the command's {frm[5:]}",
+                        f"{label}: {drift}, from {since}",
                         str(len(xs)),
                         fmt_s(percentile(xs, 50)),
                         fmt_s(percentile(xs, 99)),
@@ -455,7 +459,7 @@ def ratio_rows(res: dict[str, Any], peer: str, drifts: Sequence[str]) -> list[st
     for drift in drifts:
         a, b = res.get(f"evergraph_{drift}"), res.get(f"{peer}_{drift}")
         if a and b:
-            for frm in ("from_done", "from_launch"):
+            for frm in ("from_done", "from_launch", "from_event"):
                 r50 = percentile(a[frm], 50) / percentile(b[frm], 50)
                 r99 = percentile(a[frm], 99) / percentile(b[frm], 99)
                 notes.append(
