@@ -17,7 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `bench` importable
+if __package__ in (None, ""):  # run as a script: make `bench` importable, and
+    # take bench/ itself off the path (bench/docker.py would shadow the docker SDK)
+    _here = str(Path(__file__).resolve().parent)
+    sys.path[:] = [p for p in sys.path if str(Path(p or ".").resolve()) != _here]
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common
@@ -37,6 +40,8 @@ BENCHMARKS = (
     "selfform",
     "world10k",
     "remote",
+    "virt",
+    "docker",
 )
 
 
