@@ -17,10 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `bench` importable, and
-    # take bench/ itself off the path (bench/docker.py would shadow the docker SDK)
-    _here = str(Path(__file__).resolve().parent)
-    sys.path[:] = [p for p in sys.path if str(Path(p or ".").resolve()) != _here]
+if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common
@@ -41,7 +38,7 @@ BENCHMARKS = (
     "world10k",
     "remote",
     "virt",
-    "docker",
+    "containers",
 )
 
 

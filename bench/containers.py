@@ -16,7 +16,7 @@ container's status; started if not running, created and started if missing.
 Before each drift a random pause of 0-1 s (uniform), so the drift falls at any
 phase of the poller's second. The agent's repairs are counted in its log.
 
-`python -m bench.docker [--trials N] [--json F]` runs it alone;
+`python -m bench.containers [--trials N] [--json F]` runs it alone;
 `scripts/bench --only docker` with the defaults (`--quick`: 5 trials). Needs
 root, dockerd (docker.io) and busybox-static. At the end the agent and the
 poller are stopped by their pids, the containers removed, and dockerd stopped
@@ -125,7 +125,7 @@ class Observer:
 
 
 def poll_main(argv: list[str]) -> int:
-    """`python -m bench.docker poll HOST NAME IMAGE`: every POLL s, NAME running."""
+    """`python -m bench.containers poll HOST NAME IMAGE`: every POLL s, NAME running."""
 
     import docker
 
@@ -203,7 +203,7 @@ def repair_latency(bed: Any, tmp: Path, trials: int) -> dict[str, Any]:
             agent.stop()
         with open(tmp / "poll.log", "ab") as log:
             poller = spawn(
-                [PYTHON, "-m", "bench.docker", "poll", bed.host, NAME, IMAGE],
+                [PYTHON, "-m", "bench.containers", "poll", bed.host, NAME, IMAGE],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env(),
@@ -263,7 +263,9 @@ def run(quick: bool, trials: int | None = None) -> tuple[dict[str, Any], str]:
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "poll":
         return poll_main(argv[1:])
-    ap = argparse.ArgumentParser(prog="python -m bench.docker", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.containers", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--trials", type=int, default=TRIALS)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
