@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -1010,6 +1011,156 @@ def test_a_guest_with_a_cdrom_and_a_shared_directory(
             shutil.rmtree(top)
 
     asyncio.run(go())
+
+
+def _macs(xml: str) -> list[str]:
+    """The MAC addresses of a domain's XML, in the order of its interfaces."""
+    return re.findall(r"<mac address='([0-9a-f:]+)'/>", xml)
+
+
+def _memory_kib(xml: str) -> int:
+    found = re.search(r"<memory unit='KiB'>(\d+)</memory>", xml)
+    assert found is not None, xml
+    return int(found.group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_running_guests_definition_changes_converge_with_uuid_and_macs_kept(
+    libvirtbed: LibvirtBed, tmp_path: Path
+) -> None:
+    """A running persistent guest on the real daemon, its definition changed step by
+    step; each step is one apply, then a second run (a new resource) is clean, and
+    the UUID and every MAC stay as derived throughout.
+
+    - memory with `restartondiverge: ifneeded`: redefined and restarted, QEMU has it;
+      with `ignore`: redefined only, the running guest keeps its memory until the
+      graph shuts it off and starts it again;
+    - cpus within maxcpus with `hotcpus`: plugged in live (same domain id);
+    - a `user` interface, then a raw disk, added and removed: virt.py plugs neither
+      live (its doc: anything but the cpu count follows `restartondiverge`), so
+      with `ifneeded` each is a redefinition and one restart, and QEMU has it."""
+    bed = libvirtbed
+    name = f"{PREFIX}conv"
+    # QEMU (user libvirt-qemu) opens the disk image: beside the guest's kernel, not
+    # under pytest's tmp_path (/tmp/pytest-of-root is 0700)
+    top = Path(tempfile.mkdtemp(prefix="conv-", dir=bed.kernel.parent))
+    top.chmod(0o755)
+    img = top / "disk.raw"
+    subprocess.run(["truncate", "-s", "1M", str(img)], check=True)
+    img.chmod(0o644)
+    one_net: list[dict[str, Any]] = [{"type": "user"}]
+    base: dict[str, Any] = {"cpus": 1, "maxcpus": 2, "hotcpus": True, "network": one_net}
+    more = GUEST_KIB + 32768  # 160 MiB
+    most = GUEST_KIB + 65536  # 192 MiB
+    seen: dict[str, str] = {}
+
+    def domid() -> str:
+        return bed.virsh("domid", name).stdout.strip()
+
+    def live_memory() -> int:
+        info = bed.virsh("dominfo", name).stdout
+        found = re.search(r"Max memory:\s+(\d+) KiB", info)
+        assert found is not None, info
+        return int(found.group(1))
+
+    def identity(nets: int) -> None:
+        """The UUID is the first one seen, and each MAC (live and defined) derived from it."""
+        dom_uuid = bed.virsh("domuuid", name).stdout.strip()
+        assert seen.setdefault("uuid", dom_uuid) == dom_uuid
+        want = [derived_mac(dom_uuid, i) for i in range(nets)]
+        assert _macs(bed.dumpxml(name, inactive=True)) == want
+        if bed.state(name) != "shut off":
+            assert _macs(bed.dumpxml(name)) == want
+            listed = bed.virsh("domiflist", name).stdout
+            assert [line.split()[-1] for line in listed.splitlines() if line.split()] == want
+
+    async def go() -> None:
+        services = Shared()
+
+        def h() -> FakeHandle:
+            return FakeHandle(state_dir=tmp_path / "st", services=services)
+
+        async def converge(params: dict[str, Any], changes: list[str]) -> None:
+            """One apply reporting `changes`; then a second run finds nothing to do."""
+            res = guest(bed, name, **params)
+            await _steps_no_close(res, [Start(), Apply(changes=changes), ExpectClean()], h())
+            again = guest(bed, name, **params)
+            steps = [Start(), ExpectClean(), Apply(ok=True, changes=[])]
+            await _steps_no_close(again, steps, h())
+            identity(len(params.get("network", ())))
+
+        try:
+            await converge(base, ["definition", "state"])
+            assert bed.state(name) == "running"
+            assert bed.persistent(name)
+            assert live_memory() == GUEST_KIB
+
+            # 1. memory, ifneeded: redefined, restarted with it
+            first = domid()
+            ifneeded = {**base, "restartondiverge": "ifneeded"}
+            await converge({**ifneeded, "memory": more}, ["definition", "state"])
+            assert bed.state(name) == "running"
+            assert domid() != first  # a new QEMU
+            assert live_memory() == more
+            assert _memory_kib(bed.dumpxml(name, inactive=True)) == more
+            #    ignore: the definition has it, the running guest keeps its own
+            first = domid()
+            ignore = {**base, "restartondiverge": "ignore", "memory": most}
+            await converge(ignore, ["definition"])
+            assert domid() == first
+            assert live_memory() == more
+            assert _memory_kib(bed.dumpxml(name, inactive=True)) == most
+            #    ... until its next start
+            await converge({**ignore, "state": "shutoff"}, ["state"])
+            await converge(ignore, ["state"])
+            assert live_memory() == most
+
+            # 2. cpus within maxcpus, hotcpus: live, the same QEMU
+            first = domid()
+            cpus2 = {**ignore, "cpus": 2}
+            await converge(cpus2, ["definition", "cpus"])
+            assert domid() == first
+            assert bed.virsh("vcpucount", name, "--live", "--active").stdout.split() == ["2"]
+            assert bed.virsh("vcpucount", name, "--config", "--active").stdout.split() == ["2"]
+
+            # 3. a second interface added, then removed: redefined and restarted
+            ifneeded = {**cpus2, "restartondiverge": "ifneeded"}
+            two_nets = {**ifneeded, "network": [*one_net, {"type": "user"}]}
+            first = domid()
+            await converge(two_nets, ["definition", "state"])
+            assert domid() != first
+            assert bed.state(name) == "running"
+            assert len(_macs(bed.dumpxml(name))) == 2  # (and as derived: identity)
+            first = domid()
+            await converge(ifneeded, ["definition", "state"])
+            assert domid() != first
+            assert len(_macs(bed.dumpxml(name))) == 1
+
+            # 4. a raw disk added, then removed: the same
+            disk = {**ifneeded, "disk": [{"source": str(img), "type": "raw"}]}
+            first = domid()
+            await converge(disk, ["definition", "state"])
+            assert domid() != first
+            blk = bed.virsh("domblklist", name, "--details").stdout
+            assert f"file disk vda {img}" in " ".join(blk.split()), blk
+            block = bed.virsh("qemu-monitor-command", "--hmp", name, "info block").stdout
+            assert str(img) in block, block  # QEMU opened the image
+            first = domid()
+            await converge(ifneeded, ["definition", "state"])
+            assert domid() != first
+            assert str(img) not in bed.dumpxml(name)
+            assert str(img) not in bed.dumpxml(name, inactive=True)
+            assert bed.state(name) == "running"
+            assert bed.virsh("vcpucount", name, "--live", "--active").stdout.split() == ["2"]
+            assert live_memory() == most
+        finally:
+            await services.really_close()
+            bed.remove_test_domains()
+            shutil.rmtree(top)
+
+    asyncio.run(go())
+    assert "uuid" in seen
 
 
 @pytest.mark.slow
