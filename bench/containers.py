@@ -55,23 +55,10 @@ CMD = ["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 1 & wait $!; done
 @contextlib.contextmanager
 def docker_bed() -> Iterator[Any]:
     """The kit's engine, as its `dockerbed` fixture makes and ends it."""
-    import tempfile
+    from tests.kit.dockerbed import docker_engine
 
-    from tests.kit.dockerbed import DockerBed, _unmount_under
-
-    base = Path(tempfile.mkdtemp(prefix="evergraph-docker-bench-"))
-    bed = DockerBed(base)
-    try:
-        bed.start()
-        bed.import_image()
+    with docker_engine("evergraph-docker-bench-") as bed:
         yield bed
-    finally:
-        with contextlib.suppress(Exception):
-            if bed.running:
-                bed.remove_all()
-        bed.stop_daemon()
-        _unmount_under(base)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 class Observer:

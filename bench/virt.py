@@ -36,12 +36,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import fcntl
 import json
 import os
 import random
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -75,46 +73,13 @@ def env(**extra: str) -> dict[str, str]:
 # -- the bed (tests/kit/libvirtbed.py, as its fixture uses it) -----------------------
 @contextlib.contextmanager
 def libvirt_bed(base: Path) -> Iterator[Any]:
-    from tests.kit.libvirtbed import (
-        LOCK,
-        LibvirtBed,
-        _foreign_libvirtd,
-        guest_initrd,
-        guest_kernel,
-    )
+    from tests.kit.libvirtbed import libvirt_bed as kit_bed
 
-    for tool in ("libvirtd", "virtlogd", "virsh"):
-        if shutil.which(tool) is None:
-            raise RuntimeError(f"{tool} is not installed: run scripts/setup as root")
-    with open(LOCK, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print("virt: waiting for the libvirtd lock", file=sys.stderr, flush=True)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        root = Path(tempfile.mkdtemp(prefix="libvirt-", dir=base))
-        root.chmod(0o755)
-        bed = LibvirtBed(
-            root,
-            f"qemu+unix:///system?socket={root}/run/libvirt-sock",
-            guest_kernel(),
-            guest_initrd(),
-        )
-        if foreign := _foreign_libvirtd():
-            if not Path("/run/libvirt/libvirt-sock").is_socket():
-                raise RuntimeError(f"a libvirtd runs (pid {foreign}) with its socket elsewhere")
-            bed.uri = "qemu:///system"
-            try:
-                yield bed
-            finally:
-                bed.remove_test_domains()
-            return
-        try:
-            bed.setup()
-            bed.remove_test_domains()
-            yield bed
-        finally:
-            bed.teardown()
+    def wait() -> None:
+        print("virt: waiting for the libvirtd lock", file=sys.stderr, flush=True)
+
+    with kit_bed(lambda: Path(tempfile.mkdtemp(prefix="libvirt-", dir=base)), wait) as bed:
+        yield bed
 
 
 def socket_path(uri: str) -> str:

@@ -171,9 +171,10 @@ class DockerBed:
             self.cli("rm", "-f", *ids)
 
 
-@pytest.fixture(scope="session")
-def dockerbed() -> Iterator[DockerBed]:
-    base = Path(tempfile.mkdtemp(prefix="evergraph-docker-"))
+@contextlib.contextmanager
+def docker_engine(prefix: str = "evergraph-docker-") -> Iterator[DockerBed]:
+    """A private dockerd with the kit's image, stopped and removed at the end."""
+    base = Path(tempfile.mkdtemp(prefix=prefix))
     bed = DockerBed(base)
     try:
         bed.start()
@@ -186,6 +187,12 @@ def dockerbed() -> Iterator[DockerBed]:
         bed.stop_daemon()
         _unmount_under(base)
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def dockerbed() -> Iterator[DockerBed]:
+    with docker_engine() as bed:
+        yield bed
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ import signal
 import stat
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -329,23 +329,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.timeout(base + LOCK_WAIT), append=False)
 
 
-@pytest.fixture
-def libvirtbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LibvirtBed]:
-    """A libvirtd for one test, under a machine-wide lock: tests on several xdist
-    workers take turns (a module-wide bed would keep the others waiting past their
-    timeout), each starting its own (~1 s once QEMU's capabilities are cached)."""
+@contextlib.contextmanager
+def libvirt_bed(
+    make_root: Callable[[], Path], wait: Callable[[], None] = lambda: None
+) -> Iterator[LibvirtBed]:
+    """The machine's one test libvirtd, under LOCK (`wait()` is called first if
+    another holds it): a private one started in `make_root()`, or the machine's
+    own (reused, never stopped); what the tests made is removed at the end."""
     for tool in ("libvirtd", "virtlogd", "virsh"):
         if shutil.which(tool) is None:
-            pytest.fail(f"{tool} is not installed: run scripts/setup as root")
-    with open(LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        root = tmp_path_factory.mktemp("libvirt")
+            raise RuntimeError(f"{tool} is not installed: run scripts/setup as root")
+    with open(LOCK, "a") as lock:  # released when the file closes
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            wait()
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        root = make_root()
         root.chmod(0o755)
         bed = LibvirtBed(root, f"qemu+unix:///system?socket={root}/run/libvirt-sock",
                          guest_kernel(), guest_initrd())  # fmt: skip
         if foreign := _foreign_libvirtd():  # the machine's own: reuse it, never stop it
             if not Path("/run/libvirt/libvirt-sock").is_socket():
-                pytest.fail(f"a libvirtd runs (pid {foreign}) with its socket elsewhere")
+                raise RuntimeError(f"a libvirtd runs (pid {foreign}) with its socket elsewhere")
             bed.uri = "qemu:///system"
             try:
                 yield bed
@@ -358,3 +364,15 @@ def libvirtbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LibvirtBed]
             yield bed
         finally:
             bed.teardown()
+
+
+@pytest.fixture
+def libvirtbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LibvirtBed]:
+    """A libvirtd for one test, under a machine-wide lock: tests on several xdist
+    workers take turns (a module-wide bed would keep the others waiting past their
+    timeout), each starting its own (~1 s once QEMU's capabilities are cached)."""
+    try:
+        with libvirt_bed(lambda: tmp_path_factory.mktemp("libvirt")) as bed:
+            yield bed
+    except RuntimeError as e:
+        pytest.fail(str(e))
