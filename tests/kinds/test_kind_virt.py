@@ -339,6 +339,66 @@ def test_memory_change_of_a_running_domain_follows_restartondiverge(tmp_path: Pa
     asyncio.run(go())
 
 
+def test_a_hot_plug_libvirt_refuses_follows_restartondiverge(tmp_path: Path) -> None:
+    """libvirt's test driver plugs nothing live (attachDeviceFlags: not supported):
+    an interface added to a running domain then follows `restartondiverge` like any
+    other difference, the definition is the graph's either way, and a refused
+    hot-plug is never reported as done."""
+    name = f"{PREFIX}plug"
+    net = [{"name": "default"}]
+
+    async def go() -> None:
+        services = Shared()
+        try:
+            link = await services.get(LibvirtLinks).acquire(TEST_URI)
+            conn = link.conn
+            _remove(conn, name)
+
+            def h() -> FakeHandle:
+                return FakeHandle(state_dir=tmp_path, services=services)
+
+            await _steps_no_close(virt(name=name), [Start(), Apply(), ExpectClean()], h())
+            dom_id = conn.lookupByName(name).ID()
+            # the dry run says what it would try: plug it in live
+            await _steps_no_close(
+                virt(name=name, network=net),
+                [Start(), Check(ok=False, changes=["definition", "network"])],
+                h(),
+            )
+            # ignore: refused, so redefined only; the domain runs on without it
+            hd = h()
+            await _steps_no_close(
+                virt(name=name, network=net),
+                [Start(), Apply(changes=["definition"]), ExpectClean()],
+                hd,
+            )
+            assert any("cannot change it live" in line for line in hd.logs), hd.logs
+            dom = conn.lookupByName(name)
+            assert dom.ID() == dom_id
+            assert "network='default'" not in dom.XMLDesc(0)
+            assert "network='default'" in dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
+            # error: says the domain differs
+            await _steps_no_close(
+                virt(name=name, network=net, restartondiverge="error"),
+                [Start(), Check(raises="differs \\(network\\).*restartondiverge is `error`")],
+                h(),
+            )
+            # ifneeded: restarted with it, then clean
+            await _steps_no_close(
+                virt(name=name, network=net, restartondiverge="ifneeded"),
+                [Start(), Apply(changes=["state"]), ExpectClean()],
+                h(),
+            )
+            dom = conn.lookupByName(name)
+            assert dom.ID() != dom_id
+            assert "network='default'" in dom.XMLDesc(0)
+            _remove(conn, name)
+        finally:
+            await services.really_close()
+
+    asyncio.run(go())
+
+
 def test_reverse_undefines_what_the_graph_created(tmp_path: Path) -> None:
     name = f"{PREFIX}rev"
 
@@ -1037,9 +1097,12 @@ def test_a_running_guests_definition_changes_converge_with_uuid_and_macs_kept(
       with `ignore`: redefined only, the running guest keeps its memory until the
       graph shuts it off and starts it again;
     - cpus within maxcpus with `hotcpus`: plugged in live (same domain id);
-    - a `user` interface, then a raw disk, added and removed: virt.py plugs neither
-      live (its doc: anything but the cpu count follows `restartondiverge`), so
-      with `ifneeded` each is a redefinition and one restart, and QEMU has it."""
+    - a `user` interface, then a raw disk, added and removed: plugged in and out
+      live (same domain id), the definition redefined to match; QEMU has each, then
+      not. Unplugging needs the guest's ACPI: the test waits for the guest to be
+      up (its console) first: a guest still booting does not ack (measured);
+    - a paused guest: a disk plugged in live, but its unplug is not acked, so with
+      `ifneeded` it is redefined and restarted (paused again)."""
     bed = libvirtbed
     name = f"{PREFIX}conv"
     # QEMU (user libvirt-qemu) opens the disk image: beside the guest's kernel, not
@@ -1090,6 +1153,7 @@ def test_a_running_guests_definition_changes_converge_with_uuid_and_macs_kept(
             await _steps_no_close(again, steps, h())
             identity(len(params.get("network", ())))
 
+        stack = contextlib.ExitStack()
         try:
             await converge(base, ["definition", "state"])
             assert bed.state(name) == "running"
@@ -1115,6 +1179,7 @@ def test_a_running_guests_definition_changes_converge_with_uuid_and_macs_kept(
             await converge({**ignore, "state": "shutoff"}, ["state"])
             await converge(ignore, ["state"])
             assert live_memory() == most
+            wait_up = stack.enter_context(bed.console(name))  # (heard from now on)
 
             # 2. cpus within maxcpus, hotcpus: live, the same QEMU
             first = domid()
@@ -1124,37 +1189,50 @@ def test_a_running_guests_definition_changes_converge_with_uuid_and_macs_kept(
             assert bed.virsh("vcpucount", name, "--live", "--active").stdout.split() == ["2"]
             assert bed.virsh("vcpucount", name, "--config", "--active").stdout.split() == ["2"]
 
-            # 3. a second interface added, then removed: redefined and restarted
+            # 3. a second interface added: plugged in live (the same QEMU); removed
+            #    once the guest is up (ACPI: it must let go): unplugged live
             ifneeded = {**cpus2, "restartondiverge": "ifneeded"}
             two_nets = {**ifneeded, "network": [*one_net, {"type": "user"}]}
             first = domid()
-            await converge(two_nets, ["definition", "state"])
-            assert domid() != first
+            await converge(two_nets, ["definition", "network"])
+            assert domid() == first
             assert bed.state(name) == "running"
             assert len(_macs(bed.dumpxml(name))) == 2  # (and as derived: identity)
-            first = domid()
-            await converge(ifneeded, ["definition", "state"])
-            assert domid() != first
+            wait_up()
+            await converge(ifneeded, ["definition", "network"])
+            assert domid() == first
             assert len(_macs(bed.dumpxml(name))) == 1
 
-            # 4. a raw disk added, then removed: the same
+            # 4. a raw disk added, then removed: the same, live
             disk = {**ifneeded, "disk": [{"source": str(img), "type": "raw"}]}
-            first = domid()
-            await converge(disk, ["definition", "state"])
-            assert domid() != first
+            await converge(disk, ["definition", "disk"])
+            assert domid() == first
             blk = bed.virsh("domblklist", name, "--details").stdout
             assert f"file disk vda {img}" in " ".join(blk.split()), blk
             block = bed.virsh("qemu-monitor-command", "--hmp", name, "info block").stdout
             assert str(img) in block, block  # QEMU opened the image
-            first = domid()
-            await converge(ifneeded, ["definition", "state"])
-            assert domid() != first
+            await converge(ifneeded, ["definition", "disk"])
+            assert domid() == first
+            block = bed.virsh("qemu-monitor-command", "--hmp", name, "info block").stdout
+            assert str(img) not in block, block  # QEMU closed the image
             assert str(img) not in bed.dumpxml(name)
             assert str(img) not in bed.dumpxml(name, inactive=True)
             assert bed.state(name) == "running"
             assert bed.virsh("vcpucount", name, "--live", "--active").stdout.split() == ["2"]
             assert live_memory() == most
+
+            # 5. a paused guest takes a disk live, but cannot let go of it (it runs
+            #    no code to ack the unplug): redefined and restarted (ifneeded)
+            await converge({**disk, "state": "paused"}, ["definition", "disk", "state"])
+            assert domid() == first
+            assert str(img) in bed.dumpxml(name)
+            await converge({**ifneeded, "state": "paused"}, ["definition", "state"])
+            assert domid() != first
+            assert bed.state(name) == "paused"
+            assert str(img) not in bed.dumpxml(name)
+            assert str(img) not in bed.dumpxml(name, inactive=True)
         finally:
+            stack.close()
             await services.really_close()
             bed.remove_test_domains()
             shutil.rmtree(top)

@@ -27,6 +27,7 @@ import contextlib
 import fcntl
 import gzip
 import os
+import re
 import shutil
 import signal
 import stat
@@ -246,6 +247,26 @@ class LibvirtBed:
 
     def dumpxml(self, name: str, inactive: bool = False) -> str:
         return self.virsh("dumpxml", *(["--inactive"] if inactive else []), name).stdout
+
+    @contextlib.contextmanager
+    def console(self, name: str) -> Iterator[Callable[[], None]]:
+        """The running guest's serial console (its pty) held open from now on; yields
+        `wait_up()`, which returns once the guest's /init has said GUEST_UP on it.
+        Open it right after the start: QEMU drops what it writes while no one reads."""
+        found = re.search(r"<console type='pty'[^>]*>\s*<source path='([^']+)'", self.dumpxml(name))
+        assert found is not None, f"{name} has no pty console"
+        fd = os.open(found.group(1), os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+        seen = bytearray()
+
+        def heard() -> bool:
+            with contextlib.suppress(BlockingIOError):
+                seen.extend(os.read(fd, 65536))
+            return GUEST_UP.encode() in seen
+
+        try:
+            yield lambda: wait_for(heard, 180, f"{name} to say {GUEST_UP!r} on its console")
+        finally:
+            os.close(fd)
 
     def remove_test_domains(self) -> None:
         for name in self.domains():
