@@ -21,7 +21,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -138,17 +138,12 @@ def test_a_missing_disk_image_defines_nothing(tmp_path: Path) -> None:
     # after the file resource that makes the image, and libvirt's packages
     assert res.autoedge_wants() == [[f"path:{tmp_path}/no.qcow2"], ["path:/usr/sbin/libvirtd"]]
 
-    async def go() -> None:
-        services = Shared()
-        try:
-            link = await services.get(LibvirtLinks).acquire(TEST_URI)
-            where = rf"virt\[{name}\]\.disk\[0\]\.source: .*no\.qcow2: no such file"
-            await arun_steps(res, [Start(), Apply(raises=where)], services=Shared())
-            assert name not in _domains(link.conn)
-        finally:
-            await services.really_close()
+    async def go(services: Shared, link: Any) -> None:
+        where = rf"virt\[{name}\]\.disk\[0\]\.source: .*no\.qcow2: no such file"
+        await arun_steps(res, [Start(), Apply(raises=where)], services=Shared())
+        assert name not in _domains(link.conn)
 
-    asyncio.run(go())
+    on_the_test_driver(go)
 
 
 # -- the test driver: idempotency, identity, reversal --------------------------------
@@ -180,6 +175,19 @@ class Shared(Services):
 
     async def really_close(self) -> None:
         await super().aclose()
+
+
+def on_the_test_driver(body: Callable[[Shared, Any], Awaitable[None]]) -> None:
+    """`body(services, link)` with a link to libvirt's test driver, closed after."""
+
+    async def go() -> None:
+        services = Shared()
+        try:
+            await body(services, await services.get(LibvirtLinks).acquire(TEST_URI))
+        finally:
+            await services.really_close()
+
+    asyncio.run(go())
 
 
 async def _steps_no_close(res: Resource, steps: list[Step], h: FakeHandle) -> None:
@@ -264,33 +272,28 @@ def test_uuid_and_mac_stay_across_a_redefinition(tmp_path: Path) -> None:
         mac = xml.split("<mac address='")[1].split("'")[0]
         seen.append((dom.UUIDString(), mac))
 
-    async def go() -> None:
-        services = Shared()
-        try:
-            link = await services.get(LibvirtLinks).acquire(TEST_URI)
-            conn = link.conn
-            net = [{"name": "default"}]
-            for i in range(2):
-                res = virt(name=name, state="shutoff", network=net)
-                h = FakeHandle(state_dir=tmp_path / "st", services=services)
-                await _steps_no_close(
-                    res, [Start(), Apply(), ExpectClean(), Call(lambda: look(conn))], h
-                )
-                if i == 0:
-                    conn.lookupByName(name).undefine()  # gone out of band: defined again
-            # memory changed in the graph: redefined, same UUID and MAC
-            res = virt(name=name, state="shutoff", network=net, memory=2 * GUEST_KIB)
+    async def go(services: Shared, link: Any) -> None:
+        conn = link.conn
+        net = [{"name": "default"}]
+        for i in range(2):
+            res = virt(name=name, state="shutoff", network=net)
             h = FakeHandle(state_dir=tmp_path / "st", services=services)
             await _steps_no_close(
-                res,
-                [Start(), Apply(changes=["definition"]), ExpectClean(), Call(lambda: look(conn))],
-                h,
+                res, [Start(), Apply(), ExpectClean(), Call(lambda: look(conn))], h
             )
-            conn.lookupByName(name).undefine()
-        finally:
-            await services.really_close()
+            if i == 0:
+                conn.lookupByName(name).undefine()  # gone out of band: defined again
+        # memory changed in the graph: redefined, same UUID and MAC
+        res = virt(name=name, state="shutoff", network=net, memory=2 * GUEST_KIB)
+        h = FakeHandle(state_dir=tmp_path / "st", services=services)
+        await _steps_no_close(
+            res,
+            [Start(), Apply(changes=["definition"]), ExpectClean(), Call(lambda: look(conn))],
+            h,
+        )
+        conn.lookupByName(name).undefine()
 
-    asyncio.run(go())
+    on_the_test_driver(go)
     assert len(seen) == 3, seen
     assert len(set(seen)) == 1, seen
     assert seen[0][1] == derived_mac(seen[0][0], 0)
@@ -299,44 +302,39 @@ def test_uuid_and_mac_stay_across_a_redefinition(tmp_path: Path) -> None:
 def test_memory_change_of_a_running_domain_follows_restartondiverge(tmp_path: Path) -> None:
     name = f"{PREFIX}div"
 
-    async def go() -> None:
-        services = Shared()
-        try:
-            link = await services.get(LibvirtLinks).acquire(TEST_URI)
-            conn = link.conn
+    async def go(services: Shared, link: Any) -> None:
+        conn = link.conn
 
-            def h() -> FakeHandle:
-                return FakeHandle(state_dir=tmp_path, services=services)
+        def h() -> FakeHandle:
+            return FakeHandle(state_dir=tmp_path, services=services)
 
-            await _steps_no_close(virt(name=name), [Start(), Apply(), ExpectClean()], h())
-            bigger = 2 * GUEST_KIB
-            # ignore: redefined for the next start; the running domain left as it is
-            await _steps_no_close(
-                virt(name=name, memory=bigger),
-                [Start(), Apply(changes=["definition"]), ExpectClean()],
-                h(),
-            )
-            assert conn.lookupByName(name).info()[1] == GUEST_KIB
-            # error: a resource error saying so
-            await _steps_no_close(
-                virt(name=name, memory=bigger, restartondiverge="error"),
-                [Start(), Check(raises="differs \\(memory\\).*restartondiverge is `error`")],
-                h(),
-            )
-            # ifneeded: restarted once, then clean
-            await _steps_no_close(
-                virt(name=name, memory=bigger, restartondiverge="ifneeded"),
-                [Start(), Apply(changes=["state"]), ExpectClean()],
-                h(),
-            )
-            assert conn.lookupByName(name).info()[1] == bigger
-            dom = conn.lookupByName(name)
-            dom.destroy()
-            dom.undefine()
-        finally:
-            await services.really_close()
+        await _steps_no_close(virt(name=name), [Start(), Apply(), ExpectClean()], h())
+        bigger = 2 * GUEST_KIB
+        # ignore: redefined for the next start; the running domain left as it is
+        await _steps_no_close(
+            virt(name=name, memory=bigger),
+            [Start(), Apply(changes=["definition"]), ExpectClean()],
+            h(),
+        )
+        assert conn.lookupByName(name).info()[1] == GUEST_KIB
+        # error: a resource error saying so
+        await _steps_no_close(
+            virt(name=name, memory=bigger, restartondiverge="error"),
+            [Start(), Check(raises="differs \\(memory\\).*restartondiverge is `error`")],
+            h(),
+        )
+        # ifneeded: restarted once, then clean
+        await _steps_no_close(
+            virt(name=name, memory=bigger, restartondiverge="ifneeded"),
+            [Start(), Apply(changes=["state"]), ExpectClean()],
+            h(),
+        )
+        assert conn.lookupByName(name).info()[1] == bigger
+        dom = conn.lookupByName(name)
+        dom.destroy()
+        dom.undefine()
 
-    asyncio.run(go())
+    on_the_test_driver(go)
 
 
 def test_a_hot_plug_libvirt_refuses_follows_restartondiverge(tmp_path: Path) -> None:
@@ -347,93 +345,83 @@ def test_a_hot_plug_libvirt_refuses_follows_restartondiverge(tmp_path: Path) -> 
     name = f"{PREFIX}plug"
     net = [{"name": "default"}]
 
-    async def go() -> None:
-        services = Shared()
-        try:
-            link = await services.get(LibvirtLinks).acquire(TEST_URI)
-            conn = link.conn
-            _remove(conn, name)
+    async def go(services: Shared, link: Any) -> None:
+        conn = link.conn
+        _remove(conn, name)
 
-            def h() -> FakeHandle:
-                return FakeHandle(state_dir=tmp_path, services=services)
+        def h() -> FakeHandle:
+            return FakeHandle(state_dir=tmp_path, services=services)
 
-            await _steps_no_close(virt(name=name), [Start(), Apply(), ExpectClean()], h())
-            dom_id = conn.lookupByName(name).ID()
-            # the dry run says what it would try: plug it in live
-            await _steps_no_close(
-                virt(name=name, network=net),
-                [Start(), Check(ok=False, changes=["definition", "network"])],
-                h(),
-            )
-            # ignore: refused, so redefined only; the domain runs on without it
-            hd = h()
-            await _steps_no_close(
-                virt(name=name, network=net),
-                [Start(), Apply(changes=["definition"]), ExpectClean()],
-                hd,
-            )
-            assert any("cannot change it live" in line for line in hd.logs), hd.logs
-            dom = conn.lookupByName(name)
-            assert dom.ID() == dom_id
-            assert "network='default'" not in dom.XMLDesc(0)
-            assert "network='default'" in dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
-            # error: says the domain differs
-            await _steps_no_close(
-                virt(name=name, network=net, restartondiverge="error"),
-                [Start(), Check(raises="differs \\(network\\).*restartondiverge is `error`")],
-                h(),
-            )
-            # ifneeded: restarted with it, then clean
-            await _steps_no_close(
-                virt(name=name, network=net, restartondiverge="ifneeded"),
-                [Start(), Apply(changes=["state"]), ExpectClean()],
-                h(),
-            )
-            dom = conn.lookupByName(name)
-            assert dom.ID() != dom_id
-            assert "network='default'" in dom.XMLDesc(0)
-            _remove(conn, name)
-        finally:
-            await services.really_close()
+        await _steps_no_close(virt(name=name), [Start(), Apply(), ExpectClean()], h())
+        dom_id = conn.lookupByName(name).ID()
+        # the dry run says what it would try: plug it in live
+        await _steps_no_close(
+            virt(name=name, network=net),
+            [Start(), Check(ok=False, changes=["definition", "network"])],
+            h(),
+        )
+        # ignore: refused, so redefined only; the domain runs on without it
+        hd = h()
+        await _steps_no_close(
+            virt(name=name, network=net),
+            [Start(), Apply(changes=["definition"]), ExpectClean()],
+            hd,
+        )
+        assert any("cannot change it live" in line for line in hd.logs), hd.logs
+        dom = conn.lookupByName(name)
+        assert dom.ID() == dom_id
+        assert "network='default'" not in dom.XMLDesc(0)
+        assert "network='default'" in dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
+        # error: says the domain differs
+        await _steps_no_close(
+            virt(name=name, network=net, restartondiverge="error"),
+            [Start(), Check(raises="differs \\(network\\).*restartondiverge is `error`")],
+            h(),
+        )
+        # ifneeded: restarted with it, then clean
+        await _steps_no_close(
+            virt(name=name, network=net, restartondiverge="ifneeded"),
+            [Start(), Apply(changes=["state"]), ExpectClean()],
+            h(),
+        )
+        dom = conn.lookupByName(name)
+        assert dom.ID() != dom_id
+        assert "network='default'" in dom.XMLDesc(0)
+        _remove(conn, name)
 
-    asyncio.run(go())
+    on_the_test_driver(go)
 
 
 def test_reverse_undefines_what_the_graph_created(tmp_path: Path) -> None:
     name = f"{PREFIX}rev"
 
-    async def go() -> None:
-        services = Shared()
-        try:
-            link = await services.get(LibvirtLinks).acquire(TEST_URI)
-            conn = link.conn
-            res = virt(name=name, meta={"reverse": True})
-            h = FakeHandle(state_dir=tmp_path, services=services)
-            await res.init(h)
-            rev = res.reversal()  # captured before the first apply: there was none
-            await _steps_no_close(res, [Apply(), ExpectClean()], h)
-            assert name in _domains(conn)
-            assert rev is not None
-            await _steps_no_close(
-                rev,
-                [Start(), Apply(changes=["transient", "state"]), ExpectClean()],
-                FakeHandle(services=services),
-            )
-            assert name not in _domains(conn)
-            # a domain that existed before the graph is left alone
-            conn.defineXML(
-                f"<domain type='test'><name>{name}</name><memory>{GUEST_KIB}</memory>"
-                "<os><type>hvm</type></os></domain>"
-            )
-            again = virt(name=name, meta={"reverse": True})
-            await again.init(FakeHandle(state_dir=tmp_path, services=services))
-            assert again.reversal() is None
-            await again.cleanup()
-            conn.lookupByName(name).undefine()
-        finally:
-            await services.really_close()
+    async def go(services: Shared, link: Any) -> None:
+        conn = link.conn
+        res = virt(name=name, meta={"reverse": True})
+        h = FakeHandle(state_dir=tmp_path, services=services)
+        await res.init(h)
+        rev = res.reversal()  # captured before the first apply: there was none
+        await _steps_no_close(res, [Apply(), ExpectClean()], h)
+        assert name in _domains(conn)
+        assert rev is not None
+        await _steps_no_close(
+            rev,
+            [Start(), Apply(changes=["transient", "state"]), ExpectClean()],
+            FakeHandle(services=services),
+        )
+        assert name not in _domains(conn)
+        # a domain that existed before the graph is left alone
+        conn.defineXML(
+            f"<domain type='test'><name>{name}</name><memory>{GUEST_KIB}</memory>"
+            "<os><type>hvm</type></os></domain>"
+        )
+        again = virt(name=name, meta={"reverse": True})
+        await again.init(FakeHandle(state_dir=tmp_path, services=services))
+        assert again.reversal() is None
+        await again.cleanup()
+        conn.lookupByName(name).undefine()
 
-    asyncio.run(go())
+    on_the_test_driver(go)
 
 
 def test_startup_refresh_and_devices(tmp_path: Path) -> None:
@@ -453,94 +441,84 @@ def test_startup_refresh_and_devices(tmp_path: Path) -> None:
         "boot": ["hd", "cdrom"],
     }
 
-    async def go() -> None:
-        services = Shared()
-        try:
-            link = await services.get(LibvirtLinks).acquire(TEST_URI)
-            conn = link.conn
-            _remove(conn, name)
+    async def go(services: Shared, link: Any) -> None:
+        conn = link.conn
+        _remove(conn, name)
 
-            def h() -> FakeHandle:
-                return FakeHandle(state_dir=tmp_path / "st", services=services)
+        def h() -> FakeHandle:
+            return FakeHandle(state_dir=tmp_path / "st", services=services)
 
-            res = virt(name=name, startup="enabled", **devices)
-            await _steps_no_close(
-                res,
-                [
-                    Start(),
-                    Check(changes=["definition", "startup", "state"]),
-                    Apply(),
-                    ExpectClean(),
-                ],
-                h(),
-            )
-            dom = conn.lookupByName(name)
-            assert dom.autostart() == 1
-            xml = dom.XMLDesc(0)
-            for needle in (
-                f"file='{img}'",
-                "device='cdrom'",
-                "network='default'",
-                "bridge='br0'",
-                "52:54:00:aa:bb:cc",
-                "dir='share'",
-                "<readonly/>",
-                "<boot dev='hd'/>",
-                "<boot dev='cdrom'/>",
-            ):
-                assert needle in xml, needle
-            # a refresh restarts it (restartonrefresh); without the flag nothing happens
-            hd = h()
-            hd.refresh_now = True
-            await _steps_no_close(
-                virt(name=name, startup="enabled", **devices), [Start(), ExpectClean()], hd
-            )
-            hd = h()
-            hd.refresh_now = True
-            again = virt(name=name, startup="enabled", restartonrefresh=True, **devices)
-            await _steps_no_close(again, [Start(), Apply(changes=["state"])], hd)
-            # a network dropped from the graph: redefined, autostart off
-            fewer = {**devices, "network": devices["network"][:1]}
-            await _steps_no_close(
-                virt(name=name, startup="disabled", **fewer),
-                [Start(), Apply(changes=["definition", "startup"]), ExpectClean()],
-                h(),
-            )
-            dom = conn.lookupByName(name)
-            assert "br0" not in dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
-            assert dom.autostart() == 0
-            # other credentials: a connection of their own
-            other = virt(name=name, auth={"username": "u", "password": "p"}, **fewer)
-            await other.init(h())
-            assert services.get(LibvirtLinks).links()[TEST_URI] is not link
-            await other.cleanup()
-            _remove(conn, name)
-        finally:
-            await services.really_close()
+        res = virt(name=name, startup="enabled", **devices)
+        await _steps_no_close(
+            res,
+            [
+                Start(),
+                Check(changes=["definition", "startup", "state"]),
+                Apply(),
+                ExpectClean(),
+            ],
+            h(),
+        )
+        dom = conn.lookupByName(name)
+        assert dom.autostart() == 1
+        xml = dom.XMLDesc(0)
+        for needle in (
+            f"file='{img}'",
+            "device='cdrom'",
+            "network='default'",
+            "bridge='br0'",
+            "52:54:00:aa:bb:cc",
+            "dir='share'",
+            "<readonly/>",
+            "<boot dev='hd'/>",
+            "<boot dev='cdrom'/>",
+        ):
+            assert needle in xml, needle
+        # a refresh restarts it (restartonrefresh); without the flag nothing happens
+        hd = h()
+        hd.refresh_now = True
+        await _steps_no_close(
+            virt(name=name, startup="enabled", **devices), [Start(), ExpectClean()], hd
+        )
+        hd = h()
+        hd.refresh_now = True
+        again = virt(name=name, startup="enabled", restartonrefresh=True, **devices)
+        await _steps_no_close(again, [Start(), Apply(changes=["state"])], hd)
+        # a network dropped from the graph: redefined, autostart off
+        fewer = {**devices, "network": devices["network"][:1]}
+        await _steps_no_close(
+            virt(name=name, startup="disabled", **fewer),
+            [Start(), Apply(changes=["definition", "startup"]), ExpectClean()],
+            h(),
+        )
+        dom = conn.lookupByName(name)
+        assert "br0" not in dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
+        assert dom.autostart() == 0
+        # other credentials: a connection of their own
+        other = virt(name=name, auth={"username": "u", "password": "p"}, **fewer)
+        await other.init(h())
+        assert services.get(LibvirtLinks).links()[TEST_URI] is not link
+        await other.cleanup()
+        _remove(conn, name)
 
-    asyncio.run(go())
+    on_the_test_driver(go)
 
 
 def test_a_refresh_never_starts_a_domain_that_is_to_be_shut_off(tmp_path: Path) -> None:
     name = f"{PREFIX}ref"
 
-    async def go() -> None:
-        services = Shared()
-        try:
-            link = await services.get(LibvirtLinks).acquire(TEST_URI)
-            _remove(link.conn, name)
-            on = virt(name=name, restartonrefresh=True)
-            await _steps_no_close(on, [Start(), Apply()], FakeHandle(services=services))
-            h = FakeHandle(services=services)
-            h.refresh_now = True  # and the graph says shut off now: off it goes, no restart
-            off = virt(name=name, state="shutoff", restartonrefresh=True)
-            await _steps_no_close(off, [Start(), Apply(changes=["state"]), ExpectClean()], h)
-            assert link.conn.lookupByName(name).isActive() == 0
-            _remove(link.conn, name)
-        finally:
-            await services.really_close()
+    async def go(services: Shared, link: Any) -> None:
+        _remove(link.conn, name)
+        on = virt(name=name, restartonrefresh=True)
+        await _steps_no_close(on, [Start(), Apply()], FakeHandle(services=services))
+        h = FakeHandle(services=services)
+        h.refresh_now = True  # and the graph says shut off now: off it goes, no restart
+        off = virt(name=name, state="shutoff", restartonrefresh=True)
+        await _steps_no_close(off, [Start(), Apply(changes=["state"]), ExpectClean()], h)
+        assert link.conn.lookupByName(name).isActive() == 0
+        _remove(link.conn, name)
 
-    asyncio.run(go())
+    on_the_test_driver(go)
 
 
 def test_one_connection_per_uri_for_many_resources(tmp_path: Path) -> None:
