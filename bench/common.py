@@ -13,8 +13,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -66,6 +67,21 @@ def stop(p: subprocess.Popen[bytes], grace: float = 3.0) -> int | None:
         return p.returncode
     finally:
         _PROCS.pop(p.pid, None)
+
+
+def standalone(run: Callable[[], tuple[dict[str, Any], str]], json_path: Path | None) -> int:
+    """A bench run on its own (`python -m bench.X`): cleaned up at exit or SIGTERM,
+    its table printed, its results written to `json_path` if given."""
+    import atexit
+    import json
+
+    atexit.register(cleanup_all)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    res, text = run()
+    print(text)
+    if json_path is not None:
+        json_path.write_text(json.dumps(res, indent=2) + "\n")
+    return 0
 
 
 def cleanup_all() -> None:

@@ -256,18 +256,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--trials", type=int, default=TRIALS)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
-    import atexit
-    import signal
+    from bench.common import standalone
 
-    from bench.common import cleanup_all
-
-    atexit.register(cleanup_all)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    res, text = run(False, a.trials)
-    print(text)
-    if a.json:
-        a.json.write_text(json.dumps(res, indent=2) + "\n")
-    return 0
+    return standalone(lambda: run(False, a.trials), a.json)
 
 
 if __name__ == "__main__":

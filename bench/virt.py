@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import os
 import random
 import re
@@ -494,18 +493,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--domains", type=int, default=DOMAINS)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
-    import atexit
-    import signal
+    from bench.common import standalone
 
-    from bench.common import cleanup_all
-
-    atexit.register(cleanup_all)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    res, text = run(False, a.trials, a.domains)
-    print(text)
-    if a.json:
-        a.json.write_text(json.dumps(res, indent=2) + "\n")
-    return 0
+    return standalone(lambda: run(False, a.trials, a.domains), a.json)
 
 
 if __name__ == "__main__":
