@@ -32,6 +32,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -315,6 +316,12 @@ class LibvirtBed:
         self.start_libvirtd()
 
     def teardown(self) -> None:
+        proc = self._libvirtd
+        if proc is not None and proc.poll() is not None:  # not killed by a test: say how
+            print(  # shown with a failing test's output: why its connection went
+                f"the bed's libvirtd (pid {proc.pid}) ended by itself, status {proc.returncode}",
+                file=sys.stderr,
+            )
         try:
             if self.pid is not None and _alive(self.pid):
                 self.remove_test_domains()
