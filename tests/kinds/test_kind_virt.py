@@ -774,6 +774,38 @@ def test_libvirtd_killed_and_restarted_the_resources_recover(
 
 
 @pytest.mark.slow
+def test_a_call_that_finds_its_connection_closed_by_libvirtd_is_made_again_once(
+    libvirtbed: LibvirtBed,
+) -> None:
+    """libvirtd drops the link's connection (`virt-admin client-disconnect`) and a
+    call is made before the link has heard of it (its close callback is still on
+    the way): libvirt refuses the call unsent ("client socket is closed"), and the
+    link reconnects and makes it again, instead of failing the resource's apply."""
+    bed = libvirtbed
+
+    async def go() -> None:
+        services = Shared()
+        try:
+            link = await services.get(LibvirtLinks).acquire(bed.uri)
+            old = link.conn
+            [client] = await asyncio.to_thread(_clients_of, bed, os.getpid())
+            # the loop gets no turn from here to the call: the callback cannot run
+            _admin(bed, "client-disconnect", "libvirtd", client)
+            wait_for(lambda: not old.isAlive(), 30, "libvirt to see the connection closed")
+            assert link.conn is old
+            # (a call libvirtd answers: getURI is answered by the client alone)
+            assert await link.call(lambda conn: conn.numOfDomains()) >= 0
+            assert link.conn is not old
+            assert link.opened == 2
+            assert link.lost_why.startswith("connection lost: ")
+            # and the new connection is whole: one client of this process again
+            assert len(await asyncio.to_thread(_clients_of, bed, os.getpid())) == 1
+        finally:
+            await services.really_close()
+
+    asyncio.run(go())
+
+
 def test_a_transient_guest_and_live_cpus(libvirtbed: LibvirtBed, tmp_path: Path) -> None:
     bed = libvirtbed
     name = f"{PREFIX}tr"
@@ -901,19 +933,24 @@ def test_every_change_of_state_of_a_real_guest_is_one_apply_then_clean(
     asyncio.run(go())
 
 
-def _clients_of(bed: LibvirtBed, pid: int) -> list[str]:
-    """The clients of libvirtd's `libvirtd` server that process `pid` holds (by its
-    admin socket: `virt-admin client-list`, then `client-info` for each one's pid)."""
+def _admin(bed: LibvirtBed, *args: str) -> str:
+    """`virt-admin ARGS` on the bed's libvirtd (its admin socket); its output."""
     admin = (
         f"libvirtd:///system?socket={bed.root}/run/libvirt-admin-sock"
         if bed.ours
         else "libvirtd:///system"
     )
+    r = subprocess.run(["virt-admin", "-q", "-c", admin, *args], capture_output=True, text=True)
+    assert r.returncode == 0, f"virt-admin {' '.join(args)}: {r.stderr}"
+    return r.stdout
+
+
+def _clients_of(bed: LibvirtBed, pid: int) -> list[str]:
+    """The clients of libvirtd's `libvirtd` server that process `pid` holds (by its
+    admin socket: `virt-admin client-list`, then `client-info` for each one's pid)."""
 
     def admin_cmd(*args: str) -> str:
-        r = subprocess.run(["virt-admin", "-q", "-c", admin, *args], capture_output=True, text=True)
-        assert r.returncode == 0, f"virt-admin {' '.join(args)}: {r.stderr}"
-        return r.stdout
+        return _admin(bed, *args)
 
     ids = [
         line.split()[0]

@@ -317,11 +317,11 @@ class LibvirtBed:
 
     def teardown(self) -> None:
         proc = self._libvirtd
+        ended = None
         if proc is not None and proc.poll() is not None:  # not killed by a test: say how
-            print(  # shown with a failing test's output: why its connection went
-                f"the bed's libvirtd (pid {proc.pid}) ended by itself, status {proc.returncode}",
-                file=sys.stderr,
-            )
+            log = (self.root / "libvirtd.log").read_text(errors="replace")[-1500:]
+            ended = f"the bed's libvirtd (pid {proc.pid}) ended by itself, status {proc.returncode}"
+            print(f"{ended}; the end of its log:\n{log}", file=sys.stderr)
         try:
             if self.pid is not None and _alive(self.pid):
                 self.remove_test_domains()
@@ -329,6 +329,8 @@ class LibvirtBed:
             _stop(self.virtlogd_pid, self._virtlogd)
         finally:
             self._restore_kvm()
+        if ended is not None:  # an error of the test's own (in the run's summary line)
+            raise AssertionError(ended)
 
 
 def _virtlogd_running() -> bool:

@@ -51,6 +51,17 @@ LIFECYCLE = {
     8: "crashed",
 }
 
+#: a reason of our own: a call found the connection closed before libvirt's callback came
+FOUND_CLOSED = -1
+#: why libvirt closed a connection (its close callback's reason), for the logs
+CLOSE_REASONS = {
+    libvirt.VIR_CONNECT_CLOSE_REASON_ERROR: "a socket error",
+    libvirt.VIR_CONNECT_CLOSE_REASON_EOF: "end of file (libvirtd closed it, or ended)",
+    libvirt.VIR_CONNECT_CLOSE_REASON_KEEPALIVE: "keepalive timeout (libvirtd did not answer)",
+    libvirt.VIR_CONNECT_CLOSE_REASON_CLIENT: "closed by the client",
+    FOUND_CLOSED: "found closed by a call (libvirtd closed it, or ended)",
+}
+
 # libvirt prints every error on stderr besides raising it: we report them ourselves
 libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
 
@@ -122,6 +133,8 @@ class Link:
         self._closed = False
         #: connections opened so far (1 + reconnections): the tests count them
         self.opened = 0
+        #: why the connection was last lost (for the errors of the calls it failed)
+        self.lost_why = "connection lost"
 
     # -- connecting ------------------------------------------------------------------
     async def connect(self) -> None:
@@ -186,7 +199,8 @@ class Link:
     def _lost(self, conn: Any, reason: int) -> None:
         if conn is not self.conn or self._closed:
             return
-        log.warning("libvirt %s: connection lost (reason %d): reconnecting", self.uri, reason)
+        self.lost_why = f"connection lost: {CLOSE_REASONS.get(reason, reason)}"
+        log.warning("libvirt %s: %s: reconnecting", self.uri, self.lost_why)
         self.conn = None
         self._connected.clear()
         self._owner.spawn(asyncio.to_thread(_close, conn))
@@ -225,19 +239,29 @@ class Link:
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(conn, *args)` in a worker thread; waits (a while) for a lost connection
-        to come back first. libvirt's errors are ResourceErrors (one line)."""
-        if self.conn is None:
+        to come back first. A call that found the connection already closed (it was
+        never sent: libvirt checks before it writes) is made again, once, on the
+        new connection. libvirt's errors are ResourceErrors (one line)."""
+        for attempt in (1, 2):
+            if self.conn is None:
+                try:
+                    await asyncio.wait_for(self._connected.wait(), CALL_WAIT)
+                except TimeoutError:
+                    raise ResourceError(
+                        f"libvirt {self.uri}: not connected (reconnecting for {CALL_WAIT:g} s"
+                        f" after {self.lost_why})"
+                    ) from None
+            conn = self.conn
             try:
-                await asyncio.wait_for(self._connected.wait(), CALL_WAIT)
-            except TimeoutError:
-                raise ResourceError(
-                    f"libvirt {self.uri}: not connected (reconnecting for {CALL_WAIT:g} s)"
-                ) from None
-        conn = self.conn
-        try:
-            return await asyncio.to_thread(fn, conn, *args)
-        except libvirt.libvirtError as e:
-            raise ResourceError(f"libvirt {self.uri}: {one_line(e)}") from None
+                return await asyncio.to_thread(fn, conn, *args)
+            except libvirt.libvirtError as e:
+                if attempt == 1 and _never_sent(e) and not self._closed:
+                    # the close callback may still be on its way: reconnect now
+                    self._lost(conn, FOUND_CLOSED)
+                    continue
+                why = f" ({self.lost_why})" if _never_sent(e) else ""
+                raise ResourceError(f"libvirt {self.uri}: {one_line(e)}{why}") from None
+        raise AssertionError("unreachable")
 
     async def aclose(self) -> None:
         self._closed = True
@@ -248,6 +272,14 @@ class Link:
 
 def one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
+
+
+def _never_sent(e: libvirt.libvirtError) -> bool:
+    """libvirt refused the call before sending it: its connection was already
+    closed (the server's side went away; the call did nothing there)."""
+    return (
+        e.get_error_code() == libvirt.VIR_ERR_INTERNAL_ERROR and "client socket is closed" in str(e)
+    )
 
 
 def _close(conn: Any) -> None:
