@@ -793,3 +793,11 @@ def test_bytecode_is_compiled_once_and_again_only_for_a_changed_source(
     )
     assert out.stdout.strip() == "2"
     assert f"code object from '{site}/demo/__pycache__/mod.{tag}.pyc'" in out.stderr
+    # what is kept beyond the bundle's own is bounded: the oldest goes first
+    assert len(list(pycs.rglob("*.pyc"))) == 2  # the first mod.py's and the second's
+    monkeypatch.setattr(bundle_mod, "PYC_SPARE", 0)
+    (src / "mod.py").write_text("X = 3\n")
+    build()
+    assert compiled == [2, 1, 1, 1]
+    assert len(list(pycs.rglob("*.pyc"))) == 1  # X = 3's only; broken.py's .none stays
+    assert len(list(pycs.rglob("*.none"))) == 1

@@ -598,7 +598,31 @@ def precompile(sources: Mapping[str, tuple[Path, str]], where: Path) -> dict[str
             todo.append((str(local), str(kept), dfile))
     if todo:
         _compile(todo)
+        _prune(where, {kept for kept in out.values()})
     return {rel: kept for rel, kept in out.items() if _kept(kept)}
+
+
+#: bytecode files kept beyond the current bundle's (older evergraphs, the
+#: `--install` bundle's extra distributions); the oldest go first
+PYC_SPARE = 10_000
+
+
+def _prune(where: Path, used: set[Path]) -> None:
+    """Drop the oldest kept bytecode not in `used` beyond PYC_SPARE (only after a
+    compile: the one time the directory grows). Never fails the bundle."""
+    try:
+        spare = [
+            (e.stat().st_mtime_ns, Path(e.path))
+            for sub in os.scandir(where)
+            if sub.is_dir()
+            for e in os.scandir(sub.path)
+            if Path(e.path).with_suffix(".pyc") not in used
+        ]
+        spare.sort()
+        for _, path in spare[: max(0, len(spare) - PYC_SPARE)]:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _kept(path: Path) -> bool:
