@@ -7,7 +7,9 @@ runs as a real subprocess of this interpreter, exactly as it will over a channel
 from __future__ import annotations
 
 import asyncio
+import gzip
 import hashlib
+import importlib.util
 import io
 import os
 import platform
@@ -22,7 +24,9 @@ from typing import Any
 import msgspec
 import pytest
 
+from evergraph.remote import bundle as bundle_mod
 from evergraph.remote.bundle import (
+    AGENT_LEAVES_OUT,
     COMPRESS_LEVEL,
     REMOTE_SCRIPT,
     Bundle,
@@ -31,11 +35,13 @@ from evergraph.remote.bundle import (
     Installed,
     Stdin,
     cache_path,
+    collect_files,
     install,
     plan,
     python_problem,
     running_python,
 )
+from evergraph.world.etcd_server import EtcdServer
 
 
 def sha256_hex(data: bytes) -> str:
@@ -120,14 +126,27 @@ def test_the_running_bundle_holds_evergraph_and_its_dependencies(running: Bundle
         == f"{sys.version_info[0]}.{sys.version_info[1]}"
     )
     assert running.manifest.machine == platform.machine()
+    files = {f.path: f for f in running.manifest.files}
     for f in running.manifest.files:
-        assert "__pycache__" not in f.path, f.path
-        assert not f.path.endswith(".pyc"), f.path
+        # bytecode: ours (`precompile`), one per .py, never the installation's own
+        if "__pycache__" in f.path or f.path.endswith(".pyc"):
+            head, _, name = f.path.rpartition("/__pycache__/")
+            stem, tag, ext = name.rsplit(".", 2)
+            assert (tag, ext) == (sys.implementation.cache_tag, "pyc"), f.path
+            assert f"{head}/{stem}.py" in files, f.path
+            data = running.sources[f.sha256].read_bytes()
+            assert data[:4] == importlib.util.MAGIC_NUMBER
+            assert int.from_bytes(data[4:8], "little") == 0b11, f.path  # checked hash
         assert not f.path.endswith(("/RECORD", "/INSTALLER", "/direct_url.json")), f.path
         assert f.mode in (0o644, 0o755)
         assert len(f.sha256) == 64
         assert f.size >= 0
     assert [f.path for f in running.manifest.files] == sorted(paths)
+    sources = [p for p in paths if p.startswith("site/") and p.endswith(".py")]
+    assert len([p for p in paths if p.endswith(".pyc")]) == len(sources)  # all compile
+    for p in sources:
+        head, _, name = p.rpartition("/")
+        assert f"{head}/__pycache__/{name[:-3]}.{sys.implementation.cache_tag}.pyc" in files
     # the manifest is canonical JSON whose hash is the digest
     decoded = msgspec.json.decode(running.manifest_bytes, type=type(running.manifest))
     assert decoded == running.manifest
@@ -227,7 +246,7 @@ def test_first_contact_installs_an_importable_bundle_and_the_second_sends_only_h
     missing = host_op("missing", host_a, running.digest, running.manifest_bytes)
     assert missing.returncode == 0
     assert missing.stdout == b""
-    longer = len(running.manifest_bytes) + len(plan(running, []))
+    longer = len(running.manifest_sent) + len(plan(running, []))
     print(f"manifest + empty plan: {longer:,} bytes ({100 * longer / first.sent:.3f} %)")
     assert longer <= first.sent / 100
 
@@ -582,3 +601,203 @@ def test_a_finished_plan_is_kept_and_sent_again_without_compressing(
     loose = Bundle.of_paths((paths, dists), cache=cache)
     assert asyncio.run(loose.plan_for(loose.sources).read()) == whole
     assert len(built) == 3
+
+
+# --- what a remote agent gets: the lean bundle, with its bytecode ---------------------
+
+
+def _tops(paths: Iterable[str]) -> set[str]:
+    """The top-level importable names of ``site/`` paths."""
+    out = set()
+    for p in paths:
+        parts = p.split("/")
+        if parts[0] == "site" and len(parts) > 1 and not parts[1].endswith(".dist-info"):
+            out.add(parts[1].split(".")[0])
+    return out
+
+
+def test_a_remote_agent_bundle_leaves_out_what_no_agent_imports() -> None:
+    full_files, full = collect_files()
+    lean_files, lean = collect_files(AGENT_LEAVES_OUT)
+    left_out = {name for name, _ in full} - {name for name, _ in lean}
+    # the rule's names, and what only they require (rich's)
+    assert set(AGENT_LEAVES_OUT) <= left_out
+    assert left_out - set(AGENT_LEAVES_OUT) == {"pygments", "markdown-it-py", "mdurl"}
+    # what a shipped distribution or any kind needs stays (cffi: PyNaCl's, anyio: httpx's)
+    kinds = {"dbus-fast", "pyroute2", "docker", "libvirt-python", "python-augeas", "httpx"}
+    world = {"aetcd", "grpcio", "protobuf", "pynacl", "cffi", "msgspec", "click"}
+    assert kinds | world | {"anyio", "h11", "yaml-rs", "pyyaml"} <= {name for name, _ in lean}
+    assert set(lean_files) < set(full_files)
+    assert {"asyncssh", "cryptography", "rich", "pygments", "uvicorn", "starlette"} <= (
+        _tops(full_files) - _tops(lean_files)
+    )
+    # the default of a bundle of the running python; remote --install asks for all
+    assert Bundle.of_running_python.__kwdefaults__["leave_out"] is AGENT_LEAVES_OUT
+
+
+def _bytecode(site: Path) -> dict[str, int]:
+    """Every .pyc under `site`, with its inode (a rewrite by an import is a new one)."""
+    return {
+        str(p.relative_to(site)): p.stat().st_ino
+        for p in site.rglob("*.pyc")
+        if p.parent.name == "__pycache__"
+    }
+
+
+def test_a_remote_agent_converges_several_kinds_from_the_lean_bundle_and_its_bytecode(
+    running: Bundle, tmp_path: Path, shm: Path, servers: list[EtcdServer]
+) -> None:
+    """The agent a remote host runs (remote/session.py's command line, but for the
+    wrapper), from the lean bundle as a host stores it and nothing else (-S): it
+    converges a graph of several kinds through an etcd World, imports nothing the
+    bundle leaves out, and compiles nothing (every .pyc it reads was shipped). The
+    SSH end-to-end runs (tests/remote/test_remote.py, test_remote_exports.py) use the
+    same bundle (`RemoteRun`'s default) for a file, an exec and exports."""
+    installed = asyncio.run(install(running, run_here, store=str(tmp_path / "host")))
+    site = Path(installed.site)
+    shipped = _bytecode(site)
+    assert len(shipped) == sum(f.path.endswith(".pyc") for f in running.manifest.files)
+    server = EtcdServer.single(shm / "etcd")
+    servers.append(server)
+    server.start()
+    d = tmp_path / "managed"
+    graph = tmp_path / "lean.yaml"
+    graph.write_text(
+        "graph: lean\n"
+        "resources:\n"
+        "  file:\n"
+        f"  - {{name: dir, path: {d}/}}\n"
+        f'  - {{name: conf, path: {d}/app.conf, content: "a = 1\\n"}}\n'
+        "  gzip:\n"
+        f'  - {{name: {d}/notes.gz, content: "notes\\n"}}\n'
+        "  tar:\n"
+        f"  - {{name: {d}/conf.tar, inputs: [{d}/app.conf]}}\n"
+        "  kv:\n"
+        "  - {name: lean-key, value: lean}\n"
+        "  exec:\n"
+        f'  - {{name: mark, cmd: "touch {d}/ran", creates: {d}/ran}}\n'
+        "  noop:\n"
+        "  - {name: ready}\n"
+        "  print:\n"
+        "  - {name: done, msg: lean converged}\n"
+    )
+    # remote/session.py's AGENT_WRAPPER starts the agent so (without -S: a host's own
+    # site-packages stay on the path there; here nothing but the bundle)
+    boot = f"import sys; sys.path.insert(0, {str(site)!r})\n"
+    boot += "from evergraph.cli.main import main\nmain()"
+    agent = [sys.executable, "-I", "-S", "-X", "importtime", "-c", boot, "run", str(graph)]
+    agent += [
+        "--seeds",
+        server.client_url,
+        "--hostname",
+        "lean",
+        "--state-dir",
+        str(tmp_path / "s"),
+    ]
+    agent += ["--converged-timeout", "0", "--converged-exit", "--log-format", "text"]
+    r = subprocess.run(agent, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    log = [line for line in r.stderr.splitlines() if not line.startswith("import time:")]
+    assert r.returncode == 0, "\n".join(log[-20:])
+    assert (d / "app.conf").read_text() == "a = 1\n"
+    assert gzip.decompress((d / "notes.gz").read_bytes()) == b"notes\n"
+    with tarfile.open(d / "conf.tar") as tar:
+        assert [m.name.rsplit("/", 1)[-1] for m in tar] == ["app.conf"]
+    assert (d / "ran").exists()
+    assert any("lean converged" in line for line in log), log
+    imported = {
+        line.rsplit("|", 1)[1].strip().split(".")[0]
+        for line in r.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    assert {"evergraph", "aetcd", "grpc", "nacl", "yaml_rs"} <= imported
+    all_files, _ = collect_files()
+    left_out = _tops(all_files) - _tops(f.path for f in running.manifest.files)
+    assert not imported & left_out
+    # every kind's module and library imports from the bundle alone, compiling nothing
+    kinds = (
+        "import importlib, pkgutil, evergraph.resources as r\n"
+        "for m in pkgutil.iter_modules(r.__path__):\n"
+        "    importlib.import_module('evergraph.resources.' + m.name)\n"
+        "import augeas, dbus_fast.aio, docker, httpx, libvirt, pyroute2, yaml\n"
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            f"import sys; sys.path.insert(0, {str(site)!r})\n{kinds}",
+        ],
+        cwd=tmp_path,
+        check=True,
+        timeout=60,
+    )
+    assert _bytecode(site) == shipped  # no .pyc written or rewritten on the host
+
+
+def test_bytecode_is_compiled_once_and_again_only_for_a_changed_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "mod.py").write_text("X = {'a', 'b'}\n")
+    (src / "broken.py").write_text("def (:\n")
+    (src / "data.txt").write_text("not python\n")
+    files = {f"site/demo/{p.name}": p for p in src.iterdir()}
+    cache, pycs = tmp_path / "cache" / "hashes.json", tmp_path / "cache" / "pyc"
+    tag = sys.implementation.cache_tag
+    compiled: list[int] = []
+    real = bundle_mod._compile
+    monkeypatch.setattr(
+        bundle_mod, "_compile", lambda todo: (compiled.append(len(todo)), real(todo))
+    )
+
+    def build() -> Bundle:
+        return Bundle.of_paths((files, [("demo", "1")]), cache=cache, pyc_cache=pycs)
+
+    first = build()
+    paths = {f.path: f for f in first.manifest.files}
+    pyc = f"site/demo/__pycache__/mod.{tag}.pyc"
+    # a .pyc for what compiles, nothing for what does not (and no error)
+    assert set(paths) == {*files, pyc}
+    assert compiled == [2]
+    data = first.sources[paths[pyc].sha256].read_bytes()
+    assert data[8:16] == importlib.util.source_hash((src / "mod.py").read_bytes())
+    assert build().manifest_bytes == first.manifest_bytes
+    assert compiled == [2]  # never again: not even the one that failed
+    (src / "mod.py").write_text("X = 2\n")
+    changed = build()
+    assert compiled == [2, 1]
+    assert {f.path for f in changed.manifest.files} == set(paths)
+    assert changed.digest != first.digest
+    # a kept file that is not fit (writable by others) is compiled again
+    for kept in pycs.rglob("*.pyc"):
+        kept.chmod(0o666)
+    assert build().digest == changed.digest
+    assert compiled == [2, 1, 1]
+    # what it holds runs as that source: loaded from the bundle's layout
+    installed = asyncio.run(install(changed, run_here, store=str(tmp_path / "host")))
+    site = Path(installed.site)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-S",
+            "-v",
+            "-c",
+            f"import sys; sys.path.insert(0, {str(site)!r}); import demo.mod; print(demo.mod.X)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "2"
+    assert f"code object from '{site}/demo/__pycache__/mod.{tag}.pyc'" in out.stderr
+    # what is kept beyond the bundle's own is bounded: the oldest goes first
+    assert len(list(pycs.rglob("*.pyc"))) == 2  # the first mod.py's and the second's
+    monkeypatch.setattr(bundle_mod, "PYC_SPARE", 0)
+    (src / "mod.py").write_text("X = 3\n")
+    build()
+    assert compiled == [2, 1, 1, 1]
+    assert len(list(pycs.rglob("*.pyc"))) == 1  # X = 3's only; broken.py's .none stays
+    assert len(list(pycs.rglob("*.none"))) == 1

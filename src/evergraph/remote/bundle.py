@@ -21,8 +21,14 @@ The initiator keeps the sha256 of each file it bundled (`HashCache`, under
 ~/.cache/evergraph), trusted only while the file's stat is unchanged, so a run
 with nothing changed reads no file's content.
 
-Compiled extension modules travel as they are, which is why the host must run
-the same Python minor version on the same machine architecture
+A remote agent's bundle is lean: the distributions it never imports
+(`AGENT_LEAVES_OUT`: the initiator's SSH client, the cluster CA's cryptography,
+rich on a terminal, the HTTP API) stay behind. Every .py travels with its
+bytecode (`precompile`: hash-checked .pyc compiled once on the initiator and
+kept beside the hash cache), so a host compiles nothing at an agent's first start.
+
+Compiled extension modules and bytecode travel as they are, which is why the host
+must run the same Python minor version on the same machine architecture
 (`python_problem` says so in one line when it does not).
 """
 
@@ -33,10 +39,13 @@ import contextlib
 import csv
 import hashlib
 import importlib.metadata
+import importlib.util
 import os
 import platform
+import py_compile
 import re
 import stat
+import subprocess
 import sys
 import tarfile
 import threading
@@ -53,6 +62,7 @@ from collections.abc import (
 )
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import IO, cast
 
 import msgspec
@@ -78,6 +88,36 @@ CACHE_SPARE = 10_000
 
 #: dist-info files that describe this installation, not the package
 _LOCAL_RECORDS = frozenset({"RECORD", "INSTALLER", "direct_url.json", "REQUESTED"})
+
+#: The one rule of what a remote agent's bundle leaves out: distributions evergraph
+#: requires that an agent-less agent (``evergraph run GRAPH --seeds URL --hostname H
+#: --state-dir D --converged-timeout T --converged-exit --log-format F [--noop]
+#: [--diff]``, remote/session.py's `run_agent`, its output a pipe) never imports, and
+#: why. What only they require goes with them (rich takes pygments, markdown-it-py
+#: and mdurl); what another shipped distribution requires stays (cffi: PyNaCl's).
+#: Every kind's library stays (dbus-fast, pyroute2, docker, libvirt-python,
+#: python-augeas, httpx, ...): any graph may use any kind. Checked by
+#: tests/remote/test_bundle.py (an agent run from this bundle alone converges a graph
+#: of several kinds through etcd, ``-X importtime`` shows nothing left out imported,
+#: and every kind's module and library import) and the SSH runs of tests/remote/
+#: (`RemoteRun` ships this bundle). `remote --install` ships everything
+#: (`leave_out=()`): its agents are permanent, TLS-protected cluster members.
+AGENT_LEAVES_OUT: Mapping[str, str] = MappingProxyType(
+    {
+        "asyncssh": "the initiator's SSH client (remote/); an agent is the far end of SSH",
+        "cryptography": (
+            "the cluster CA (cluster/ca.py: an agent whose state dir holds a ca.crt, which "
+            "only `--etcd embedded` or a join gives) and the farm's RSA keys (farm flags)"
+        ),
+        "rich": (
+            "the live display and coloured lines on a terminal (cli/logs.py, cli/progress.py): "
+            "the agent's output is an SSH channel without a pty"
+        ),
+        "starlette": "the HTTP API (`run --http`, never passed to a remote agent)",
+        "uvicorn": "the HTTP API's server (`run --http`)",
+        "prometheus-client": "the HTTP API's /metrics (`run --http`)",
+    }
+)
 
 
 class BundleError(Exception):
@@ -141,6 +181,12 @@ class Bundle:
         return msgspec.json.encode(self.manifest)
 
     @property
+    def manifest_sent(self) -> bytes:
+        """`manifest_bytes` as `install` sends them: gzip'd (a third of their size:
+        the .pyc entries doubled the manifest, and a first contact sends it whole)."""
+        return zlib.compress(self.manifest_bytes, 6, 16 + zlib.MAX_WBITS)
+
+    @property
     def digest(self) -> str:
         """sha256 (hex) of the manifest: names the bundle on every host."""
         return hashlib.sha256(self.manifest_bytes).hexdigest()
@@ -157,16 +203,24 @@ class Bundle:
 
     @classmethod
     def of_running_python(
-        cls, programs: Mapping[str, Path] | None = None, *, cache: Path | None = None
+        cls,
+        programs: Mapping[str, Path] | None = None,
+        *,
+        cache: Path | None = None,
+        leave_out: Iterable[str] = AGENT_LEAVES_OUT,
     ) -> Bundle:
-        """The evergraph package that is running and every distribution it needs;
+        """The evergraph package that is running and every distribution it needs
+        but those in `leave_out` (default: what a remote agent never imports,
+        `AGENT_LEAVES_OUT`), each .py with its bytecode (`precompile`);
         `programs` (name -> local file) go to the bundle's ``bin/`` (etcd, for
         hosts that will run an embedded World). Hashes come from `cache` (default:
-        `cache_path()`) for every file whose stat is unchanged."""
-        paths, dists = collect_files()
+        `cache_path()`) for every file whose stat is unchanged; bytecode from the
+        `PYC_DIR` beside it."""
+        paths, dists = collect_files(leave_out)
         for name, local in (programs or {}).items():
             paths[f"bin/{name}"] = local
-        return cls.of_paths((paths, dists), cache=cache or cache_path())
+        cache = cache or cache_path()
+        return cls.of_paths((paths, dists), cache=cache, pyc_cache=cache.parent / PYC_DIR)
 
     @classmethod
     def of_paths(
@@ -176,9 +230,11 @@ class Bundle:
         python: str | None = None,
         machine: str | None = None,
         cache: Path | None = None,
+        pyc_cache: Path | None = None,
     ) -> Bundle:
         """A bundle of ``site/``-relative paths -> local files, and (dist, version)s;
-        with `cache`, file hashes are kept there and reused (`HashCache`)."""
+        with `cache`, file hashes are kept there and reused (`HashCache`); with
+        `pyc_cache`, each ``site/`` .py goes with its bytecode (`precompile`)."""
         paths, dists = files
         entries: list[FileEntry] = []
         sources: dict[str, Path] = {}
@@ -188,6 +244,15 @@ class Bundle:
             sha, size, mode = hashes.hash(local)
             entries.append(FileEntry(rel, mode, sha, size))
             sources.setdefault(sha, local)
+        if pyc_cache is not None:
+            py = {e.path: (paths[e.path], e.sha256) for e in entries if e.path.endswith(".py")}
+            for rel, local in precompile(py, pyc_cache).items():
+                if rel in paths:  # the installation's own (a stray .pyc): ours wins
+                    continue
+                sha, size, mode = hashes.hash(local)
+                entries.append(FileEntry(rel, mode, sha, size))
+                sources.setdefault(sha, local)
+            entries.sort(key=lambda e: e.path)
         hashes.save()
         manifest = Manifest(
             python=python or running_python(),
@@ -226,12 +291,15 @@ def python_problem(
 # --- what to ship ---------------------------------------------------------------
 
 
-def collect_files() -> tuple[dict[str, Path], list[tuple[str, str]]]:
+def collect_files(
+    leave_out: Iterable[str] = (),
+) -> tuple[dict[str, Path], list[tuple[str, str]]]:
     """Every file to ship (``site/``-relative path -> local file) and the dists shipped.
 
     evergraph itself is taken from the package directory that is running (an
     editable install's distribution lists no package files); each dependency from
-    its distribution's installed file list.
+    its distribution's installed file list; the distributions in `leave_out`
+    (normalised names) and what only they require are not shipped.
     """
     root = importlib.metadata.distribution(ROOT_DIST)
     files: dict[str, Path] = {}
@@ -243,7 +311,7 @@ def collect_files() -> tuple[dict[str, Path], list[tuple[str, str]]]:
     if Path(str(meta)).is_file():
         files[f"site/{_dist_info_name(root)}/METADATA"] = Path(str(meta))
     dists = [(ROOT_DIST, root.version)]
-    for dist in required_dists(root):
+    for dist in required_dists(root, leave_out):
         info = dist.metadata  # parsed anew at each access: once here
         dists.append((_normalise(info["Name"]), info["Version"]))
         for rel, local in _dist_files(dist):
@@ -251,8 +319,12 @@ def collect_files() -> tuple[dict[str, Path], list[tuple[str, str]]]:
     return files, dists
 
 
-def required_dists(root: importlib.metadata.Distribution) -> list[importlib.metadata.Distribution]:
-    """Installed distributions ``root`` requires, transitively (extras it asks for only)."""
+def required_dists(
+    root: importlib.metadata.Distribution, leave_out: Iterable[str] = ()
+) -> list[importlib.metadata.Distribution]:
+    """Installed distributions ``root`` requires, transitively (extras it asks for
+    only), but those named in `leave_out` and what is required through them only."""
+    skip = {_normalise(name) for name in leave_out}
     seen: dict[str, importlib.metadata.Distribution] = {}
     todo: list[tuple[importlib.metadata.Distribution, frozenset[str]]] = [(root, frozenset())]
     asked: set[tuple[str, frozenset[str]]] = set()
@@ -263,7 +335,7 @@ def required_dists(root: importlib.metadata.Distribution) -> list[importlib.meta
             if need is None:
                 continue
             name, its_extras = need
-            if (name, its_extras) in asked:
+            if name in skip or (name, its_extras) in asked:
                 continue
             asked.add((name, its_extras))
             try:
@@ -461,6 +533,126 @@ class HashCache:
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+# --- bytecode ---------------------------------------------------------------------
+
+#: the bytecode kept on the initiator, beside the hash cache (`precompile`)
+PYC_DIR = "pyc"
+#: How the shipped bytecode is validated on the host. CHECKED_HASH: each import
+#: reads the .py and compares its hash (siphash, keyed by the bytecode's magic)
+#: with the one in the .pyc, so bytecode can never run in place of a source it was
+#: not compiled from (a file edited on a host by hand is compiled again, as
+#: without bytecode). UNCHECKED_HASH would spare that read, and would be sound as
+#: long as nobody writes into a content-addressed bundle; it measured no faster at
+#: an agent's start (BENCHMARKS.md, "lean bundle"), so the check stays.
+PYC_MODE = py_compile.PycInvalidationMode.CHECKED_HASH
+#: sources per compiling process (a cold cache: the lean bundle's ~1,400 files)
+PYC_BATCH = 400
+
+#: ``python -S -s -c PYC_COMPILER MODE`` with [[source, pyc, dfile], ...] as JSON on
+#: stdin: compiles each into its pyc (through a temporary name, renamed into place);
+#: a source that does not compile gets an empty ``.none`` beside (not tried again).
+#: A process of its own with a fixed hash seed and nothing imported but py_compile:
+#: the bytes marshal writes depend on the hash seed (frozenset constants) and on
+#: what else the process holds (references to shared constants), and a bundle's
+#: digest should not depend on which initiator compiled it.
+PYC_COMPILER = r"""
+import json, os, py_compile, sys
+mode = py_compile.PycInvalidationMode[sys.argv[1]]
+for src, dst, dfile in json.load(sys.stdin):
+    tmp = "%s.tmp%d" % (dst, os.getpid())
+    try:
+        py_compile.compile(src, cfile=tmp, dfile=dfile, doraise=True, optimize=0,
+                           invalidation_mode=mode)
+    except py_compile.PyCompileError:
+        open(dst[:-4] + ".none", "wb").close()
+        continue
+    os.replace(tmp, dst)
+"""
+
+
+def precompile(sources: Mapping[str, tuple[Path, str]], where: Path) -> dict[str, Path]:
+    """The bytecode of each ``site/`` .py of `sources` (its path -> (local file,
+    sha256)): ``site/``-relative path of its .pyc in ``__pycache__`` -> the file
+    kept under `where`, named by what the .pyc's bytes depend on (the source's
+    sha256, its path in the bundle, this Python's bytecode magic, `PYC_MODE`): it is
+    compiled once (a batch of subprocesses, `PYC_COMPILER`) and never again while
+    it is kept. A kept file not ours (owner, group/other-writable) is compiled
+    again. Optimisation level 0: what ``python3 -I`` on the host looks for."""
+    tag = sys.implementation.cache_tag
+    if tag is None:  # pragma: no cover - an implementation without bytecode caching
+        return {}
+    magic = importlib.util.MAGIC_NUMBER.hex()
+    out: dict[str, Path] = {}
+    todo: list[tuple[str, str, str]] = []
+    for rel, (local, sha) in sources.items():
+        if not (rel.startswith("site/") and rel.endswith(".py")):
+            continue
+        dfile = rel.removeprefix("site/")
+        key = hashlib.sha256(f"{sha} {dfile} {magic} {PYC_MODE.name} 0".encode()).hexdigest()
+        kept = where / key[:2] / f"{key}.pyc"
+        head, _, name = rel.rpartition("/")
+        out[f"{head}/__pycache__/{name.removesuffix('.py')}.{tag}.pyc"] = kept
+        if not (_kept(kept) or _kept(kept.with_suffix(".none"))):
+            todo.append((str(local), str(kept), dfile))
+    if todo:
+        _compile(todo)
+        _prune(where, {kept for kept in out.values()})
+    return {rel: kept for rel, kept in out.items() if _kept(kept)}
+
+
+#: bytecode files kept beyond the current bundle's (older evergraphs, the
+#: `--install` bundle's extra distributions); the oldest go first
+PYC_SPARE = 10_000
+
+
+def _prune(where: Path, used: set[Path]) -> None:
+    """Drop the oldest kept bytecode not in `used` beyond PYC_SPARE (only after a
+    compile: the one time the directory grows). Never fails the bundle."""
+    try:
+        spare = [
+            (e.stat().st_mtime_ns, Path(e.path))
+            for sub in os.scandir(where)
+            if sub.is_dir()
+            for e in os.scandir(sub.path)
+            if Path(e.path).with_suffix(".pyc") not in used
+        ]
+        spare.sort()
+        for _, path in spare[: max(0, len(spare) - PYC_SPARE)]:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def _kept(path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _compile(todo: Sequence[tuple[str, str, str]]) -> None:
+    """Compile `todo` ((source, pyc, dfile)s) in up to 4 processes at once."""
+    for d in {os.path.dirname(dst) for _, dst, _ in todo}:
+        with contextlib.suppress(OSError):
+            os.makedirs(d, mode=0o700, exist_ok=True)
+    batches = [todo[i : i + PYC_BATCH] for i in range(0, len(todo), PYC_BATCH)]
+    argv = [sys.executable, "-S", "-s", "-c", PYC_COMPILER, PYC_MODE.name]
+    env = {"PYTHONHASHSEED": "0"}
+    for at in range(0, len(batches), 4):
+        procs = [
+            (subprocess.Popen(argv, stdin=subprocess.PIPE, env=env), batch)
+            for batch in batches[at : at + 4]
+        ]
+        for proc, batch in procs:
+            assert proc.stdin is not None
+            with contextlib.suppress(OSError):  # it failed: its files are not kept
+                proc.stdin.write(msgspec.json.encode(batch))
+                proc.stdin.close()
+        for proc, _ in procs:
+            proc.wait()
 
 
 # --- what to send ---------------------------------------------------------------
@@ -718,9 +910,7 @@ async def install(
         raise BundleError(problem)
     if probe.present:
         return Installed(site, sent, 0)
-    missing = (
-        (await call(["missing", store, bundle.digest], bundle.manifest_bytes)).decode().split()
-    )
+    missing = (await call(["missing", store, bundle.digest], bundle.manifest_sent)).decode().split()
     await call(["store", store, bundle.digest], bundle.plan_for(missing).chunks())
     return Installed(site, sent, len(missing))
 
@@ -734,12 +924,13 @@ class _Probe(msgspec.Struct, frozen=True):
 #: The host's half, stdlib only and valid on old Pythons (it must run far enough
 #: to say which version it found). ``python3 -I -c REMOTE_SCRIPT OP STORE DIGEST``:
 #:   probe   -> {"python", "machine", "present"} as JSON
-#:   missing -> stdin: the manifest (kept as manifests/DIGEST.json when its hash is
-#:              DIGEST); stdout: the sha256 of each object the store lacks, one a line
+#:   missing -> stdin: the manifest, gzip'd or not (kept as manifests/DIGEST.json when
+#:              its hash is DIGEST); stdout: the sha256 of each object the store lacks,
+#:              one a line
 #:   store   -> stdin: a tar (gzip'd: `plan`) of objects named by their sha256; each is verified and
 #:              kept, then bundles/DIGEST[:16]/ is built beside and renamed into place
 REMOTE_SCRIPT = r"""
-import hashlib, json, os, platform, re, shutil, sys, tarfile
+import hashlib, json, os, platform, re, shutil, sys, tarfile, zlib
 op, store, digest = sys.argv[1:4]
 HEX = re.compile(r"[0-9a-f]{64}\Z")
 if not HEX.match(digest):
@@ -785,6 +976,8 @@ if op == "probe":
                       "present": os.path.isfile(os.path.join(bundle, "manifest.json"))}))
 elif op == "missing":
     data = sys.stdin.buffer.read()
+    if data[:2] == b"\x1f\x8b":
+        data = zlib.decompress(data, 16 + zlib.MAX_WBITS)
     put(kept, [data], digest)
     files = json.loads(data.decode())["files"]
     need = sorted(set(f[2] for f in files if not os.path.isfile(obj(f[2]))))

@@ -355,7 +355,11 @@ class Install:
         if self.key is None:
             raise ValueError("an install needs the deploy key")
         deployment = Deployment(self.file.name, self.file.read_bytes(), self.key, whoami())
-        bundle = await asyncio.to_thread(Bundle.of_running_python, {"etcd": local_etcd()})
+        # everything (no AGENT_LEAVES_OUT): a permanent, TLS-protected member needs
+        # cryptography for its cluster CA, and its host keeps the whole CLI
+        bundle = await asyncio.to_thread(
+            Bundle.of_running_python, {"etcd": local_etcd()}, leave_out=()
+        )
         hosts = [Host(t, Outcome(t)) for t in self.targets]
         try:
             async with asyncio.TaskGroup() as tg:
