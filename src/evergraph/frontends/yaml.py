@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import yaml_rs
 
 from evergraph._util.gc import gc_paused
 from evergraph.engine.build import PathPart, build_resource, known_kinds_hint, msgspec_path
@@ -33,6 +34,7 @@ from evergraph.engine.model import CollectSpec, Edge, GraphCycleError, GraphMode
 from evergraph.errors import InputError
 from evergraph.frontends.base import Context, Frontend, file_changes, merged, read_graph_file
 from evergraph.frontends.collect import Built, matching, merge, to_resources
+from evergraph.frontends.yaml_edges import MARK, RawEdge, split_edges
 from evergraph.frontends.yaml_entries import (
     Entries,
     Known,
@@ -142,11 +144,34 @@ def _parse_yaml(
             else:
                 entries.keep(text, kept, kinds)
                 return model
-    doc = load_text(text, filename, loc)
-    model, kept = _model(doc, None, filename, registry, loc, warn, valid, text, entries is not None)
+    doc, fast = _with_fast_edges(text)
+    if doc is None:
+        doc = load_text(text, filename, loc)
+    keep = entries is not None
+    model, kept = _model(doc, None, filename, registry, loc, warn, valid, text, keep, fast)
     if entries is not None:
         entries.keep(text, kept, None)
     return model
+
+
+def _with_fast_edges(text: str) -> tuple[Any, list[RawEdge] | None]:
+    """The parsed text and its edges when `split_edges` reads them (the YAML
+    parser reads the rest); else (None, None): parse the whole text. Any doubt,
+    and any error in the rest, goes to the whole text's parse, which says what
+    and where."""
+    split = split_edges(text)
+    if split is None:
+        return None, None
+    skeleton, edges = split
+    try:
+        doc = yaml_rs.loads(skeleton)
+    except Exception:
+        return None, None
+    # the cut section was the top-level key's whole value: `MARK` alone is left
+    if type(doc) is not dict or doc.get("edges") != [MARK]:
+        return None, None
+    doc["edges"] = None
+    return doc, edges
 
 
 def _model(
@@ -159,13 +184,15 @@ def _model(
     valid: Mapping[str, Resource] | None,
     text: str,
     keep: bool,
+    fast: list[RawEdge] | None = None,
 ) -> tuple[GraphModel, dict[str, list[Resource | Known]] | None]:
     """The checked model of a parsed document, and its resource entries as built
     (per kind as written, a pristine copy of each, as `Known` where it was
     exported or seen before; None when a key was ignored). `reused`: per
     kind, the entries of a re-parse: `Known` where the text was seen before, else
     parsed data; then a key to ignore raises `Reparse`. `keep`: return the
-    entries as built (else None)."""
+    entries as built (else None). `fast`: the edges as `split_edges` read them
+    (the document's `edges` is then empty)."""
 
     def fail(msg: str, path: tuple[PathPart, ...] = (), key: bool = False) -> InputError:
         return InputError(msg, loc.at(path, key))
@@ -274,6 +301,8 @@ def _model(
             model.connect(edge)
         except InputError as e:
             raise InputError(e.message, loc.at(("edges", i))) from None
+    if fast is not None:
+        _connect_read(model, fast, registry, loc)
     for group, count in warned.items():
         if warn and count > WARN_EACH:
             log.warning("%s: %s: %d more ignored the same way", filename, group, count - WARN_EACH)
@@ -552,6 +581,33 @@ def _edge(
     return Edge(
         ends[0], ends[1], notify=notify, send=values["from"], recv=values["to"], name=str(ename)
     )
+
+
+def _connect_read(model: GraphModel, read: list[RawEdge], registry: Registry, loc: Locator) -> None:
+    """The edges `split_edges` read, added as `_edge` and `model.connect` add
+    them (the same `Edge`s, the same errors), at ~1 us an edge: a kind is
+    looked up once, and an edge between two resources of the graph is
+    appended without the checks that cannot fail for it."""
+    kinds: dict[str, str] = {}
+    resources = model.resources
+    append = model.edges.append
+    for i, (name, from_kind, from_name, to_kind, to_name, notify) in enumerate(read):
+        a = kinds.get(from_kind)
+        if a is None:
+            cls = registry.get(from_kind)  # an alias (msg) names its kind's resources
+            a = kinds[from_kind] = cls.kind if cls is not None else from_kind
+        b = kinds.get(to_kind)
+        if b is None:
+            cls = registry.get(to_kind)
+            b = kinds[to_kind] = cls.kind if cls is not None else to_kind
+        edge = Edge(f"{a}[{from_name}]", f"{b}[{to_name}]", notify, None, None, name)
+        if edge[0] != edge[1] and edge[0] in resources and edge[1] in resources:
+            append(edge)
+            continue
+        try:
+            model.connect(edge)
+        except InputError as e:
+            raise InputError(e.message, loc.at(("edges", i))) from None
 
 
 def load_yaml(path: str | Path, registry: Registry) -> GraphModel:
