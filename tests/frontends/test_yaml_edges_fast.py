@@ -250,9 +250,12 @@ def test_the_cut_is_the_edges_value_and_everything_else_stays() -> None:
     )
     got = split_edges(text)
     assert got is not None
-    skeleton, edges = got
+    skeleton, edges = got[0], list(got[1])
     assert skeleton == text[: text.index("edges:\n") + 7] + f"- {MARK}\ncomment: after\n"
-    assert edges == [("e1", "noop", "a", "noop", "b", True), ("", "noop", "b", "msg", "c d", False)]
+    assert edges == [
+        ("e1", "noop", "a", "noop", "b", "true"),
+        (None, "noop", "b", "msg", "c d", None),
+    ]
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ import difflib
 import logging
 import re
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -154,7 +154,7 @@ def _parse_yaml(
     return model
 
 
-def _with_fast_edges(text: str) -> tuple[Any, list[RawEdge] | None]:
+def _with_fast_edges(text: str) -> tuple[Any, Iterable[RawEdge] | None]:
     """The parsed text and its edges when `split_edges` reads them (the YAML
     parser reads the rest); else (None, None): parse the whole text. Any doubt,
     and any error in the rest, goes to the whole text's parse, which says what
@@ -184,7 +184,7 @@ def _model(
     valid: Mapping[str, Resource] | None,
     text: str,
     keep: bool,
-    fast: list[RawEdge] | None = None,
+    fast: Iterable[RawEdge] | None = None,
 ) -> tuple[GraphModel, dict[str, list[Resource | Known]] | None]:
     """The checked model of a parsed document, and its resource entries as built
     (per kind as written, a pristine copy of each, as `Known` where it was
@@ -583,7 +583,9 @@ def _edge(
     )
 
 
-def _connect_read(model: GraphModel, read: list[RawEdge], registry: Registry, loc: Locator) -> None:
+def _connect_read(
+    model: GraphModel, read: Iterable[RawEdge], registry: Registry, loc: Locator
+) -> None:
     """The edges `split_edges` read, added as `_edge` and `model.connect` add
     them (the same `Edge`s, the same errors), at ~1 us an edge: a kind is
     looked up once, and an edge between two resources of the graph is
@@ -600,7 +602,9 @@ def _connect_read(model: GraphModel, read: list[RawEdge], registry: Registry, lo
         if b is None:
             cls = registry.get(to_kind)
             b = kinds[to_kind] = cls.kind if cls is not None else to_kind
-        edge = Edge(f"{a}[{from_name}]", f"{b}[{to_name}]", notify, None, None, name)
+        edge = Edge(
+            f"{a}[{from_name}]", f"{b}[{to_name}]", notify == "true", None, None, name or ""
+        )
         if edge[0] != edge[1] and edge[0] in resources and edge[1] in resources:
             append(edge)
             continue

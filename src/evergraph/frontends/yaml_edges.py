@@ -22,10 +22,11 @@ skeleton the YAML parser refuses is parsed whole, and the model's errors name
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Iterator
 
-#: an edge as read: (name, from kind, from name, to kind, to name, notify)
-RawEdge = tuple[str, str, str, str, str, bool]
+#: an edge as read: (name, from kind, from name, to kind, to name, notify), a
+#: match's groups: None for a name or notify not given, notify as written
+RawEdge = tuple[str | None, str, str, str, str, str | None]
 
 #: a scalar YAML reads as this very text: plain (ASCII, starting with a letter or
 #: `/`, never a YAML keyword, not ending in `:`) or quoted (printable ASCII, no
@@ -38,31 +39,46 @@ _S = (
 )
 
 
-def _block(d: str) -> re.Pattern[str]:
-    """One edge block with its `-` after `d` (the sequence's indentation)."""
-    return re.compile(
-        rf"{d}- (?:name: {_S}\n{d}  from:|from:)\n"
-        rf"{d}    kind: {_S}\n{d}    name: {_S}\n"
-        rf"{d}  to:\n{d}    kind: {_S}\n{d}    name: {_S}\n"
-        rf"(?:{d}  notify: (true|false)\n)?"
+def _block(d: str, group: str) -> str:
+    """One edge block with its `-` after `d` (the sequence's indentation);
+    `group`: `(` to capture the values, `(?:` not to."""
+    v = _S.replace("(", group, 1)
+    return (
+        rf"{d}- (?:name: {v}\n{d}  from:|from:)\n"
+        rf"{d}    kind: {v}\n{d}    name: {v}\n"
+        rf"{d}  to:\n{d}    kind: {v}\n{d}    name: {v}\n"
+        rf"(?:{d}  notify: {group}true|false)\n)?"
     )
 
 
-_BLOCKS: dict[int, re.Pattern[str]] = {}
+#: per indentation: (a run of blocks, possessive: its end is the section's end
+#: if the text is as read here; one block, capturing)
+_PATTERNS: dict[int, tuple[re.Pattern[str], re.Pattern[str]]] = {}
 _SPACES = re.compile(r" *")
 #: the one item the skeleton's `edges:` holds: the caller sees it there alone,
 #: so the cut section was the whole value of the top-level key
 MARK = "evergraph-read-these-edges"
 
 
+def _patterns(d: int) -> tuple[re.Pattern[str], re.Pattern[str]]:
+    got = _PATTERNS.get(d)
+    if got is None:
+        indent = " " * d
+        run = re.compile(f"(?:{_block(indent, '(?:')})*+")
+        got = _PATTERNS[d] = (run, re.compile(_block(indent, "(")))
+    return got
+
+
 def _text(v: str) -> str:
     return v[1:-1] if v[0] in "\"'" else v
 
 
-def split_edges(text: str) -> tuple[str, list[RawEdge]] | None:
+def split_edges(text: str) -> tuple[str, Iterator[RawEdge]] | None:
     """The text with its `edges:` section cut down to one item, `MARK` (the
-    skeleton), and the section's edges as read; None when they are not laid
-    out as this module reads for certain (then parse the whole text)."""
+    skeleton), and the section's edges, read one by one as the iterator is
+    taken (a graph of 10k edges never holds 10k of these tuples at once);
+    None when they are not laid out as this module reads for certain (then
+    parse the whole text)."""
     # the top-level `edges:` key alone on its line, once
     if text.startswith("edges:\n"):
         start = 7
@@ -73,46 +89,30 @@ def split_edges(text: str) -> tuple[str, list[RawEdge]] | None:
         start = at + 8
     if text.find("\nedges:\n", start - 1) >= 0:
         return None
-    # CRs (`[^"]` takes one) and a directive (`%YAML 1.1`: `yes` would be true)
-    if "\r" in text or ("%" in text and (text[0] == "%" or "\n%" in text)):
-        return None
-    if MARK in text:
+    # CR line ends, a directive (`%YAML 1.1`: `yes` would be true), our mark
+    if "\r" in text or ("%" in text and (text[0] == "%" or "\n%" in text)) or MARK in text:
         return None
     d = _SPACES.match(text, start).end() - start  # type: ignore[union-attr]
-    if text.startswith("\t", start) or not text.startswith("- ", start + d):
+    if not text.startswith("- ", start + d):
         return None
-    pat = _BLOCKS.get(d)
-    if pat is None:
-        pat = _BLOCKS[d] = _block(" " * d)
-    read: list[Any] = []  # each match's groups (a name or notify not given: None)
-    add = read.append
-    pos = start
-    for m in pat.finditer(text, start):
-        if m.start() != pos:
-            break
-        add(m.groups())
-        pos = m.end()
+    run, block = _patterns(d)
+    end = run.match(text, start).end()  # type: ignore[union-attr]
     # the section must end here: at the end of the text or at the next top-level key
-    if pos < len(text) and not (text[pos].isalpha() or text[pos] in "_\"'"):
+    if end == start or (end < len(text) and not (text[end].isalpha() or text[end] in "_\"'")):
         return None
-    if not read:
-        return None
-    section = text[start:pos]
-    edges: list[RawEdge]
-    if '"' in section or "'" in section:
-        edges = [
-            (
-                "" if n is None else _text(n),
-                _text(fk),
-                _text(fn),
-                _text(tk),
-                _text(tn),
-                nt == "true",
-            )
-            for n, fk, fn, tk, tn, nt in read
-        ]
-    else:
-        edges = [
-            ("" if n is None else n, fk, fn, tk, tn, nt == "true") for n, fk, fn, tk, tn, nt in read
-        ]
-    return f"{text[:start]}{' ' * d}- {MARK}\n{text[pos:]}", edges
+    section = text[start:end]
+    quoted = '"' in section or "'" in section
+    return f"{text[:start]}{' ' * d}- {MARK}\n{text[end:]}", _read(block, text, start, end, quoted)
+
+
+def _read(
+    block: re.Pattern[str], text: str, start: int, end: int, quoted: bool
+) -> Iterator[RawEdge]:
+    """The blocks of `text[start:end]`, known to follow each other there."""
+    if not quoted:
+        for m in block.finditer(text, start, end):
+            yield m.groups()  # type: ignore[misc]
+        return
+    for m in block.finditer(text, start, end):
+        n, fk, fn, tk, tn, nt = m.groups()
+        yield (n if n is None else _text(n), _text(fk), _text(fn), _text(tk), _text(tn), nt)
