@@ -22,7 +22,7 @@ from evergraph.engine.prepare import prepare
 from evergraph.errors import InputError
 from evergraph.frontends import yaml as yaml_frontend
 from evergraph.frontends.open import builtin_registry
-from evergraph.frontends.yaml import parse_yaml
+from evergraph.frontends.yaml import Entries, parse_yaml
 from evergraph.frontends.yaml_edges import MARK, split_edges
 
 REG = builtin_registry()
@@ -275,3 +275,29 @@ def test_the_cut_is_the_edges_value_and_everything_else_stays() -> None:
 def test_what_the_fast_path_does_not_read_goes_to_the_yaml_parser(section: str) -> None:
     text = "graph: g\nresources:\n  noop:\n  - name: a\n  - name: b\nedges:\n" + section
     assert split_edges(text) is None
+
+
+def test_a_live_edit_reads_the_edges_the_same_way(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A live frontend's re-parse (`Entries`) reads mgmt's edges on the fast path
+    too, and gives what a whole parse on the general path gives."""
+    rows = "".join(f'  - {{name: r{i}, comment: "v0 {i}"}}\n' for i in range(40))
+    edges = "".join(
+        f"- name: e{i}\n  from:\n    kind: noop\n    name: r{i}\n"
+        f"  to:\n    kind: noop\n    name: r{i + 1}\n" + ("  notify: true\n" if i % 3 else "")
+        for i in range(39)
+    )
+    old = f"graph: g\nresources:\n  noop:\n{rows}edges:\n{edges}"
+    new = old.replace('"v0 7"', '"v1 7"')
+    entries = Entries()
+    assert not isinstance(parse_yaml(old, F, REG, entries=entries), str)
+    found = entries.reuse(new)
+    assert found is not None
+    assert found[3] is not None
+    edited = parse_yaml(new, F, REG, entries=entries)
+    whole = _general(new, monkeypatch)
+    assert not isinstance(whole, str)
+    assert _view(edited) == _view(whole)
+    assert len(edited.edges) == 39
+    assert sum(e.notify for e in edited.edges) == 26

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import yaml_rs
 
 from evergraph._util.gc import gc_paused
 from evergraph.engine.build import PathPart, build_resource, known_kinds_hint, msgspec_path
@@ -34,7 +33,7 @@ from evergraph.engine.model import CollectSpec, Edge, GraphCycleError, GraphMode
 from evergraph.errors import InputError
 from evergraph.frontends.base import Context, Frontend, file_changes, merged, read_graph_file
 from evergraph.frontends.collect import Built, matching, merge, to_resources
-from evergraph.frontends.yaml_edges import MARK, RawEdge, split_edges
+from evergraph.frontends.yaml_edges import RawEdge, load_fast
 from evergraph.frontends.yaml_entries import (
     Entries,
     Known,
@@ -136,9 +135,11 @@ def _parse_yaml(
     if entries is not None:
         found = entries.reuse(text)
         if found is not None:
-            doc, items, kinds = found
+            doc, items, kinds, edges = found
             try:
-                model, kept = _model(doc, items, filename, registry, loc, warn, valid, text, True)
+                model, kept = _model(
+                    doc, items, filename, registry, loc, warn, valid, text, True, edges
+                )
             except Reparse:
                 pass  # a key ignored for mgmt's sake: the whole text, to warn as it does
             else:
@@ -155,23 +156,9 @@ def _parse_yaml(
 
 
 def _with_fast_edges(text: str) -> tuple[Any, Iterable[RawEdge] | None]:
-    """The parsed text and its edges when `split_edges` reads them (the YAML
-    parser reads the rest); else (None, None): parse the whole text. Any doubt,
-    and any error in the rest, goes to the whole text's parse, which says what
-    and where."""
-    split = split_edges(text)
-    if split is None:
-        return None, None
-    skeleton, edges = split
-    try:
-        doc = yaml_rs.loads(skeleton)
-    except Exception:
-        return None, None
-    # the cut section was the top-level key's whole value: `MARK` alone is left
-    if type(doc) is not dict or doc.get("edges") != [MARK]:
-        return None, None
-    doc["edges"] = None
-    return doc, edges
+    """`load_fast`: (the document, its edges), or (None, None) to parse the whole text."""
+    got = load_fast(text)
+    return (None, None) if got is None else got
 
 
 def _model(

@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from typing import Any
+
+import yaml_rs
 
 #: an edge as read: (name, from kind, from name, to kind, to name, notify), a
 #: match's groups: None for a name or notify not given, notify as written
@@ -116,3 +119,23 @@ def _read(
     for m in block.finditer(text, start, end):
         n, fk, fn, tk, tn, nt = m.groups()
         yield (n if n is None else _text(n), _text(fk), _text(fn), _text(tk), _text(tn), nt)
+
+
+def load_fast(text: str) -> tuple[Any, Iterator[RawEdge]] | None:
+    """The parsed text and its edges when `split_edges` reads them (the YAML
+    parser reads the rest; the document's `edges` is then null); None: parse
+    the whole text. Any doubt, and any error in the rest, goes to the whole
+    text's parse, which says what and where."""
+    split = split_edges(text)
+    if split is None:
+        return None
+    skeleton, edges = split
+    try:
+        doc = yaml_rs.loads(skeleton)
+    except Exception:
+        return None
+    # the cut section was the top-level key's whole value: `MARK` alone is left
+    if type(doc) is not dict or doc.get("edges") != [MARK]:
+        return None
+    doc["edges"] = None
+    return doc, edges
