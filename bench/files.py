@@ -1,5 +1,14 @@
 """Benchmark 2, W1: N files (100 per directory) with content and mode, from a YAML graph.
 
+The graph has each directory as a resource (`path: .../dJ/`, `state: exists`)
+and each file as one (`path`, `content`, `mode`, `state: exists`), in two edge
+styles (issue 28): `auto`, no `edges:` (each file's automatic edge from its
+directory orders them), and `explicit`, the same graph with one explicit edge
+per file from its directory, in mgmt's block layout (`- name: eI` / `from:` /
+`kind: file` / `name: dJ` / `to:` / ...), as mgmt's graphs and its corpus
+write them. The floor does the same job for both (it makes missing parent
+directories itself).
+
 Three phases, each a whole `evergraph run FILE --converged-exit --state-dir S`
 process timed from outside (Python start-up and YAML load included): first
 apply (target directory absent), no-change re-run, and 1 % drift (1 % of the
@@ -45,8 +54,10 @@ from bench.common import (
 )
 
 PHASES = ("first apply", "no change", "1% drift")
-#: evergraph, the floor, the floor writing durably (fsyncs as evergraph's)
-IMPLS = ("evergraph", "floor", "floor-durable")
+#: the graph's edges: automatic (dir -> file) or one explicit edge per file (issue 28)
+STYLES = ("auto", "explicit")
+#: evergraph per edge style, the floor, the floor writing durably (fsyncs as evergraph's)
+IMPLS = ("evergraph-auto", "evergraph-explicit", "floor", "floor-durable")
 #: issue 15: first apply and no change of 10k files each <= 2x the plain floor
 TARGET_RATIO = 2.0
 FLOOR = str(REPO / "bench" / "floor_files.py")
@@ -62,14 +73,32 @@ def layout(root: Path, n: int) -> list[tuple[str, str]]:
     return [(f"{root}/d{i // 100}/f{i}.txt", content(i, n)) for i in range(n)]
 
 
-def write_inputs(work: Path, files: list[tuple[str, str]]) -> tuple[Path, Path]:
+def write_inputs(work: Path, files: list[tuple[str, str]], style: str) -> tuple[Path, Path]:
+    dirs = sorted({path.rsplit("/", 1)[0] for path, _ in files})
     lines = ["graph: w1", "resources:", "  file:"]
+    for j, d in enumerate(dirs):
+        lines.append(f"  - {{name: d{j}, path: {json.dumps(d + '/')}, state: exists}}")
+    parent: list[int] = []
+    index = {d: j for j, d in enumerate(dirs)}
     for i, (path, text) in enumerate(files):
+        parent.append(index[path.rsplit("/", 1)[0]])
         lines.append(
             f"  - {{name: f{i}, path: {json.dumps(path)}, content: {json.dumps(text)},"
-            f' mode: "{MODE}"}}'
+            f' mode: "{MODE}", state: exists}}'
         )
-    yaml_path = work / "w1.yaml"
+    if style == "explicit":
+        lines.append("edges:")
+        for i, j in enumerate(parent):
+            lines += [
+                f"- name: e{i}",
+                "  from:",
+                "    kind: file",
+                f"    name: d{j}",
+                "  to:",
+                "    kind: file",
+                f"    name: f{i}",
+            ]
+    yaml_path = work / f"w1-{style}.yaml"
     yaml_path.write_text("\n".join(lines) + "\n")
     spec_path = work / "w1.json"
     spec_path.write_text(json.dumps([[p, t, MODE] for p, t in files]))
@@ -96,15 +125,17 @@ def drift(files: list[tuple[str, str]], seed: int) -> int:
 
 
 def one_round(impl: str, n: int, base: str, rep: int, log: Path, work: Path) -> dict[str, float]:
-    """The three phases for one implementation, in a fresh target directory."""
+    """The three phases for one implementation (`evergraph-auto`,
+    `evergraph-explicit`, `floor`, `floor-durable`), in a fresh target directory."""
     key = f"{impl}-{n}-{rep}-{fs_type(base)}"
     root = Path(base) / f"target-{key}"
     state = work / f"state-{key}"
     files = layout(root, n)
     sub = work / f"in-{key}"
     sub.mkdir()
-    yaml_path, spec_path = write_inputs(sub, files)
-    if impl == "evergraph":
+    style = impl.partition("-")[2] if impl.startswith("evergraph") else "auto"
+    yaml_path, spec_path = write_inputs(sub, files, style)
+    if impl.startswith("evergraph"):
         cmd = [EVERGRAPH, "run", str(yaml_path), "--converged-exit", "--state-dir", str(state)]
     else:
         cmd = [PYTHON, FLOOR, str(spec_path)]
@@ -154,45 +185,53 @@ def run(quick: bool) -> tuple[list[dict[str, Any]], str]:
                 for impl in IMPLS:
                     samples[impl].append(one_round(impl, n, str(target), rep, log, work))
             for phase in PHASES:
-                eg = median([s[phase] for s in samples["evergraph"]])
                 fl = median([s[phase] for s in samples["floor"]])
                 fd = median([s[phase] for s in samples["floor-durable"]])
                 has_target = base == ext4_base and n == 10_000 and phase != "1% drift"
-                r: dict[str, Any] = {
-                    "case": phase,
-                    "n": n,
-                    "fs": fs,
-                    "dir": base,
-                    "runs": reps,
-                    "evergraph_s": eg,
-                    "floor_s": fl,
-                    "ratio": eg / fl,
-                    "evergraph_samples": [s[phase] for s in samples["evergraph"]],
-                    "floor_samples": [s[phase] for s in samples["floor"]],
-                    "floor_durable_s": fd,
-                    "ratio_durable": eg / fd,
-                    "floor_durable_samples": [s[phase] for s in samples["floor-durable"]],
-                    "target": f"<= {TARGET_RATIO:g}x floor" if has_target else "-",
-                    "met": (eg / fl <= TARGET_RATIO) if has_target else None,
-                }
-                results.append(r)
-                rows.append(
-                    [
-                        f"{phase} ({fs})",
-                        f"{n:,}",
-                        fmt_s(eg),
-                        fmt_s(fl),
-                        fmt_ratio(r["ratio"]),
-                        fmt_s(fd),
-                        fmt_ratio(r["ratio_durable"]),
-                        r["target"],
-                        yes_no(r["met"]),
-                    ]
-                )
+                for style in STYLES:
+                    got = [s[phase] for s in samples[f"evergraph-{style}"]]
+                    eg = median(got)
+                    r: dict[str, Any] = {
+                        "case": phase,
+                        "edges": style,
+                        "n": n,
+                        "fs": fs,
+                        "dir": base,
+                        "runs": reps,
+                        "evergraph_s": eg,
+                        "floor_s": fl,
+                        "ratio": eg / fl,
+                        "evergraph_samples": got,
+                        "floor_samples": [s[phase] for s in samples["floor"]],
+                        "floor_durable_s": fd,
+                        "ratio_durable": eg / fd,
+                        "floor_durable_samples": [s[phase] for s in samples["floor-durable"]],
+                        "target": f"<= {TARGET_RATIO:g}x floor" if has_target else "-",
+                        "met": (eg / fl <= TARGET_RATIO) if has_target else None,
+                    }
+                    results.append(r)
+                    rows.append(
+                        [
+                            f"{phase} ({fs})" if style == STYLES[0] else "",
+                            f"{n:,}" if style == STYLES[0] else "",
+                            style,
+                            fmt_s(eg),
+                            fmt_s(fl) if style == STYLES[0] else "",
+                            fmt_ratio(r["ratio"]),
+                            fmt_s(fd) if style == STYLES[0] else "",
+                            fmt_ratio(r["ratio_durable"]),
+                            r["target"],
+                            yes_no(r["met"]),
+                        ]
+                    )
             print(f"  files {n} on {fs}: done", file=sys.stderr)
-    header = ["case", "N", "evergraph", "floor", "ratio", "floor fsync", "ratio", "target", "met?"]
+    header = [
+        "case", "N", "edges", "evergraph", "floor", "ratio", "floor fsync", "ratio", "target",
+        "met?",
+    ]  # fmt: skip
     title = (
         f"W1 files: whole processes, wall time, {_runs(reps)}; ext4 = {ext4_base},"
-        " tmpfs = /dev/shm; floor fsync = the floor with evergraph's fsyncs (--durable)"
+        " tmpfs = /dev/shm; edges: automatic (dir -> file) or one explicit edge per file"
+        " (mgmt's layout); floor fsync = the floor with evergraph's fsyncs (--durable)"
     )
     return results, table(title, header, rows)

@@ -20,7 +20,7 @@ import difflib
 import logging
 import re
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,7 @@ from evergraph.engine.model import CollectSpec, Edge, GraphCycleError, GraphMode
 from evergraph.errors import InputError
 from evergraph.frontends.base import Context, Frontend, file_changes, merged, read_graph_file
 from evergraph.frontends.collect import Built, matching, merge, to_resources
+from evergraph.frontends.yaml_edges import RawEdge, load_fast
 from evergraph.frontends.yaml_entries import (
     Entries,
     Known,
@@ -134,19 +135,30 @@ def _parse_yaml(
     if entries is not None:
         found = entries.reuse(text)
         if found is not None:
-            doc, items, kinds = found
+            doc, items, kinds, edges = found
             try:
-                model, kept = _model(doc, items, filename, registry, loc, warn, valid, text, True)
+                model, kept = _model(
+                    doc, items, filename, registry, loc, warn, valid, text, True, edges
+                )
             except Reparse:
                 pass  # a key ignored for mgmt's sake: the whole text, to warn as it does
             else:
                 entries.keep(text, kept, kinds)
                 return model
-    doc = load_text(text, filename, loc)
-    model, kept = _model(doc, None, filename, registry, loc, warn, valid, text, entries is not None)
+    doc, fast = _with_fast_edges(text)
+    if doc is None:
+        doc = load_text(text, filename, loc)
+    keep = entries is not None
+    model, kept = _model(doc, None, filename, registry, loc, warn, valid, text, keep, fast)
     if entries is not None:
         entries.keep(text, kept, None)
     return model
+
+
+def _with_fast_edges(text: str) -> tuple[Any, Iterable[RawEdge] | None]:
+    """`load_fast`: (the document, its edges), or (None, None) to parse the whole text."""
+    got = load_fast(text)
+    return (None, None) if got is None else got
 
 
 def _model(
@@ -159,13 +171,15 @@ def _model(
     valid: Mapping[str, Resource] | None,
     text: str,
     keep: bool,
+    fast: Iterable[RawEdge] | None = None,
 ) -> tuple[GraphModel, dict[str, list[Resource | Known]] | None]:
     """The checked model of a parsed document, and its resource entries as built
     (per kind as written, a pristine copy of each, as `Known` where it was
     exported or seen before; None when a key was ignored). `reused`: per
     kind, the entries of a re-parse: `Known` where the text was seen before, else
     parsed data; then a key to ignore raises `Reparse`. `keep`: return the
-    entries as built (else None)."""
+    entries as built (else None). `fast`: the edges as `split_edges` read them
+    (the document's `edges` is then empty)."""
 
     def fail(msg: str, path: tuple[PathPart, ...] = (), key: bool = False) -> InputError:
         return InputError(msg, loc.at(path, key))
@@ -274,6 +288,8 @@ def _model(
             model.connect(edge)
         except InputError as e:
             raise InputError(e.message, loc.at(("edges", i))) from None
+    if fast is not None:
+        _connect_read(model, fast, registry, loc)
     for group, count in warned.items():
         if warn and count > WARN_EACH:
             log.warning("%s: %s: %d more ignored the same way", filename, group, count - WARN_EACH)
@@ -552,6 +568,37 @@ def _edge(
     return Edge(
         ends[0], ends[1], notify=notify, send=values["from"], recv=values["to"], name=str(ename)
     )
+
+
+def _connect_read(
+    model: GraphModel, read: Iterable[RawEdge], registry: Registry, loc: Locator
+) -> None:
+    """The edges `split_edges` read, added as `_edge` and `model.connect` add
+    them (the same `Edge`s, the same errors), at ~1 us an edge: a kind is
+    looked up once, and an edge between two resources of the graph is
+    appended without the checks that cannot fail for it."""
+    kinds: dict[str, str] = {}
+    resources = model.resources
+    append = model.edges.append
+    for i, (name, from_kind, from_name, to_kind, to_name, notify) in enumerate(read):
+        a = kinds.get(from_kind)
+        if a is None:
+            cls = registry.get(from_kind)  # an alias (msg) names its kind's resources
+            a = kinds[from_kind] = cls.kind if cls is not None else from_kind
+        b = kinds.get(to_kind)
+        if b is None:
+            cls = registry.get(to_kind)
+            b = kinds[to_kind] = cls.kind if cls is not None else to_kind
+        edge = Edge(
+            f"{a}[{from_name}]", f"{b}[{to_name}]", notify == "true", None, None, name or ""
+        )
+        if edge[0] != edge[1] and edge[0] in resources and edge[1] in resources:
+            append(edge)
+            continue
+        try:
+            model.connect(edge)
+        except InputError as e:
+            raise InputError(e.message, loc.at(("edges", i))) from None
 
 
 def load_yaml(path: str | Path, registry: Registry) -> GraphModel:

@@ -6,11 +6,13 @@ this module cannot tell exactly, the whole text is parsed (frontends/yaml.py).""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import yaml_rs
 
 from evergraph.engine.contract import R, Resource
+from evergraph.frontends.yaml_edges import RawEdge, load_fast
 
 
 def copy_resource(res: R) -> R:
@@ -179,9 +181,10 @@ class Entries:
                 self._kept = None  # this text does not split: not again
         return self._by_text
 
-    def reuse(self, text: str) -> tuple[Any, Items, Split] | None:
+    def reuse(self, text: str) -> tuple[Any, Items, Split, Iterable[RawEdge] | None] | None:
         """The parsed skeleton of `text` and its entries (`Known` where their
-        text is known), and its split; None: parse the whole text."""
+        text is known), its split, and its edges if `yaml_edges` read them (the
+        skeleton's `edges` is then null); None: parse the whole text."""
         known = self._known()
         if known is None:
             return None
@@ -216,16 +219,22 @@ class Entries:
                 got.append(parsed[0])
             if texts:
                 items[kind] = got
-        try:
-            doc = yaml_rs.loads(skeleton)
-        except Exception:
-            return None
+        # explicit edges in mgmt's layout: read by yaml_edges, as in a whole parse
+        fast = load_fast(skeleton)
+        edges = None
+        if fast is not None:
+            doc, edges = fast
+        else:
+            try:
+                doc = yaml_rs.loads(skeleton)
+            except Exception:
+                return None
         res = doc.get("resources") if type(doc) is dict else None
         if type(res) is not dict or list(res) != [kind for kind, _, _ in kinds]:
             return None
         if any(texts and res[kind] is not None for kind, _, texts in kinds):
             return None
-        return doc, items, split
+        return doc, items, split, edges
 
 
 def _entry(d: int, text: str, at_end: bool) -> list[Any] | None:

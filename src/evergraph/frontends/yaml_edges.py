@@ -1,0 +1,141 @@
+"""The YAML frontend's fast path for explicit edges (issue 28).
+
+mgmt's layout writes each edge as a seven-line block (`- name: e1`, `from:`,
+`kind:`, `name:`, `to:`, `kind:`, `name:`). The YAML parser makes three
+mappings and ten scalars of each (~4 us), then `_edge` checks them key by key
+(~3 us): W1's 10k edges cost ~80 ms, about what its 10k resources cost. Here
+one regular expression reads the `edges:` section (~1 us an edge) when, and
+only when, every line of it is such a block, and the YAML parser reads the
+rest: the skeleton, where the section is cut down to one item, `MARK`.
+
+Sure or not at all, as `yaml_entries.py`: whatever this module cannot read
+exactly as the YAML parser would (comments, blank lines, trailing spaces,
+flow style, other key orders, `send`/`recv`, escapes, non-ASCII, a plain
+scalar YAML reads as other than text, CRs, directives), the whole text is
+parsed as before. The caller checks that the skeleton's top-level `edges` is
+`[MARK]` alone (so the cut section was that key's whole value, not text in a
+string or another document). Errors are the same either way: a text whose
+skeleton the YAML parser refuses is parsed whole, and the model's errors name
+`file:line:col` in the whole text.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import yaml_rs
+
+#: an edge as read: (name, from kind, from name, to kind, to name, notify), a
+#: match's groups: None for a name or notify not given, notify as written
+RawEdge = tuple[str | None, str, str, str, str, str | None]
+
+#: a scalar YAML reads as this very text: plain (ASCII, starting with a letter or
+#: `/`, never a YAML keyword, not ending in `:`) or quoted (printable ASCII, no
+#: escapes).
+#: ASCII classes, not `\w`: the section is read twice as fast.
+_S = (
+    r"((?!(?:true|false|null|True|False|TRUE|FALSE|Null|NULL)\n)"
+    r"[A-Za-z/][A-Za-z0-9_.\-/:]*(?<!:)"
+    r"|\"[ !#-\[\]-~]*\"|'[ -&(-~]*')"  # printable ASCII but `"` and `\`, or `'`
+)
+
+
+def _block(d: str, group: str) -> str:
+    """One edge block with its `-` after `d` (the sequence's indentation);
+    `group`: `(` to capture the values, `(?:` not to."""
+    v = _S.replace("(", group, 1)
+    return (
+        rf"{d}- (?:name: {v}\n{d}  from:|from:)\n"
+        rf"{d}    kind: {v}\n{d}    name: {v}\n"
+        rf"{d}  to:\n{d}    kind: {v}\n{d}    name: {v}\n"
+        rf"(?:{d}  notify: {group}true|false)\n)?"
+    )
+
+
+#: per indentation: (a run of blocks, possessive: its end is the section's end
+#: if the text is as read here; one block, capturing)
+_PATTERNS: dict[int, tuple[re.Pattern[str], re.Pattern[str]]] = {}
+_SPACES = re.compile(r" *")
+#: the one item the skeleton's `edges:` holds: the caller sees it there alone,
+#: so the cut section was the whole value of the top-level key
+MARK = "evergraph-read-these-edges"
+
+
+def _patterns(d: int) -> tuple[re.Pattern[str], re.Pattern[str]]:
+    got = _PATTERNS.get(d)
+    if got is None:
+        indent = " " * d
+        run = re.compile(f"(?:{_block(indent, '(?:')})*+")
+        got = _PATTERNS[d] = (run, re.compile(_block(indent, "(")))
+    return got
+
+
+def _text(v: str) -> str:
+    return v[1:-1] if v[0] in "\"'" else v
+
+
+def split_edges(text: str) -> tuple[str, Iterator[RawEdge]] | None:
+    """The text with its `edges:` section cut down to one item, `MARK` (the
+    skeleton), and the section's edges, read one by one as the iterator is
+    taken (a graph of 10k edges never holds 10k of these tuples at once);
+    None when they are not laid out as this module reads for certain (then
+    parse the whole text)."""
+    # the top-level `edges:` key alone on its line, once
+    if text.startswith("edges:\n"):
+        start = 7
+    else:
+        at = text.find("\nedges:\n")
+        if at < 0:
+            return None
+        start = at + 8
+    if text.find("\nedges:\n", start - 1) >= 0:
+        return None
+    # CR line ends, a directive (`%YAML 1.1`: `yes` would be true), our mark
+    if "\r" in text or ("%" in text and (text[0] == "%" or "\n%" in text)) or MARK in text:
+        return None
+    d = _SPACES.match(text, start).end() - start  # type: ignore[union-attr]
+    if not text.startswith("- ", start + d):
+        return None
+    run, block = _patterns(d)
+    end = run.match(text, start).end()  # type: ignore[union-attr]
+    # the section must end here: at the end of the text or at the next top-level key
+    if end == start or (end < len(text) and not (text[end].isalpha() or text[end] in "_\"'")):
+        return None
+    section = text[start:end]
+    quoted = '"' in section or "'" in section
+    return f"{text[:start]}{' ' * d}- {MARK}\n{text[end:]}", _read(block, text, start, end, quoted)
+
+
+def _read(
+    block: re.Pattern[str], text: str, start: int, end: int, quoted: bool
+) -> Iterator[RawEdge]:
+    """The blocks of `text[start:end]`, known to follow each other there."""
+    if not quoted:
+        for m in block.finditer(text, start, end):
+            yield m.groups()  # type: ignore[misc]
+        return
+    for m in block.finditer(text, start, end):
+        n, fk, fn, tk, tn, nt = m.groups()
+        yield (n if n is None else _text(n), _text(fk), _text(fn), _text(tk), _text(tn), nt)
+
+
+def load_fast(text: str) -> tuple[Any, Iterator[RawEdge]] | None:
+    """The parsed text and its edges when `split_edges` reads them (the YAML
+    parser reads the rest; the document's `edges` is then null); None: parse
+    the whole text. Any doubt, and any error in the rest, goes to the whole
+    text's parse, which says what and where."""
+    split = split_edges(text)
+    if split is None:
+        return None
+    skeleton, edges = split
+    try:
+        doc = yaml_rs.loads(skeleton)
+    except Exception:
+        return None
+    # the cut section was the top-level key's whole value: `MARK` alone is left
+    if type(doc) is not dict or doc.get("edges") != [MARK]:
+        return None
+    doc["edges"] = None
+    return doc, edges
