@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -318,6 +320,31 @@ def test_the_agent_loads_the_ca_and_its_host_certificate_from_its_state_dir(
     (directory / "ca.crt").write_bytes(b"garbage")
     with pytest.raises(KeyError_, match="cluster CA"):
         load_cluster_trust(state)
+
+
+def test_a_cluster_ca_without_cryptography_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    """A remote agent's lean bundle has no cryptography: a state dir with a cluster
+    CA is then one line naming the CA file and what to do, not an ImportError."""
+    state = tmp_path / "state"
+    directory = cluster_dir(state)
+    directory.mkdir(parents=True)
+    ClusterCA.new(CLUSTER).save(directory)
+    code = (
+        "import sys; sys.modules['cryptography'] = None\n"  # what a lean bundle lacks
+        "from pathlib import Path\n"
+        "from evergraph.cluster.hostbook import load_cluster_trust\n"
+        "from evergraph.cluster.hostkeys import KeyError_\n"
+        "try:\n"
+        f"    load_cluster_trust(Path({str(state)!r}))\n"
+        "except KeyError_ as e:\n"
+        "    print(e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.strip()
+    assert "\n" not in line
+    assert line.startswith(f"{directory / 'ca.crt'}: a cluster CA needs the cryptography package")
+    assert "remote --install" in line
 
 
 def test_an_agent_with_a_cluster_ca_publishes_its_key_with_its_certificate(

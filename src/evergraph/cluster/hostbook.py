@@ -376,7 +376,14 @@ def load_cluster_trust(state_dir: Path) -> tuple[ClusterCA | None, bytes | None]
     # (ca.CLUSTER_DIR and ca.CA_CERT, spelled out: importing them costs the import)
     if not (state_dir / "cluster" / "ca.crt").exists():
         return None, None
-    from evergraph.cluster.ca import HOST_CERT, CAError, ClusterCA, cluster_dir
+    try:
+        from evergraph.cluster.ca import HOST_CERT, CAError, ClusterCA, cluster_dir
+    except ImportError as e:  # a remote agent's lean bundle has no cryptography
+        raise KeyError_(
+            f"{state_dir / 'cluster' / 'ca.crt'}: a cluster CA needs the {e.name or 'cryptography'}"
+            " package, which this evergraph lacks (a remote agent's bundle leaves it out):"
+            " run this host's agent from a full installation (`evergraph remote --install`)"
+        ) from None
 
     directory = cluster_dir(state_dir)
     try:
