@@ -19,10 +19,12 @@ from typing import Any
 from evergraph.remote.runner import Ending
 from tests.conftest import wait_for
 from tests.kit.sshbed import SshBed
-from tests.remote.test_remote import hosts_of, pytestmark, remote, remote_argv
+from tests.remote.test_remote import EVERGRAPH, hosts_of, pytestmark, remote, remote_argv
 from tests.remote.test_remote_exports import exporting_graph
 
 __all__ = ["pytestmark"]
+
+EVERGRAPH_RUN = [*EVERGRAPH, "run"]
 
 
 class FakeWorld:
@@ -207,3 +209,53 @@ def test_a_host_still_busy_holds_the_session_until_it_converges_last(
     ]
     assert stops, records
     assert min(stops) >= last, (stops, last)
+
+
+def test_an_agent_reports_each_converged_transition_and_a_term_keeps_noops_status(
+    tmp_path: Path,
+) -> None:
+    """What a remote agent runs with by default (`run --converged-timeout 0
+    --converged-report`), on this machine: `true` the moment it is converged,
+    `false` when drift makes it busy, `true` again; SIGTERM (the wrapper's "exit")
+    then gives --noop's exit status 3 (something would change)."""
+    target = tmp_path / "managed"
+    site = tmp_path / "site.py"
+    site.write_text(f"def graph(g, world):\n    g.add('file', '{target}', content='one\\n')\n")
+    env = {**os.environ, "HOME": str(tmp_path)}
+    argv = [*EVERGRAPH_RUN, str(site), "--state-dir", str(tmp_path / "state")]
+    flags = ["--converged-timeout", "0", "--converged-report", "--log-format", "json"]
+    with subprocess.Popen(
+        [*argv, *flags], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+    ) as agent:
+        try:
+            assert agent.stdout is not None
+            assert agent.stdout.readline() == "evergraph-converged: true\n"
+            assert target.read_text() == "one\n"
+            target.write_text("drift\n")  # its watch fires: busy, repaired, converged again
+            assert agent.stdout.readline() == "evergraph-converged: false\n"
+            assert agent.stdout.readline() == "evergraph-converged: true\n"
+            assert target.read_text() == "one\n"
+            agent.terminate()
+            assert agent.wait(timeout=60) == 0
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+    target.write_text("drift\n")
+    with subprocess.Popen(
+        [*argv, *flags, "--noop"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    ) as noop:
+        try:
+            assert noop.stdout is not None
+            assert noop.stdout.readline() == "evergraph-converged: true\n"
+            noop.terminate()
+            assert noop.wait(timeout=60) == 3
+        finally:
+            if noop.poll() is None:
+                noop.kill()
+                noop.wait()
+    assert target.read_text() == "drift\n"
