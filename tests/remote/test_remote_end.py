@@ -154,9 +154,11 @@ def test_a_host_still_busy_holds_the_session_until_it_converges_last(
     file = held_graph(tmp_path, bed.files, h1.addr)
     env = {**os.environ, "SSH_AUTH_SOCK": "", "HOME": str(tmp_path), "TMPDIR": str(tmp_path)}
     argv = [*remote_argv(bed, file, *hosts_of(bed)), "--log-format", "json"]
-    initiator = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+    err_file = tmp_path / "initiator.err"
+    with err_file.open("w") as err_out:
+        initiator = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=err_out, text=True, env=env
+        )
     records: list[dict[str, Any]] = []
     assert initiator.stdout is not None
     reader = threading.Thread(
@@ -189,13 +191,18 @@ def test_a_host_still_busy_holds_the_session_until_it_converges_last(
         # h0 converged while h1's exec waits: the session stays open (h0's agent too)
         wait_for(lambda: converged(h0.addr), timeout=120, what=f"{h0.addr} converged")
         wait_for(released, timeout=120, what=f"{h1.addr}'s exec reading its FIFO")
-        _, err = initiator.communicate(timeout=120)
+        # (stdout is the reader's alone: no communicate())
+        initiator.wait(timeout=120)
         reader.join(timeout=30)
+        err = err_file.read_text()
         assert initiator.returncode == 0, "\n".join(map(json.dumps, records)) + err
     finally:
         if initiator.poll() is None:
             initiator.kill()
             initiator.wait()
+        reader.join(timeout=30)
+        if initiator.stdout is not None:
+            initiator.stdout.close()
     assert (h1.files / "released").read_text() == "go\n"
     assert [r["recap"] for r in records if "recap" in r] == ["converged", "converged"]
     # h0 was told to stop only after h1 converged (the records' own times: when each
