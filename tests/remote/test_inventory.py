@@ -103,7 +103,19 @@ def test_merge_with_the_host_arguments() -> None:
 
 
 def test_the_agent_gets_runs_own_flags() -> None:
+    # the default: the agent reports each converged transition and is ended by the
+    # initiator (remote/runner.py's Ending)
+    assert AgentArgs().coordinated
     assert AgentArgs().argv() == [
+        "--converged-timeout",
+        "0",
+        "--converged-report",
+        "--log-format",
+        "text",
+    ]
+    # an explicit timeout: it ends by itself, as `run --converged-exit`
+    assert not AgentArgs(5).coordinated
+    assert AgentArgs(5).argv() == [
         "--converged-timeout",
         "5",
         "--converged-exit",

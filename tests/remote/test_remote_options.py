@@ -52,8 +52,6 @@ def test_inventory_hostnames_keys_diff_and_json_output(
         str(inventory),
         "--known-hosts",
         str(bed.known_hosts),
-        "--converged-timeout",
-        "1",
         "--diff",
         "--log-format",
         "json",

@@ -58,10 +58,11 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
     @click.option(
         "--converged-timeout",
         type=click.FloatRange(0, min_open=True),
-        default=5.0,
-        show_default=True,
-        help="Seconds a host's graph stays unchanged before its agent counts it converged "
-        "and exits.",
+        default=None,
+        help="Each host's agent exits once its graph has stayed unchanged this many seconds "
+        "(the hosts end one by one). [default: the session ends as soon as every host is "
+        "converged and the run's World has had no write for 0.5 s (no export on its way); "
+        "with --seeds: 5]",
     )
     @click.option("--noop", is_flag=True, help="Change nothing; say what would change.")
     @click.option("--diff", is_flag=True, help="Show each change's diff (as `run --diff`).")
@@ -69,7 +70,8 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
         "--converged-exit",
         is_flag=True,
         help="Accepted for `run`'s sake: a remote agent always exits once converged "
-        "(with or without it), and the run ends when every host did.",
+        "(with or without it: see --converged-timeout), and the run ends when every "
+        "host did.",
     )
     @click.option(
         "--seeds",
@@ -123,7 +125,7 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
         known_hosts: Path,
         accept_new_host_keys: bool,
         parallel: int,
-        converged_timeout: float,
+        converged_timeout: float | None,
         noop: bool,
         diff: bool,
         converged_exit: bool,
@@ -143,6 +145,12 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
         (a later run sends only hashes). The hosts share a World the initiator owns
         for the run, reached through each host's SSH connection (with --seeds: that
         cluster). A remote agent lives exactly as long as its SSH session.
+
+        The session ends the moment every host is converged (every resource clean
+        and idle) and the World has been quiet for 0.5 s with no host busy again
+        (an export from one host to another is applied first): then each agent is
+        told to exit. With --converged-timeout N each agent exits by itself once
+        converged N seconds instead; with --seeds that is the default (5 s).
 
         \b
         A YAML inventory (a first line `hosts:`; every field optional):

@@ -436,6 +436,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
 #: included, goes to click): flag -> (parameter, kind)
 _FLAGS = {
     "--converged-exit": "converged_exit",
+    "--converged-report": "converged_report",
     "--noop": "noop",
     "--noop-no-commands": "noop_no_commands",
     "--diff": "diff",

@@ -5,6 +5,11 @@
 one per line) so that scripts and tests can wait on a file, not on sleeps.
 The file is appended to, never followed through a symlink, and must be a
 regular file (a FIFO or device there is refused, not blocked on).
+
+`report` (`run --converged-report`) is told the same transitions (True:
+converged, False: no longer), as `REPORT_LINES` on the agent's stdout:
+`evergraph remote`'s initiator runs its agents with a timeout of 0 and reads them
+to end a session the moment all its hosts are converged.
 """
 
 from __future__ import annotations
@@ -12,12 +17,23 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from evergraph._util.clock import SYSTEM, Clock, Timer
 
 log = logging.getLogger("evergraph.converger")
+
+#: the lines `print_report` writes: (idle state, busy state)
+REPORT_LINES = ("evergraph-converged: true", "evergraph-converged: false")
+
+
+def print_report(idle: bool) -> None:
+    """A `report` for the Converger: one of REPORT_LINES on stdout, flushed (the
+    agent writes nothing else there: its log goes to stderr)."""
+    sys.stdout.write(REPORT_LINES[0 if idle else 1] + "\n")
+    sys.stdout.flush()
 
 
 class Converger:
@@ -27,6 +43,7 @@ class Converger:
         status_file: Path | None,
         on_converged: Callable[[], None],
         clock: Clock = SYSTEM,
+        report: Callable[[bool], None] | None = None,
     ) -> None:
         self.timeout = timeout
         self.status_file = status_file
@@ -34,6 +51,7 @@ class Converger:
         self.clock = clock
         self.converged = False
         self._timer: Timer | None = None
+        self.report = report
         if status_file is not None:
             self._write(False)
 
@@ -49,6 +67,8 @@ class Converger:
         if self.converged:
             self.converged = False
             self._write(False)
+            if self.report is not None:
+                self.report(False)
 
     def close(self) -> None:
         if self._timer is not None:
@@ -59,6 +79,8 @@ class Converger:
         self._timer = None
         self.converged = True
         self._write(True)
+        if self.report is not None:
+            self.report(True)
         self.on_converged()
 
     def _write(self, state: bool) -> None:

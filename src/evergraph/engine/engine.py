@@ -132,8 +132,9 @@ class Engine(Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
         self.stop.raise_to(GRACEFUL)
 
     def exit_status(self) -> int:
-        """0 all clean, 1 a resource failed; a noop run that exits once converged:
-        `EXIT_WOULD_CHANGE` if any resource would change; the status a resource asked
+        """0 all clean, 1 a resource failed; a noop run that exits once converged (or
+        is ended by its reader, `converged_report`): `EXIT_WOULD_CHANGE` if any
+        resource would change; the status a resource asked
         for (`request_exit`) before all of these."""
         if self._exit_code is not None:
             return self._exit_code
@@ -146,7 +147,7 @@ class Engine(Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
         # something would change, or may (a check that could not tell: unknown)
         if (
             s.noop
-            and (s.converged_exit or not s.watch)
+            and (s.converged_exit or s.converged_report or not s.watch)
             and any(v.changed_count or v.state == "unknown" for v in vertices)
         ):
             return EXIT_WOULD_CHANGE

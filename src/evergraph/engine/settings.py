@@ -204,6 +204,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             help="Append `true`/`false` to this file on each converged transition.",
         ),
     ] = None
+    #: each converged transition on stdout, for `evergraph remote`'s initiator, which
+    #: runs its agents with a converged-timeout of 0 and ends them (engine/converger.py)
+    converged_report: Annotated[
+        bool,
+        Flag(
+            "--converged-report",
+            kind="flag",
+            help="Write `evergraph-converged: true`/`false` on stdout on each converged "
+            "transition, for whoever ends the run (`evergraph remote`): with --noop, "
+            "exit 3 if something would change, as with --converged-exit.",
+        ),
+    ] = False
     max_runtime: Annotated[
         float | None,
         Flag(

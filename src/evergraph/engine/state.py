@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from evergraph._util.clock import SYSTEM, Clock
 from evergraph.engine.contract import Registry, Resource, default_registry
-from evergraph.engine.converger import Converger
+from evergraph.engine.converger import Converger, print_report
 from evergraph.engine.model import Edge, GraphModel
 from evergraph.engine.recap import Recaps
 from evergraph.engine.recap import took as _took
@@ -144,7 +144,11 @@ class EngineState:
         if converged_timeout is None and not settings.watch:
             converged_timeout = 0.0  # --no-watch: nothing can change once converged
         self.converger = Converger(
-            converged_timeout, settings.converged_status_file, self._on_converged, clock
+            converged_timeout,
+            settings.converged_status_file,
+            self._on_converged,
+            clock,
+            print_report if settings.converged_report else None,
         )
         #: the run ends the moment it is idle (`--converged-exit` with a
         #: converged-timeout of 0, the default): passive watches (`subscribe()`, e.g.

@@ -7,6 +7,15 @@ network and the World lives exactly as long as the run. With ``seeds`` the hosts
 use that cluster instead (the URLs go to the agents as given): no etcd here, no
 forward.
 
+The end of a session is coordinated (`Ending`), unless `--converged-timeout` is
+given (each agent exits once converged that long) or with ``seeds`` (the agents
+fall back to that per-agent timeout, DEFAULT_SEEDS_TIMEOUT by default: the seeds'
+World may not be reachable from here). Each agent reports on its stdout the moment
+its graph is clean and idle, and when it is busy again (an export arrived); the
+run tells every agent to exit once all of its live hosts are converged and its
+World had no write for QUIET seconds, during which no host went busy. A write in
+that window (an export on its way to a host) starts it again.
+
 Each host's progress is told through `Report` (connecting, installing, running,
 then its outcome's state) for the live display (remote/progress.py).
 """
@@ -14,9 +23,13 @@ then its outcome's state) for the live display (remote/progress.py).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import dataclasses
+import json
 import tempfile
-from collections.abc import AsyncIterator, Callable, Sequence
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +50,16 @@ from evergraph.remote.target import Target
 
 #: exit statuses (SPEC: 0 clean, 1 a resource failed, 2 bad input, 4 a host not reached)
 EXIT_OK, EXIT_FAILED, EXIT_NOOP_CHANGES, EXIT_UNREACHABLE = 0, 1, 3, 4
+
+#: seconds the World must go without a write, and every live host stay converged,
+#: before a coordinated session ends (an export written just before is on its way:
+#: its target turns busy within this, and the window starts again). Time, not a
+#: revision handshake: a host hears only the keys it watches, so no revision tells
+#: that it has heard everything; 0.5 s leaves a loaded machine's watch delivery
+#: room (0.2 s would end every run 0.3 s sooner, with less margin)
+QUIET = 0.5
+#: the agents' converged-timeout with --seeds and no --converged-timeout
+DEFAULT_SEEDS_TIMEOUT = 5.0
 
 #: a host's progress: (its label, "connecting" | "installing" | "running" | the
 #: outcome's state once it ended)
@@ -63,6 +86,100 @@ class Outcome:
         return f"{self.target.label}: {text}" + (f": {self.reason}" if self.reason else "")
 
 
+class Ending:
+    """The coordinated end of a session: tells the agents to exit (sets each live
+    host's `end` event) once every live host is converged, and stayed so with the
+    World unwritten (`revision` unchanged) for `quiet` seconds.
+
+    A host is live from the moment it holds a slot (`--parallel`) until its session
+    ends: while it connects and installs it counts as busy, so the hosts already
+    converged wait for it (and for its exports). Hosts still waiting for a slot are
+    not live: the hosts holding the slots end without them, as each one did by its
+    timeout before, and free the slots for them."""
+
+    def __init__(self, revision: Callable[[], Awaitable[int]], quiet: float = QUIET) -> None:
+        self.revision = revision
+        self.quiet = quiet
+        #: live host -> converged (False: setting up, or busy)
+        self.converged: dict[str, bool] = {}
+        #: live host -> the event that tells its agent to exit
+        self.ends: dict[str, asyncio.Event] = {}
+        #: how many times a host went busy (a change in a quiet window spoils it)
+        self.busied = 0
+        self._changed = asyncio.Event()
+
+    def live(self, label: str) -> asyncio.Event:
+        """`label` holds a slot now (busy until it reports); its end event."""
+        self.converged[label] = False
+        self.ends[label] = end = asyncio.Event()
+        self._changed.set()
+        return end
+
+    def report(self, label: str, converged: bool) -> None:
+        """What the agent on `label` said: converged (True) or busy again."""
+        if label not in self.converged:
+            return
+        if not converged:
+            self.busied += 1
+        self.converged[label] = converged
+        self._changed.set()
+
+    def gone(self, label: str) -> None:
+        """`label`'s session ended (its agent exited, or it never ran one)."""
+        self.converged.pop(label, None)
+        self.ends.pop(label, None)
+        self._changed.set()
+
+    def _all_converged(self) -> bool:
+        return bool(self.converged) and all(self.converged.values())
+
+    async def run(self) -> None:
+        """Decide the ends, for as long as the run lasts (cancelled then)."""
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            if not self._all_converged() or all(e.is_set() for e in self.ends.values()):
+                continue
+            busied, revision = self.busied, await self.revision()
+            await asyncio.sleep(self.quiet)
+            if (
+                self._all_converged()
+                and busied == self.busied
+                and revision == await self.revision()
+            ):
+                for end in self.ends.values():
+                    end.set()
+            else:
+                self._changed.set()  # look again: a new window
+
+
+def etcd_revision(port: int) -> Callable[[], Awaitable[int]]:
+    """The current revision of the etcd on loopback `port` (its JSON gateway)."""
+    body = json.dumps({"key": base64.b64encode(b"\0").decode(), "count_only": True}).encode()
+    # straight to loopback: an http_proxy in the environment must not take it
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def read() -> int:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v3/kv/range",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        with opener.open(request, timeout=5) as r:
+            return int(json.load(r)["header"]["revision"])
+
+    async def revision() -> int:
+        try:
+            return await asyncio.to_thread(read)
+        except (OSError, ValueError, KeyError, TypeError):
+            # a World we cannot read counts as quiet: the hosts' reports decide alone
+            # (rather than a session that never ends; its agents, which cannot read
+            # it either, fail and end their sessions so)
+            return 0
+
+    return revision
+
+
 @dataclass
 class RemoteRun:
     """One `evergraph remote` invocation (everything checked already)."""
@@ -77,14 +194,28 @@ class RemoteRun:
 
     async def run(self, emit: Emit, report: Report = _no_report) -> list[Outcome]:
         """Every host's outcome, in the order given."""
+        if self.seeds and self.agent.coordinated:
+            # no World of ours to watch for quiet: each agent ends by its own timeout
+            self.agent = dataclasses.replace(self.agent, converged_timeout=DEFAULT_SEEDS_TIMEOUT)
         data = self.file.read_bytes()
         bundle = await asyncio.to_thread(Bundle.of_running_python)
         async with self._world() as etcd_port:
             gate = asyncio.Semaphore(self.parallel)
             outcomes = [Outcome(t) for t in self.targets]
+            ending = None
+            if self.agent.coordinated and etcd_port is not None:
+                ending = Ending(etcd_revision(etcd_port))
             async with asyncio.TaskGroup() as tg:
-                for o in outcomes:
-                    tg.create_task(self._host(o, gate, bundle, data, etcd_port, emit, report))
+                hosts = [
+                    tg.create_task(
+                        self._host(o, gate, bundle, data, etcd_port, emit, report, ending)
+                    )
+                    for o in outcomes
+                ]
+                if ending is not None:
+                    decider = tg.create_task(ending.run())
+                    await asyncio.wait(hosts)
+                    decider.cancel()
             return outcomes
 
     @contextlib.asynccontextmanager
@@ -120,11 +251,14 @@ class RemoteRun:
         etcd_port: int | None,
         emit: Emit,
         report: Report,
+        ending: Ending | None,
     ) -> None:
         label = outcome.target.label
         try:
-            await self._session(outcome, gate, bundle, data, etcd_port, emit, report)
+            await self._session(outcome, gate, bundle, data, etcd_port, emit, report, ending)
         finally:
+            if ending is not None:
+                ending.gone(label)
             report(label, outcome.state)
 
     async def _session(
@@ -136,11 +270,13 @@ class RemoteRun:
         etcd_port: int | None,
         emit: Emit,
         report: Report,
+        ending: Ending | None,
     ) -> None:
         target = outcome.target
         label = target.label
         ssh = self.ssh
         async with gate:
+            end = ending.live(label) if ending is not None else None
             report(label, "connecting")
             try:
                 conn = await connect(target, ssh)
@@ -180,6 +316,8 @@ class RemoteRun:
                         args=self.agent,
                         emit=emit,
                         label=label,
+                        converged=(None if ending is None else lambda c: ending.report(label, c)),
+                        end=end,
                     )
                 except (OSError, asyncssh.Error, ExceptionGroup) as e:
                     # a cut link (keepalives unanswered): the agent's wrapper ends it

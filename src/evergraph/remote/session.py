@@ -26,6 +26,7 @@ from pathlib import Path
 
 import asyncssh
 
+from evergraph.engine.converger import REPORT_LINES
 from evergraph.remote.bundle import DEFAULT_STORE, Bundle, BundleError, Stdin, install
 from evergraph.remote.target import Target
 
@@ -47,7 +48,9 @@ STATE_DIR = f"{DEFAULT_STORE}/state"
 #: starts ``evergraph ARGS...`` from the bundle at SITE in a process group of its own
 #: (its output goes straight to the channel), and kills that group (TERM, then KILL
 #: after 5 s) when its stdin reaches EOF, or stays silent for 6 s (three missed
-#: heartbeats): the SSH channel is gone, so is the agent. Its exit status is the agent's.
+#: heartbeats): the SSH channel is gone, so is the agent. A line "exit" on stdin (the
+#: initiator's end of a session) sends the agent SIGTERM: it stops as on a first
+#: SIGTERM and exits with its usual status. Its exit status is the agent's.
 AGENT_WRAPPER = r"""
 import os, select, signal, subprocess, sys, threading, time
 site = sys.argv[1]
@@ -65,13 +68,25 @@ def kill_group():
             time.sleep(0.05)
 def watch_stdin():
     # the initiator writes a heartbeat every HEARTBEAT_INTERVAL s: 6 s of silence
-    # is a link cut without a FIN (this sshd would not notice for many minutes)
+    # is a link cut without a FIN (this sshd would not notice for many minutes);
+    # "exit" ends the agent as a first SIGTERM does (its usual exit status)
+    tail = b""
     while True:
         try:
-            if not select.select([0], [], [], 6)[0] or not os.read(0, 65536):
+            if not select.select([0], [], [], 6)[0]:
                 break
+            data = os.read(0, 65536)
         except OSError:
             break
+        if not data:
+            break
+        tail = (tail + data)[-16:]
+        if b"exit\n" in tail:
+            tail = b""
+            try:
+                os.kill(agent.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
     kill_group()
 threading.Thread(target=watch_stdin, daemon=True).start()
 code = agent.wait()
@@ -98,25 +113,33 @@ class SshOptions:
 
 @dataclass(frozen=True)
 class AgentArgs:
-    """What the remote agent is run with, but for its seeds and hostname. It always
-    runs with `--converged-exit`: a remote run ends when its hosts converged."""
+    """What the remote agent is run with, but for its seeds and hostname.
+    `converged_timeout` None (the default): the agent reports each converged
+    transition on stdout (`run --converged-timeout 0 --converged-report`) and exits
+    when the initiator writes "exit" (the session's coordinated end,
+    remote/runner.py); a number: it runs with `--converged-exit` and exits by itself
+    once converged that long. Either way its exit status is `--converged-exit`'s (3
+    with --noop if something would change)."""
 
-    converged_timeout: float = 5.0
+    converged_timeout: float | None = None
     noop: bool = False
     #: `run --diff`: each change's content diff in the log
     diff: bool = False
     #: the agent's `--log-format` (json: the initiator parses its lines)
     log_format: str = "text"
 
+    @property
+    def coordinated(self) -> bool:
+        """The initiator ends the agent (see the class doc)."""
+        return self.converged_timeout is None
+
     def argv(self) -> list[str]:
         """These as `evergraph run` flags."""
-        out = [
-            "--converged-timeout",
-            f"{self.converged_timeout:g}",
-            "--converged-exit",
-            "--log-format",
-            self.log_format,
-        ]
+        if self.converged_timeout is None:
+            out = ["--converged-timeout", "0", "--converged-report"]
+        else:
+            out = ["--converged-timeout", f"{self.converged_timeout:g}", "--converged-exit"]
+        out += ["--log-format", self.log_format]
         if self.noop:
             out.append("--noop")
         if self.diff:
@@ -334,8 +357,12 @@ async def run_agent(
     args: AgentArgs,
     emit: Emit,
     label: str,
+    converged: Callable[[bool], None] | None = None,
+    end: asyncio.Event | None = None,
 ) -> int:
-    """Run the agent on the host until it exits; relay its lines; its exit status."""
+    """Run the agent on the host until it exits; relay its lines; its exit status.
+    A coordinated agent (`args.coordinated`) tells `converged` each change of its
+    state (True: every vertex clean and idle) and is told to exit once `end` is set."""
     argv = [
         "run",
         graph,
@@ -353,14 +380,33 @@ async def run_agent(
         conn.create_process(command, encoding="utf-8", errors="replace") as proc,
         _heartbeats(proc.stdin),
     ):
+        reports = dict(zip(REPORT_LINES, (True, False), strict=True))
 
-        async def relay(stream: asyncssh.SSHReader[str]) -> None:
-            async for line in stream:
-                emit(label, line.rstrip("\n"))
+        async def relay(stream: asyncssh.SSHReader[str], tell: bool) -> None:
+            async for text in stream:
+                if not text:
+                    continue  # asyncssh's iteration ends with "" at EOF: no line
+                line = text.rstrip("\n")
+                state = reports.get(line) if tell else None
+                if state is None:
+                    emit(label, line)
+                elif converged is not None:
+                    converged(state)
+
+        async def ask_exit(event: asyncio.Event) -> None:
+            await event.wait()
+            with contextlib.suppress(OSError, asyncssh.Error):
+                proc.stdin.write("exit\n")
 
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(relay(proc.stdout))
-            tg.create_task(relay(proc.stderr))
+            asker = tg.create_task(ask_exit(end)) if end is not None else None
+            relays = [
+                tg.create_task(relay(proc.stdout, args.coordinated)),
+                tg.create_task(relay(proc.stderr, False)),
+            ]
+            await asyncio.wait(relays)
+            if asker is not None:
+                asker.cancel()
         done = await proc.wait()
     status = done.exit_status
     return 255 if status is None else status
