@@ -253,23 +253,23 @@ class ParseCache:
         """Keep `model` (as its parse returned it, checked) as entry `key`; quietly
         nothing if it cannot be encoded exactly or written."""
         try:
+            make_dirs(self.directory, 0o700)
+        except OSError as e:
+            log.debug("%s: no parse cache: %s", self.directory, e)
+            return
+        dfd = self._open_dir()
+        if dfd is None:
+            return
+        try:
             with gc_paused():
                 data = encode(key, model, notes)
                 _, back = decode(data, registry)
             if not same_model(back, model):
                 log.debug("%s: not cached: the model does not encode exactly", key)
                 return
-            make_dirs(self.directory, 0o700)
-        except Exception as e:
-            log.debug("%s: not cached: %s", key, e)
-            return
-        dfd = self._open_dir()
-        if dfd is None:
-            return
-        try:
             atomic_write(key, data, mode=0o600, dir_fd=dfd, durable=False)
             self._prune(dfd, key)
-        except OSError as e:
+        except Exception as e:  # a cache never fails a run
             log.debug("%s/%s: not cached: %s", self.directory, key, e)
         finally:
             os.close(dfd)
