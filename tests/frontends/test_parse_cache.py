@@ -542,3 +542,27 @@ def test_a_run_keeps_its_parse_under_the_state_dir(tmp_path: Path) -> None:
     (again,) = d.iterdir()
     assert again.stat().st_ino == made.st_ino
     assert again.stat().st_mtime > long_ago + 500
+
+
+def test_without_a_state_dir_the_user_cache_directory_is_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    g = tmp_path / "g.yaml"
+    g.write_text(GRAPH)
+    f = YamlFrontend(g, REG)
+    f.cache_parses(None)
+    f.load()
+    (entry,) = (tmp_path / "xdg" / "evergraph" / parse_cache.SUBDIR).iterdir()
+    assert entry.stat().st_mode & 0o777 == 0o600
+
+
+def test_the_library_run_keeps_its_parse_under_the_state_dir(tmp_path: Path) -> None:
+    import evergraph
+
+    g = tmp_path / "g.yaml"
+    g.write_text(GRAPH)
+    state = tmp_path / "s"
+    for _ in range(2):
+        assert evergraph.run(g, state_dir=state, converged_exit=True, world=None) == 0
+    assert len(list((state / parse_cache.SUBDIR).iterdir())) == 1

@@ -374,8 +374,9 @@ def decode(data: bytes, registry: Registry) -> tuple[_Entry, GraphModel]:
 
 
 def same_model(a: GraphModel, b: GraphModel) -> bool:
-    """Equal names, resources (in order, of the same classes), edges and collect specs."""
-    if a.name != b.name or a.edges != b.edges or a.collect != b.collect:
+    """Equal names, resources (in order, of the same classes), edges, collect specs
+    and origins (an entry keeps none: a model with some is not cached)."""
+    if a.name != b.name or a.edges != b.edges or a.collect != b.collect or a.origins != b.origins:
         return False
     if list(a.resources) != list(b.resources):
         return False
