@@ -90,6 +90,7 @@ def run(
         frontend = frontend_for(graph)
         if deployers:  # following deploys: only these keys' (base64 verify keys)
             trust_deployers(frontend, deployers)
+        frontend.cache_parses(Path(state_dir) if state_dir is not None else None)
         frontend.preload()
         opts = _world(world)
         private = opts is None or (opts.backend == "memory" and not opts.is_etcd)

@@ -387,6 +387,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
         frontend = frontend_for(file)
         if deployers:
             trust_deployers(frontend, deployers)
+        frontend.cache_parses(state_dir)
         frontend.preload()
         opts = world_opts(world)
         services = (

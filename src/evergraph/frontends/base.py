@@ -68,6 +68,10 @@ class Frontend(abc.ABC):
         """The graph file, for frontends that read one."""
         return None
 
+    def cache_parses(self, state_dir: Path | None) -> None:  # noqa: B027  (optional hook)
+        """Keep parsed graphs under `state_dir` (None: the user's cache directory)
+        for the next run, if this frontend can (frontends/cache.py)."""
+
     def preload(self) -> None:  # noqa: B027  (optional hook)
         """Check the input before anything is started (a syntax error exits at once)."""
 
@@ -159,6 +163,12 @@ def read_graph_file(path: Path) -> str:
     """The text of a graph file (InputError naming the file if it cannot be one):
     a regular file (symlinks followed) of at most MAX_GRAPH_FILE bytes of UTF-8.
     Opened without blocking, so a FIFO is refused rather than waited on."""
+    return graph_text(read_graph_bytes(path), path)
+
+
+def read_graph_bytes(path: Path) -> bytes:
+    """The bytes of a graph file, read as `read_graph_file` reads them (the parse
+    cache hashes the very bytes it parses; `graph_text` decodes them)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -190,8 +200,13 @@ def read_graph_file(path: Path) -> str:
         raise InputError(f"cannot read: {e.strerror}", str(path)) from None
     finally:
         os.close(fd)
+    return b"".join(chunks)
+
+
+def graph_text(data: bytes, path: Path) -> str:
+    """A graph file's bytes as text (InputError naming the file if not UTF-8)."""
     try:
-        return b"".join(chunks).decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise InputError(
             f"not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x})", str(path)

@@ -31,7 +31,15 @@ from evergraph.engine.build import PathPart, build_resource, known_kinds_hint, m
 from evergraph.engine.contract import Registry, Resource
 from evergraph.engine.model import CollectSpec, Edge, GraphCycleError, GraphModel
 from evergraph.errors import InputError
-from evergraph.frontends.base import Context, Frontend, file_changes, merged, read_graph_file
+from evergraph.frontends.base import (
+    Context,
+    Frontend,
+    file_changes,
+    graph_text,
+    merged,
+    read_graph_bytes,
+    read_graph_file,
+)
 from evergraph.frontends.collect import Built, matching, merge, to_resources
 from evergraph.frontends.yaml_edges import RawEdge, load_fast
 from evergraph.frontends.yaml_entries import (
@@ -88,6 +96,7 @@ _INT_FOR_TEXT = re.compile(r"^Expected `(?P<types>[^`]*)`, got `int`$")
 
 if TYPE_CHECKING:
     from evergraph.cluster.exports import Exported
+    from evergraph.frontends.cache import ParseCache
 
 
 def parse_yaml(
@@ -97,15 +106,17 @@ def parse_yaml(
     warn: bool = True,
     valid: Mapping[str, Resource] | None = None,
     entries: Entries | None = None,
+    notes: list[str] | None = None,
 ) -> GraphModel:
     """Parse and validate a yamlgraph document; every error names `file:line:col`.
     `warn`: log the keys ignored for mgmt's sake (off when parsing a text again);
     `valid`: resources validated before (`GraphModel.validated()`): equal ones are
     not validated again; `entries`: the last text's resource entries (a live
-    frontend's): only entries whose text changed are parsed and built again."""
+    frontend's): only entries whose text changed are parsed and built again;
+    `notes`: gets each warning given (the parse cache gives them again)."""
     with gc_paused():
         try:
-            return _parse_yaml(text, filename, registry, warn, valid, entries)
+            return _parse_yaml(text, filename, registry, warn, valid, entries, notes)
         except RecursionError:
             # the parsers and the error path's locator recurse per level of nesting
             raise InputError(
@@ -130,6 +141,7 @@ def _parse_yaml(
     warn: bool,
     valid: Mapping[str, Resource] | None,
     entries: Entries | None,
+    notes: list[str] | None = None,
 ) -> GraphModel:
     loc = Locator(filename, text)
     if entries is not None:
@@ -138,7 +150,7 @@ def _parse_yaml(
             doc, items, kinds, edges = found
             try:
                 model, kept = _model(
-                    doc, items, filename, registry, loc, warn, valid, text, True, edges
+                    doc, items, filename, registry, loc, warn, valid, text, True, edges, notes
                 )
             except Reparse:
                 pass  # a key ignored for mgmt's sake: the whole text, to warn as it does
@@ -149,7 +161,7 @@ def _parse_yaml(
     if doc is None:
         doc = load_text(text, filename, loc)
     keep = entries is not None
-    model, kept = _model(doc, None, filename, registry, loc, warn, valid, text, keep, fast)
+    model, kept = _model(doc, None, filename, registry, loc, warn, valid, text, keep, fast, notes)
     if entries is not None:
         entries.keep(text, kept, None)
     return model
@@ -172,6 +184,7 @@ def _model(
     text: str,
     keep: bool,
     fast: Iterable[RawEdge] | None = None,
+    notes: list[str] | None = None,
 ) -> tuple[GraphModel, dict[str, list[Resource | Known]] | None]:
     """The checked model of a parsed document, and its resource entries as built
     (per kind as written, a pristine copy of each, as `Known` where it was
@@ -179,7 +192,7 @@ def _model(
     kind, the entries of a re-parse: `Known` where the text was seen before, else
     parsed data; then a key to ignore raises `Reparse`. `keep`: return the
     entries as built (else None). `fast`: the edges as `split_edges` read them
-    (the document's `edges` is then empty)."""
+    (the document's `edges` is then empty). `notes`: gets each warning logged."""
 
     def fail(msg: str, path: tuple[PathPart, ...] = (), key: bool = False) -> InputError:
         return InputError(msg, loc.at(path, key))
@@ -193,12 +206,10 @@ def _model(
         group = group or what
         warned[group] = warned.get(group, 0) + 1
         if warn and warned[group] <= WARN_EACH:
-            log.warning(
-                "%s: %s: ignored (mgmt's own code no longer has it)%s",
-                loc.at(path, key=True),
-                what,
-                f"; {hint}" if hint else "",
-            )
+            at, hinted = loc.at(path, key=True), f"; {hint}" if hint else ""
+            log.warning("%s: %s: ignored (mgmt's own code no longer has it)%s", at, what, hinted)
+            if notes is not None:
+                notes.append(f"{at}: {what}: ignored (mgmt's own code no longer has it){hinted}")
 
     if doc is None:
         raise InputError("the file is empty: expected `graph:` and `resources:`", filename)
@@ -293,6 +304,8 @@ def _model(
     for group, count in warned.items():
         if warn and count > WARN_EACH:
             log.warning("%s: %s: %d more ignored the same way", filename, group, count - WARN_EACH)
+            if notes is not None:
+                notes.append(f"{filename}: {group}: {count - WARN_EACH} more ignored the same way")
     try:
         model.check(valid, keep=keep)
     except GraphCycleError as e:
@@ -624,12 +637,32 @@ class YamlFrontend(Frontend):
         self._specs: list[CollectSpec] = []
         #: the collected exports as built last time (an unchanged one is not rebuilt)
         self._built = Built()
+        #: where parsed models are kept for the next run (`cache_parses`), if anywhere
+        self._cache: ParseCache | None = None
+
+    def cache_parses(self, state_dir: Path | None) -> None:
+        from evergraph.frontends.cache import ParseCache, default_dir
+
+        self._cache = ParseCache(default_dir(state_dir))
 
     def load(self) -> GraphModel:
-        """Parse the file now (InputError)."""
-        text = read_graph_file(self.path)
-        model = parse_yaml(text, str(self.path), self.registry, entries=self._entries)
+        """Parse the file now (InputError), or take its model from the parse cache."""
+        data = read_graph_bytes(self.path)
+        text = graph_text(data, self.path)
+        cache, key, notes = self._cache, "", list[str]()
+        if cache is not None:
+            from evergraph.frontends.cache import entry_key
+
+            key = entry_key(data, str(self.path), self.registry)
+            cached = cache.get(key, self.registry)
+            if cached is not None:
+                self._entries.keep(text, None, None)  # a first edit parses the whole text
+                self._text, self._valid = text, cached.validated()
+                return cached
+        model = parse_yaml(text, str(self.path), self.registry, entries=self._entries, notes=notes)
         self._text, self._valid = text, model.validated()
+        if cache is not None:
+            cache.put(key, model, notes, self.registry)
         return model
 
     def graph_file(self) -> Path:

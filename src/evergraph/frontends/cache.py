@@ -1,0 +1,386 @@
+"""The YAML frontend's parse cache (issue 28): a one-shot run of a graph file
+it has read before takes the model from here instead of parsing the YAML again
+(W1's 10k-resource file: ~110-150 ms of parsing and building, against ~15 ms
+to read and decode an entry).
+
+An entry is named by the sha256 of everything its model depends on: the
+file's exact bytes (the bytes parsed: read once, hashed and decoded, so no
+edit can fall between the hash and the parse), its name (warnings and errors
+name it), evergraph's version, Python's cache tag, the source of the modules
+that parse and build (a development tree changes them without a new
+version), and the registry's kinds (their names and modules). A stale entry
+is impossible by construction: no mtime or size is involved, and an entry
+whose content would differ has another name. The entry also names the class
+of each kind it holds with a digest of its modules' source; a mismatch (a
+kind's code changed) makes it a miss.
+
+What is cached is the model as the YAML frontend builds it (resources with
+their parameters in declaration order, explicit edges with notify and
+send/recv, `collect:` specs, the graph's name, the warnings given); on a hit
+the model is checked again (`GraphModel.check`: claims, cycles, meta), with
+`validate` skipped for the resources that kept no state from it (`validate`
+checks the parameter values alone, and these are the very values it passed:
+the same rule a live edit's re-check uses). A hit that fails its check is
+dropped and the file parsed: errors are never cached, and always name
+`file:line:col` as the parse does. An entry is written only after a parse
+that succeeded, and only if it decodes back to an equal model.
+
+Entries live in one directory (0700) as files (0600) written with the
+project's atomic write (without fsync: a torn entry after a power cut is
+a miss). They are used only when the directory and the entry are ours (our
+uid, not group- or other-writable, no symlink): a local user must not plant
+a model. A corrupt or truncated entry is a miss (parsed anew, rewritten),
+never an error. The directory is bounded (MAX_BYTES, MAX_ENTRIES): after a
+write the least recently used entries go.
+
+Python graphs are not cached: `def graph(g, world)` runs code, which may read
+other files, the environment, the World or the clock; the file's bytes do not
+determine its graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from evergraph._util.atomic import atomic_write, is_temp, make_dirs
+from evergraph._util.gc import gc_paused
+from evergraph._version import __version__
+from evergraph.engine.contract import DEFAULT_META, Registry, Resource
+from evergraph.engine.model import CollectSpec, Edge, GraphModel, Validated
+
+log = logging.getLogger("evergraph.frontend.cache")
+
+#: the entry layout; a new one makes every old entry a miss
+FORMAT = "1"
+#: what the cache directory may hold (a 10k-resource graph's entry is ~4 MB)
+MAX_BYTES = 64 * 1024 * 1024
+MAX_ENTRIES = 32
+#: the largest entry read
+MAX_ENTRY = 128 * 1024 * 1024
+#: the subdirectory of the state (or cache) directory
+SUBDIR = "parse-cache"
+#: the modules whose code makes a YAML graph's model (their source is in the key)
+_MAKERS = (
+    "evergraph._version",
+    "evergraph.engine.build",
+    "evergraph.engine.contract",
+    "evergraph.engine.model",
+    "evergraph.frontends.base",
+    "evergraph.frontends.cache",
+    "evergraph.frontends.collect",
+    "evergraph.frontends.yaml",
+    "evergraph.frontends.yaml_edges",
+    "evergraph.frontends.yaml_entries",
+    "evergraph.frontends.yaml_load",
+)
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_ENTRY = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+class _Kind(msgspec.Struct, array_like=True):
+    """A kind an entry holds: its registered name, and its class's code."""
+
+    kind: str
+    code: str
+
+
+class _Entry(msgspec.Struct, array_like=True):
+    key: str
+    name: str
+    kinds: list[_Kind]
+    #: consecutive resources of one kind: (index into `kinds`, a list of them)
+    runs: list[tuple[int, msgspec.Raw]]
+    edges: list[Edge]
+    collect: list[CollectSpec]
+    #: the warnings the parse gave, as logged
+    notes: list[str]
+    #: resources `validate` gave state of their own: validated again on a hit
+    stateful: list[str]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_entry_decoder = msgspec.msgpack.Decoder(_Entry)
+_decoders: dict[type[Resource], msgspec.msgpack.Decoder[Any]] = {}
+#: module name -> digest of its source (computed once per process)
+_digests: dict[str, str] = {}
+
+
+def _module_digest(name: str) -> str:
+    got = _digests.get(name)
+    if got is None:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        data = b"?"
+        if path:
+            try:
+                data = Path(path).read_bytes()
+            except OSError:
+                data = b"?"
+        got = _digests[name] = hashlib.sha256(data).hexdigest()
+    return got
+
+
+def _class_code(cls: type[Resource]) -> str:
+    """The class's identity and the source of every module of its resource bases."""
+    parts = [f"{cls.__module__}.{cls.__qualname__}"]
+    for base in cls.__mro__:
+        if isinstance(base, type) and issubclass(base, Resource):
+            parts.append(_module_digest(base.__module__))
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def entry_key(data: bytes, filename: str, registry: Registry) -> str:
+    """The name of the entry for a graph file's bytes `data` read from `filename`."""
+    h = hashlib.sha256()
+    lazy = registry._lazy
+    known = registry._kinds
+    kinds = [
+        f"{k}={lazy[k]}" if k in lazy else f"{k}={known[k].__module__}.{known[k].__qualname__}"
+        for k in registry.kinds()
+    ]
+    head = [
+        "evergraph parse cache",
+        FORMAT,
+        __version__,
+        sys.implementation.cache_tag or "",
+        *(_module_digest(m) for m in _MAKERS),
+        *kinds,
+        filename,
+    ]
+    h.update("\0".join(head).encode("utf-8", "surrogateescape"))
+    h.update(b"\0\0")
+    h.update(data)
+    return h.hexdigest()
+
+
+def default_dir(state_dir: Path | None) -> Path:
+    """Under the state directory, else the user's cache directory (XDG)."""
+    if state_dir is not None:
+        return state_dir / SUBDIR
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(base) / "evergraph" / SUBDIR
+
+
+def _ours(st: os.stat_result) -> bool:
+    """Owned by us and writable by no one else."""
+    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+class ParseCache:
+    """Models of YAML graph files by `entry_key`, in `directory`."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def _open_dir(self) -> int | None:
+        """The directory, open, if it is ours (else None: not used)."""
+        try:
+            fd = os.open(self.directory, _OPEN_DIR)
+        except OSError:
+            return None
+        if not _ours(os.fstat(fd)):
+            os.close(fd)
+            log.warning(
+                "%s: not used as a parse cache: not owned by this user or writable by others",
+                self.directory,
+            )
+            return None
+        return fd
+
+    def get(self, key: str, registry: Registry, warn: bool = True) -> GraphModel | None:
+        """The model of entry `key`, checked (warnings given again if `warn`); None
+        if there is none to use (absent, not ours, corrupt, or failing its check)."""
+        dfd = self._open_dir()
+        if dfd is None:
+            return None
+        try:
+            data = self._read(dfd, key)
+        finally:
+            os.close(dfd)
+        if data is None:
+            return None
+        with gc_paused():
+            try:
+                entry, model = decode(data, registry)
+            except Exception as e:  # corrupt, truncated, or of other code: parse anew
+                log.debug("%s/%s: parse cache entry not used: %s", self.directory, key, e)
+                return None
+            if entry.key != key:
+                return None
+            stateful = set(entry.stateful)
+            valid = Validated((i, r) for i, r in model.resources.items() if i not in stateful)
+            valid.claims = {}
+            try:
+                model.check(valid, keep=True)
+            except Exception as e:  # the parse gives the error, where it is
+                log.debug("%s/%s: cached model fails its check: %s", self.directory, key, e)
+                return None
+        if warn:
+            for note in entry.notes:
+                log.warning("%s", note)
+        return model
+
+    def _read(self, dfd: int, key: str) -> bytes | None:
+        try:
+            fd = os.open(key, _OPEN_ENTRY, dir_fd=dfd)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or not _ours(st) or st.st_size > MAX_ENTRY:
+                return None
+            chunks = []
+            while chunk := os.read(fd, 1 << 22):
+                chunks.append(chunk)
+            with contextlib.suppress(OSError):
+                os.utime(fd)  # recently used: pruned last
+            return b"".join(chunks)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    def put(self, key: str, model: GraphModel, notes: list[str], registry: Registry) -> None:
+        """Keep `model` (as its parse returned it, checked) as entry `key`; quietly
+        nothing if it cannot be encoded exactly or written."""
+        try:
+            make_dirs(self.directory, 0o700)
+        except OSError as e:
+            log.debug("%s: no parse cache: %s", self.directory, e)
+            return
+        dfd = self._open_dir()
+        if dfd is None:
+            return
+        try:
+            with gc_paused():
+                data = encode(key, model, notes)
+                _, back = decode(data, registry)
+            if not same_model(back, model):
+                log.debug("%s: not cached: the model does not encode exactly", key)
+                return
+            atomic_write(key, data, mode=0o600, dir_fd=dfd, durable=False)
+            self._prune(dfd, key)
+        except Exception as e:  # a cache never fails a run
+            log.debug("%s/%s: not cached: %s", self.directory, key, e)
+        finally:
+            os.close(dfd)
+
+    def _prune(self, dfd: int, keep: str) -> None:
+        """Remove the least recently used entries beyond MAX_ENTRIES and MAX_BYTES
+        (and temporary files a kill left, once a minute old)."""
+        found: list[tuple[float, int, str]] = []
+        for name in os.listdir(dfd):
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except OSError:
+                continue
+            if is_temp(name):
+                if st.st_mtime < _now() - 60:
+                    with contextlib.suppress(OSError):
+                        os.unlink(name, dir_fd=dfd)
+                continue
+            if name != keep:
+                found.append((st.st_mtime, st.st_size, name))
+        found.sort(reverse=True)  # the newest first
+        total = 0
+        for i, (_, size, name) in enumerate(found):
+            total += size
+            if i + 1 >= MAX_ENTRIES or total > MAX_BYTES:
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=dfd)
+
+
+def _now() -> float:
+    import time
+
+    return time.time()
+
+
+def encode(key: str, model: GraphModel, notes: list[str]) -> bytes:
+    """An entry of `model` (resources' fields only: state `validate` set is not kept)."""
+    kinds: list[_Kind] = []
+    index: dict[type[Resource], int] = {}
+    runs: list[tuple[int, msgspec.Raw]] = []
+    run: list[Resource] = []
+    run_cls: type[Resource] | None = None
+
+    def flush() -> None:
+        if run_cls is not None and run:
+            runs.append((index[run_cls], msgspec.Raw(_encoder.encode(run))))
+
+    stateful: list[str] = []
+    for ident, res in model.resources.items():
+        cls = type(res)
+        if ident != res.ident:
+            raise ValueError(f"{ident} is held under another name")
+        if cls is not run_cls:
+            flush()
+            run, run_cls = [], cls
+            if cls not in index:
+                index[cls] = len(kinds)
+                kinds.append(_Kind(cls.kind, _class_code(cls)))
+        run.append(res)
+        if res.__dict__:
+            stateful.append(ident)
+    flush()
+    entry = _Entry(
+        key=key,
+        name=model.name,
+        kinds=kinds,
+        runs=runs,
+        edges=model.edges,
+        collect=model.collect,
+        notes=notes,
+        stateful=stateful,
+    )
+    return _encoder.encode(entry)
+
+
+def decode(data: bytes, registry: Registry) -> tuple[_Entry, GraphModel]:
+    """An entry and its model (unchecked); raises on anything amiss. The kinds'
+    classes in `registry` must be those the entry was made with."""
+    entry = _entry_decoder.decode(data)
+    reg = registry
+    classes: list[type[Resource]] = []
+    for k in entry.kinds:
+        cls = reg.get(k.kind)
+        if cls is None or cls.kind != k.kind or _class_code(cls) != k.code:
+            raise ValueError(f"kind {k.kind!r} is not the one the entry was made with")
+        classes.append(cls)
+    resources: dict[str, Resource] = {}
+    default = DEFAULT_META
+    for i, raw in entry.runs:
+        cls = classes[i]
+        dec = _decoders.get(cls)
+        if dec is None:
+            dec = _decoders[cls] = msgspec.msgpack.Decoder(list[cls])  # type: ignore[valid-type]
+        for res in dec.decode(raw):
+            if res.meta == default:
+                res.meta = default  # as the parse leaves it: one shared default
+            resources[res.ident] = res
+    model = GraphModel(
+        name=entry.name, resources=resources, edges=entry.edges, collect=entry.collect
+    )
+    return entry, model
+
+
+def same_model(a: GraphModel, b: GraphModel) -> bool:
+    """Equal names, resources (in order, of the same classes), edges, collect specs
+    and origins (an entry keeps none: a model with some is not cached)."""
+    if a.name != b.name or a.edges != b.edges or a.collect != b.collect or a.origins != b.origins:
+        return False
+    if list(a.resources) != list(b.resources):
+        return False
+    return all(
+        type(x) is type(y) and x == y
+        for x, y in zip(a.resources.values(), b.resources.values(), strict=True)
+    )
