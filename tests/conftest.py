@@ -35,6 +35,20 @@ EVERGRAPH = [sys.executable, "-m", "evergraph.cli.main"]
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The caches evergraph keeps in $XDG_CACHE_HOME (the remote bundle's hashes,
+    plans and bytecode; the parse cache of runs without --state-dir) go to the
+    session's temp dir, for every process the tests start: never root's ~/.cache."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if old is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
 def wait_for(pred: Callable[[], object], timeout: float = 15.0, what: str = "condition") -> None:
     """Poll a condition on the filesystem (or a process) until it holds."""
     deadline = time.monotonic() + timeout
