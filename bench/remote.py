@@ -12,7 +12,7 @@ sent to the hosts (the sum of the hosts' eth0 rx_bytes over the run).
 - evergraph: `evergraph remote site.py HOST...` with the tests' own graph and
   argv (tests/remote/test_remote.py: graph_file, remote_argv): the CLI's default
   end (the session ends once every host converged and its World is quiet for
-  0.2 s); `--converged-timeout S` measures the per-agent timeout instead (each
+  0.5 s); `--converged-timeout S` measures the per-agent timeout instead (each
   agent exits after S s without change, as every run did before the coordinated
   end).
 - pyinfra: an inventory (user, key, known_hosts, strict host key checking) and
