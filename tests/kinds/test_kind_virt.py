@@ -47,7 +47,7 @@ from evergraph.testing.kinds import (
 )
 from tests.conftest import Agent, run_cli, wait_for
 from tests.kit.agents import save
-from tests.kit.libvirtbed import GUEST_KIB, PREFIX, LibvirtBed
+from tests.kit.libvirtbed import GUEST_KIB, PREFIX, LibvirtBed, libvirt_bed
 
 TEST_URI = "test:///default"
 MGMT_YAML = Path("/work/shared/mgmt-yaml")
@@ -774,6 +774,36 @@ def test_libvirtd_killed_and_restarted_the_resources_recover(
 
 
 @pytest.mark.slow
+def test_the_beds_libvirtd_never_joins_a_system_bus_that_another_test_may_stop(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A system bus is up (here a private one, named by DBUS_SYSTEM_BUS_ADDRESS as
+    the tests' own would be found) when the bed starts: its libvirtd does not
+    connect to it. One that did ended (status 0) when that bus was stopped, and
+    the test running on it failed ("client socket is closed")."""
+    bus = tmp_path / "bus"
+    daemon = subprocess.Popen(
+        ["dbus-daemon", "--session", "--nofork", "--print-address", f"--address=unix:path={bus}"],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        assert daemon.stdout is not None
+        assert daemon.stdout.readline().startswith(b"unix:path=")  # listening
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("DBUS_SYSTEM_BUS_ADDRESS", f"unix:path={bus}")
+            with libvirt_bed(lambda: tmp_path_factory.mktemp("libvirt")) as bed:
+                if not bed.ours:
+                    pytest.skip("the machine's own libvirtd runs: not the bed's to start")
+                log = (bed.root / "libvirtd.log").read_text()
+        assert "Unable to get system bus connection" in log, log
+    finally:
+        daemon.terminate()
+        daemon.wait(10)
+        if daemon.stdout is not None:
+            daemon.stdout.close()
+
+
 def test_a_call_that_finds_its_connection_closed_by_libvirtd_is_made_again_once(
     libvirtbed: LibvirtBed,
 ) -> None:

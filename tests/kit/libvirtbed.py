@@ -171,12 +171,20 @@ def _stop(pid: int | None, proc: subprocess.Popen[bytes] | None = None) -> None:
         wait_for(lambda: not _alive(pid), 10, f"pid {pid} to end")
 
 
+#: the system bus the bed's daemons are given: none. A test of the suite may start a
+#: system dbus-daemon (tests/kinds/test_svc.py) and stop it while a bed runs; a
+#: libvirtd connected to it then ends (GLib's bus connections exit on close: it
+#: raises SIGTERM, and libvirtd stops cleanly, status 0, mid-test)
+NO_SYSTEM_BUS = "unix:path=/nonexistent/evergraph-tests-no-system-bus"
+
+
 def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
     """A daemon in the foreground, our child: when it ends we reap it (a daemonised
     one ends as init's child, and an init that does not reap keeps a zombie)."""
     with open(log, "ab") as out:
         return subprocess.Popen(
             argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "DBUS_SYSTEM_BUS_ADDRESS": NO_SYSTEM_BUS},
             start_new_session=True,  # (a ^C to pytest is not for it: the teardown stops it)
         )  # fmt: skip
 
