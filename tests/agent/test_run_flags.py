@@ -60,13 +60,13 @@ def test_absurd_run_flags_are_refused(
 
 @pytest.mark.slow
 def test_max_runtime_holds_while_a_huge_graph_is_still_loading(tmp_path: Path) -> None:
-    """300,000 resources take seconds to load and group, in code that cannot be
+    """900,000 resources take seconds to load and group, in code that cannot be
     interrupted: the run still ends about a second past --max-runtime, cut short
     (exit 1, saying why), not seconds later with status 0."""
     g = tmp_path / "big.yaml"
     with open(g, "w") as f:
         f.write("graph: big\nresources:\n  noop:\n")
-        f.writelines(f"  - name: n{i}\n" for i in range(300_000))
+        f.writelines(f"  - name: n{i:x}\n" for i in range(900_000))  # (< 16 MiB)
     r = _run(tmp_path, "--state-dir", str(tmp_path / "s"), "--max-runtime", "1", graph=g)
     assert r.returncode == 1, r.stderr[-2000:]
     assert "max runtime of 1" in r.stderr

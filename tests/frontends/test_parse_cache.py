@@ -42,6 +42,7 @@ class Loads:
 
     def __init__(self, state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         self.state = state
+        state.mkdir(parents=True, exist_ok=True)  # (the cache never makes a state dir)
         self.parses = 0
         real = yaml_frontend.parse_yaml
 
@@ -526,9 +527,15 @@ def test_a_run_keeps_its_parse_under_the_state_dir(tmp_path: Path) -> None:
     g = tmp_path / "g.yaml"
     g.write_text(GRAPH)
     state = tmp_path / "s"
+    d = state / parse_cache.SUBDIR
+    # the state dir did not exist when the graph was parsed: nothing kept (the cache
+    # never makes a state dir; a run refused for bad input leaves none behind)
     r = run_cli("run", g, "--state-dir", state, "--converged-exit")
     assert r.returncode == 0, r.stderr
-    d = state / parse_cache.SUBDIR
+    assert state.is_dir()
+    assert not d.exists()
+    r = run_cli("run", g, "--state-dir", state, "--converged-exit")
+    assert r.returncode == 0, r.stderr
     assert d.stat().st_mode & 0o777 == 0o700
     (entry,) = d.iterdir()
     assert entry.stat().st_mode & 0o777 == 0o600

@@ -178,8 +178,11 @@ def _ours(st: os.stat_result) -> bool:
 class ParseCache:
     """Models of YAML graph files by `entry_key`, in `directory`."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, within: Path | None = None) -> None:
         self.directory = directory
+        #: a directory the cache never creates (the state dir: a run refused for bad
+        #: input leaves none behind; the agent makes it once it starts)
+        self.within = within
 
     def _open_dir(self) -> int | None:
         """The directory, open, if it is ours (else None: not used)."""
@@ -252,6 +255,8 @@ class ParseCache:
     def put(self, key: str, model: GraphModel, notes: list[str], registry: Registry) -> None:
         """Keep `model` (as its parse returned it, checked) as entry `key`; quietly
         nothing if it cannot be encoded exactly or written."""
+        if self.within is not None and not self.within.is_dir():
+            return
         try:
             make_dirs(self.directory, 0o700)
         except OSError as e:

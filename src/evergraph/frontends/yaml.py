@@ -643,7 +643,7 @@ class YamlFrontend(Frontend):
     def cache_parses(self, state_dir: Path | None) -> None:
         from evergraph.frontends.cache import ParseCache, default_dir
 
-        self._cache = ParseCache(default_dir(state_dir))
+        self._cache = ParseCache(default_dir(state_dir), within=state_dir)
 
     def load(self) -> GraphModel:
         """Parse the file now (InputError), or take its model from the parse cache."""
