@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator
 from typing import Any
 
 from evergraph.engine.contract import Resource, semaphores
-from evergraph.engine.state import EngineState, error_text, members, yield_now
+from evergraph.engine.state import SUSPENDED_LOW, EngineState, error_text, members, yield_now
 from evergraph.engine.vertex import Vertex
 
 log = logging.getLogger("evergraph.engine")
@@ -125,6 +125,7 @@ class Guard(EngineState):
             self._finish(v, True, error_text(e, v.res), apply)
             return
         assert self._tg is not None
+        self._suspended += 1
         v.apply_task = self._tg.create_task(self._finish_later(v, coro, yielded, apply))
 
     async def _finish_later(
@@ -140,7 +141,12 @@ class Guard(EngineState):
         except Exception as e:
             error = error_text(e, v.res)
         finally:
+            self._suspended -= 1
             self._finish(v, result, error, apply)
+            if self._ready and not self._drain_scheduled and self._suspended <= SUSPENDED_LOW:
+                # the drain stopped at SUSPENDED_MAX: room for a batch again
+                self._drain_scheduled = True
+                asyncio.get_running_loop().call_soon(self._drain)
 
     async def _guarded_check_apply(self, v: Vertex, res: Resource, apply: bool) -> bool:
         meta = res.meta

@@ -16,7 +16,7 @@ import logging
 import math
 
 from evergraph._util.crash import crash_point
-from evergraph.engine.state import DRAIN_BATCH, EngineState, error_text
+from evergraph.engine.state import DRAIN_BATCH, SUSPENDED_MAX, EngineState, error_text
 from evergraph.engine.vertex import Vertex
 
 log = logging.getLogger("evergraph.engine")
@@ -102,14 +102,14 @@ class Scheduling(EngineState):
         """Start queued runs; a batch at a time, so the loop stays responsive."""
         self._drain_scheduled = False
         for _ in range(DRAIN_BATCH):
-            if not self._ready:
-                break
+            if not self._ready or self._suspended >= SUSPENDED_MAX:
+                break  # (a suspended check that ends drains again: _finish_later)
             v = self._ready.popleft()
             v.queued = False
             self._queued -= 1
             if self._runnable(v):  # still: a parent may have turned dirty since
                 self._start(v)
-        if self._ready:
+        if self._ready and self._suspended < SUSPENDED_MAX:
             self._drain_scheduled = True
             asyncio.get_running_loop().call_soon(self._drain)  # a loop turn, no time
         self._check_idle()

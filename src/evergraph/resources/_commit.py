@@ -58,7 +58,7 @@ class DurableWrites:
         self._last_end = -1.0
         self._inline_s: collections.deque[float] = collections.deque([0.0], maxlen=5)
         self._since_sample = 0
-        self._room: list[asyncio.Future[None]] = []
+        self._room: collections.deque[asyncio.Future[None]] = collections.deque()
         self._committer: Committer | None = None
 
     def _slow(self) -> bool:
@@ -95,7 +95,12 @@ class DurableWrites:
         while self._in_flight >= MAX_PENDING:
             room = loop.create_future()
             self._room.append(room)
-            await room
+            try:
+                await room
+            except asyncio.CancelledError:
+                if room.done() and not room.cancelled():
+                    self._free_room(1)  # woken, then cancelled: the place is another's
+                raise
         self._since_sample += 1
         if self._committer is None:
             self._committer = Committer(self._free_room)
@@ -124,11 +129,15 @@ class DurableWrites:
         if job.error is not None:
             raise job.error
 
-    def _free_room(self) -> None:
-        while self._room:
-            fut = self._room.pop()
-            if not fut.done():
+    def _free_room(self, freed: int) -> None:
+        # Wake as many waiting writes as there is new room for, first come first:
+        # waking them all (10k of a first apply waiting for 512 places) made each
+        # delivery wake thousands of writes that found no room and waited again.
+        while freed > 0 and self._room:
+            fut = self._room.popleft()
+            if not fut.done():  # (a cancelled one took no room)
                 fut.set_result(None)
+                freed -= 1
 
     async def aclose(self) -> None:
         """End the committer's thread (after the batch it may be committing)."""
@@ -154,7 +163,7 @@ class Committer:
     wake-up of their loop (a future per write, and its wake-up, would cost the loop
     more than the write saves it when 10k files are written)."""
 
-    def __init__(self, ended: Callable[[], None]) -> None:
+    def __init__(self, ended: Callable[[int], None]) -> None:
         import threading  # (here: `check`, which writes nothing, does not load it)
 
         self._cv = threading.Condition(threading.Lock())
@@ -163,7 +172,8 @@ class Committer:
         self._thread: threading.Thread | None = None
         self._new_thread = threading.Thread
         self._closing = False
-        #: called in the loop after each delivery (room for more writes)
+        #: called in the loop after each delivery, with how many writes ended (room
+        #: for as many more)
         self._on_ended = ended
 
     def submit(self, job: _Job) -> None:
@@ -211,7 +221,7 @@ class Committer:
             job.done = True
             if not job.fut.done():
                 job.fut.set_result(None)
-        self._on_ended()
+        self._on_ended(len(ended))
 
     async def aclose(self) -> None:
         import asyncio
