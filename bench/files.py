@@ -141,9 +141,10 @@ def drift(files: list[tuple[str, str]], seed: int) -> int:
     return len(chosen)
 
 
-def run_measured(cmd: list[str], log: Path, timeout: float = 300) -> tuple[float, float]:
+def run_measured(cmd: list[str], log: Path, timeout: float = 300) -> tuple[float, float, float]:
     """As common.run_timed (wall seconds from fork to exit through a pidfd; raises on
-    a non-zero status), and the process's peak RSS in MiB, from wait4(2)."""
+    a non-zero status), and from wait4(2) the process's peak RSS in MiB and its CPU
+    seconds (user + system, its reaped children's included)."""
     with open(log, "ab") as out:
         t0 = time.perf_counter()
         p = spawn(cmd, stdout=out, stderr=out)
@@ -164,7 +165,7 @@ def run_measured(cmd: list[str], log: Path, timeout: float = 300) -> tuple[float
     if p.returncode != 0:
         tail = log.read_text(errors="replace")[-2000:]
         raise RuntimeError(f"exit status {p.returncode}: {' '.join(cmd)}\n{tail}")
-    return took, usage.ru_maxrss / 1024  # KiB on Linux
+    return took, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime  # KiB on Linux
 
 
 def one_round(
@@ -172,7 +173,8 @@ def one_round(
 ) -> dict[str, float]:
     """The three phases for one implementation (`evergraph-auto`,
     `evergraph-explicit`, `floor`, `floor-durable`, `salt` with `salt_bin`), in a
-    fresh target directory: {phase: seconds} and {"rss " + phase: peak MiB}."""
+    fresh target directory: {phase: wall seconds}, {"rss " + phase: peak MiB} and
+    {"cpu " + phase: CPU seconds}."""
     key = f"{impl}-{n}-{rep}-{fs_type(base)}"
     root = Path(base) / f"target-{key}"
     state = work / f"state-{key}"
@@ -205,7 +207,7 @@ def one_round(
             if phase == "1% drift":
                 drift(files, seed=rep)
             os.sync()
-            out[phase], out[f"rss {phase}"] = run_measured(cmd, log, timeout)
+            out[phase], out[f"rss {phase}"], out[f"cpu {phase}"] = run_measured(cmd, log, timeout)
             verify(files)
     finally:
         shutil.rmtree(state, ignore_errors=True)
@@ -350,6 +352,7 @@ def impl_results(
             "dir": base,
             "runs": len(got),
             "seconds": {p: _med(got, p) for p in PHASES},
+            "cpu_seconds": {p: _med(got, f"cpu {p}") for p in PHASES},
             "peak_rss_mib": _peak(got),
             "samples": got,
             "ratio_floor": {p: _med(got, p) / _med(samples["floor"], p) for p in PHASES},
@@ -378,13 +381,19 @@ def impl_table(
         if impl not in samples:
             continue
         if impl == "salt":
-            label = f"Salt {salt_version} state.apply, {_runs(len(samples[impl]))}"
+            runs = _runs(len(samples[impl]))
+            label = f"Salt {salt_version} state.apply (a require per file), {runs}"
         got = samples[impl]
         rows.append([label, *(fmt_s(_med(got, p)) for p in PHASES), f"{_peak(got):.0f} MiB"])
         if impl.startswith("evergraph"):
             ratios.append(ratio_row(f"evergraph {impl.partition('-')[2]} / floor", impl, "floor"))
         elif impl == "salt":
             ratios.append(ratio_row("Salt / floor", impl, "floor"))
+    cpu = [
+        [impl, *(fmt_s(_med(samples[impl], f"cpu {p}")) for p in PHASES), ""]
+        for impl, _ in ROWS
+        if impl in samples
+    ]
     if "salt" in samples:
         ratios.append(ratio_row("Salt / evergraph explicit", "salt", "evergraph-explicit"))
         ratios.append(ratio_row("Salt / evergraph auto", "salt", "evergraph-auto"))
@@ -393,7 +402,9 @@ def impl_table(
         f" (largest of the three phases); {_runs(reps)} except where said"
     )
     header = ["", *PHASES, "peak RSS"]
-    return table(title, header, [*rows, ["ratios", "", "", "", ""], *ratios])
+    blank = ["", "", "", "", ""]
+    rows += [["ratios (wall)", *blank[1:]], *ratios, ["CPU (user + system)", *blank[1:]], *cpu]
+    return table(title, header, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
