@@ -52,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run only this benchmark (repeatable); default: all",
     )
     ap.add_argument(
+        "--with-salt",
+        action="store_true",
+        help="files: Salt too, one run at the largest N (slow: minutes at 10k; bench/salt.py)",
+    )
+    ap.add_argument(
         "--json",
         type=Path,
         default=common.REPO / "bench" / "results" / "latest.json",
@@ -84,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}", file=sys.stderr, flush=True)
         # each benchmark is a module bench/<name>.py with run(quick) -> (results, table)
         module = importlib.import_module(f"bench.{name}")
-        out[name], text = module.run(args.quick)
+        kw = {"with_salt": True} if name == "files" and args.with_salt else {}
+        out[name], text = module.run(args.quick, **kw)
         took = time.perf_counter() - t0
         out.setdefault("seconds", {})[name] = round(took, 1)
         print(f"\n{text}\n", flush=True)
