@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 import select
@@ -230,3 +231,44 @@ def _cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return "?"
+
+
+def tool_venv(
+    venv: Path, requirements: Path, dists: Sequence[str], who: str
+) -> tuple[Path, dict[str, str]]:
+    """A venv of its own for a tool compared against (`venv`, gitignored), made (or
+    made again when `requirements` changed) with pip; the project's .venv is never
+    touched. Returns its bin dir and the installed version of each of `dists`."""
+    want = hashlib.sha256(requirements.read_bytes()).hexdigest()
+    stamp = venv / "requirements.sha256"
+    bin_dir = venv / "bin"
+    if not stamp.exists() or stamp.read_text().strip() != want:
+        print(
+            f"{who}: making {venv.relative_to(REPO)} from "
+            f"{requirements.relative_to(REPO)} (pip; the project's .venv is not touched)",
+            file=sys.stderr,
+            flush=True,
+        )
+        shutil.rmtree(venv, ignore_errors=True)
+        base = getattr(sys, "_base_executable", sys.executable)
+        subprocess.run([base, "-m", "venv", str(venv)], check=True, timeout=300)
+        subprocess.run(
+            [str(bin_dir / "pip"), "install", "-q", "-r", str(requirements)],
+            check=True,
+            timeout=900,
+        )
+        stamp.write_text(want + "\n")
+    else:
+        print(f"{who}: using {venv.relative_to(REPO)}", file=sys.stderr, flush=True)
+    versions = {}
+    for dist in dists:
+        code = f"import importlib.metadata as m; print(m.version({dist!r}))"
+        out = subprocess.run(
+            [str(bin_dir / "python"), "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
+        versions[dist] = out.stdout.strip()
+    return bin_dir, versions

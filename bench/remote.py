@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -59,7 +58,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, machine, table, temp_dir
+from bench.common import REPO, machine, table, temp_dir, tool_venv
 
 SIZES = (1, 8, 32)
 QUICK_SIZES = (1, 8)
@@ -90,44 +89,8 @@ class Result:
 
 # -- the comparison tools' venv -------------------------------------------------------
 def compare_venv() -> tuple[Path, dict[str, str]]:
-    """bench/.venv-compare, made (or remade when the requirements changed) with pip;
-    returns its bin dir and the versions of the tools in it."""
-    want = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
-    stamp = COMPARE_VENV / "requirements.sha256"
-    bin_dir = COMPARE_VENV / "bin"
-    if not stamp.exists() or stamp.read_text().strip() != want:
-        print(
-            f"remote: making {COMPARE_VENV.relative_to(REPO)} from "
-            f"{REQUIREMENTS.relative_to(REPO)} (pip; the project's .venv is not touched)",
-            file=sys.stderr,
-            flush=True,
-        )
-        shutil.rmtree(COMPARE_VENV, ignore_errors=True)
-        base = getattr(sys, "_base_executable", sys.executable)
-        subprocess.run([base, "-m", "venv", str(COMPARE_VENV)], check=True, timeout=300)
-        subprocess.run(
-            [str(bin_dir / "pip"), "install", "-q", "-r", str(REQUIREMENTS)],
-            check=True,
-            timeout=900,
-        )
-        stamp.write_text(want + "\n")
-    else:
-        print(f"remote: using {COMPARE_VENV.relative_to(REPO)}", file=sys.stderr, flush=True)
-    versions = {}
-    for dist in ("pyinfra", "ansible-core"):
-        out = subprocess.run(
-            [
-                str(bin_dir / "python"),
-                "-c",
-                f"import importlib.metadata as m; print(m.version('{dist}'))",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=60,
-        )
-        versions[dist] = out.stdout.strip()
-    return bin_dir, versions
+    """bench/.venv-compare (`tool_venv`): its bin dir and the versions of the tools."""
+    return tool_venv(COMPARE_VENV, REQUIREMENTS, ("pyinfra", "ansible-core"), "remote")
 
 
 # -- the job, written for each tool -----------------------------------------------------

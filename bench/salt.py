@@ -37,14 +37,10 @@ if anything, how far apart Salt and evergraph are.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-from bench.common import REPO
+from bench.common import REPO, tool_venv
 
 REQUIREMENTS = REPO / "bench" / "salt-requirements.txt"
 SALT_VENV = REPO / "bench" / ".venv-salt"
@@ -53,35 +49,9 @@ SLS = "w1"
 
 
 def salt_venv() -> tuple[Path, str]:
-    """bench/.venv-salt, made (or remade when the requirements changed) with pip;
-    returns its bin dir and the version of Salt in it."""
-    want = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
-    stamp = SALT_VENV / "requirements.sha256"
-    bin_dir = SALT_VENV / "bin"
-    if not stamp.exists() or stamp.read_text().strip() != want:
-        print(
-            f"files: making {SALT_VENV.relative_to(REPO)} from "
-            f"{REQUIREMENTS.relative_to(REPO)} (pip; the project's .venv is not touched)",
-            file=sys.stderr,
-            flush=True,
-        )
-        shutil.rmtree(SALT_VENV, ignore_errors=True)
-        base = getattr(sys, "_base_executable", sys.executable)
-        subprocess.run([base, "-m", "venv", str(SALT_VENV)], check=True, timeout=300)
-        subprocess.run(
-            [str(bin_dir / "pip"), "install", "-q", "-r", str(REQUIREMENTS)],
-            check=True,
-            timeout=900,
-        )
-        stamp.write_text(want + "\n")
-    out = subprocess.run(
-        [str(bin_dir / "python"), "-c", "import importlib.metadata as m; print(m.version('salt'))"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    return bin_dir, out.stdout.strip()
+    """bench/.venv-salt (`tool_venv`): its bin dir and the version of Salt in it."""
+    bin_dir, versions = tool_venv(SALT_VENV, REQUIREMENTS, ("salt",), "files")
+    return bin_dir, versions["salt"]
 
 
 def write_job(work: Path, files: list[tuple[str, str]], mode: str) -> tuple[Path, Path]:
