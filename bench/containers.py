@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import PYTHON, REPO, machine, spawn, stop, table
-from bench.virt import Agent, drift_rows, env, ratio_rows, wait
+from bench.virt import Agent, Events, drift_rows, env, ratio_rows, wait
 
 TRIALS = 50
 POLL = 1.0
@@ -69,8 +69,7 @@ class Observer:
 
         self.client = docker.DockerClient(base_url=host)
         #: (monotonic time, container name, action: start, die, destroy...)
-        self.events: list[tuple[float, str, str]] = []
-        self.cond = threading.Condition()
+        self.events = Events()
         self.stream = self.client.events(decode=True, filters={"type": "container"})
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -78,23 +77,11 @@ class Observer:
     def _run(self) -> None:
         with contextlib.suppress(Exception):
             for ev in self.stream:
-                t = time.monotonic()
                 name = ev.get("Actor", {}).get("Attributes", {}).get("name", "")
-                with self.cond:
-                    self.events.append((t, name, ev.get("Action", "")))
-                    self.cond.notify_all()
+                self.events.add(name, ev.get("Action", ""))
 
     def wait(self, name: str, action: str, since: float, timeout: float) -> float:
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                for t, n, a in self.events:
-                    if t >= since and n == name and a == action:
-                        return t
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{name}: no {action} event after {timeout:g} s")
-                self.cond.wait(left)
+        return self.events.wait(name, (action,), since, timeout)
 
     def running(self, name: str) -> bool:
         import docker

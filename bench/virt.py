@@ -181,6 +181,33 @@ def unix_peers(pid: int, path: str) -> int:
 
 
 # -- the observer: libvirt's lifecycle events on a connection of the bench's own ----
+class Events:
+    """Events heard on another thread, (monotonic time, name, what), awaited by name."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, str, object]] = []
+        self.cond = threading.Condition()
+
+    def add(self, name: str, what: object) -> None:
+        t = time.monotonic()
+        with self.cond:
+            self.seen.append((t, name, what))
+            self.cond.notify_all()
+
+    def wait(self, name: str, whats: Sequence[object], since: float, timeout: float) -> float:
+        """The time of the first of `whats` for `name` at or after `since`."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for t, n, w in self.seen:
+                    if t >= since and n == name and w in whats:
+                        return t
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{name}: no event {list(whats)} after {timeout:g} s")
+                self.cond.wait(left)
+
+
 class Observer:
     """Every lifecycle event of the URI's domains: (monotonic time, name, event)."""
 
@@ -188,8 +215,7 @@ class Observer:
         import libvirt
 
         self.lv = libvirt
-        self.events: list[tuple[float, str, int]] = []
-        self.cond = threading.Condition()
+        self.events = Events()
         self._stop = False
         libvirt.virEventRegisterDefaultImpl()
         self._loop = threading.Thread(target=self._run, daemon=True)
@@ -204,23 +230,11 @@ class Observer:
             self.lv.virEventRunDefaultImpl()
 
     def _event(self, conn: Any, dom: Any, event: int, detail: int, opaque: Any) -> None:
-        t = time.monotonic()
-        with self.cond:
-            self.events.append((t, dom.name(), event))
-            self.cond.notify_all()
+        self.events.add(dom.name(), event)
 
     def wait(self, name: str, events: Sequence[int], since: float, timeout: float) -> float:
         """The time of the first of `events` for `name` at or after `since`."""
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                for t, n, e in self.events:
-                    if t >= since and n == name and e in events:
-                        return t
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{name}: no event {events} after {timeout:g} s")
-                self.cond.wait(left)
+        return self.events.wait(name, events, since, timeout)
 
     def running(self, name: str) -> bool:
         with contextlib.suppress(self.lv.libvirtError):
