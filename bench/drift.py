@@ -222,12 +222,19 @@ def churn(files: list[tuple[str, str]], work: Path, rate: int, seed: int) -> dic
     }
 
 
+def _cpu_of(pid: int) -> float:
+    """A running process' CPU seconds so far (user+sys, from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure_churn(impl: str, work: Path, rates: tuple[int, ...]) -> list[dict[str, Any]]:
     root = work / f"churn-{impl}"
     files = layout(root, CHURN_FILES)
     sub = work / f"churn-in-{impl}"
     sub.mkdir()
-    yaml_path, spec_path = write_inputs(sub, files)
+    yaml_path, spec_path = write_inputs(sub, files, "auto")
     status = work / f"churn-status-{impl}"
     if impl == "evergraph":
         cmd = [EVERGRAPH, "run", str(yaml_path), "--state-dir", str(work / "churn-state")]
@@ -241,7 +248,10 @@ def measure_churn(impl: str, work: Path, rates: tuple[int, ...]) -> list[dict[st
         wait_converged(p, status, timeout=300)
         for k, rate in enumerate(rates):
             time.sleep(0.5)  # idle again
+            cpu0 = _cpu_of(p.pid)
             r = churn(files, work, rate, seed=k)
+            # the watcher's CPU (user+sys) over the rate's run and its catch-up
+            r["cpu_s"] = _cpu_of(p.pid) - cpu0
             print(f"  churn {impl} {rate}/s: {r}", file=sys.stderr)
             out.append(r)
             if p.poll() is not None:
@@ -258,7 +268,7 @@ def measure(impl: str, work: Path, n_trials: int) -> dict[str, Any]:
     files = layout(root, N_FILES)
     sub = work / f"in-{impl}"
     sub.mkdir()
-    yaml_path, spec_path = write_inputs(sub, files)
+    yaml_path, spec_path = write_inputs(sub, files, "auto")
     status = work / f"status-{impl}"
     if impl == "evergraph":
         cmd = [EVERGRAPH, "run", str(yaml_path), "--state-dir", str(work / "state")]
