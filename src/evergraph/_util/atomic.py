@@ -303,7 +303,10 @@ def commit(batch: list[Pending]) -> list[BaseException | None]:
     every file's data is on disk before its rename, and its new name is on disk
     before this returns (so after a power cut each target is its old file or its
     complete new one). The error of each (None: placed and durable); the directories
-    are closed either way, and a file that was not placed is removed."""
+    are closed either way, and a file that was not placed is removed. A batch under
+    SYNCFS_MIN renames each file right after its own fsync (the first one is in
+    place after one fsync, not after the whole batch's), then fsyncs each directory
+    once."""
     errors: list[BaseException | None] = [None] * len(batch)
     many = len(batch) >= SYNCFS_MIN
     by_fs: dict[int, int] = {}  # st_dev -> one open directory on it
@@ -319,8 +322,11 @@ def commit(batch: list[Pending]) -> list[BaseException | None]:
                 failed[dev] = e
         for i, dev in enumerate(devs):
             errors[i] = failed.get(dev)
-    else:
-        for i, p in enumerate(batch):
+    dirs: dict[tuple[int, int], int] = {}
+    for i, p in enumerate(batch):
+        if not many:
+            # each file renamed right after its own fsync, not after the whole
+            # batch's: a drift repair is in place one fsync after its turn comes
             try:
                 fd = os.open(p.tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=p.dfd)
                 try:
@@ -329,8 +335,6 @@ def commit(batch: list[Pending]) -> list[BaseException | None]:
                     os.close(fd)
             except OSError as e:
                 errors[i] = e
-    dirs: dict[tuple[int, int], int] = {}
-    for i, p in enumerate(batch):
         if errors[i] is None:
             try:
                 os.rename(p.tmp, p.name, src_dir_fd=p.dfd, dst_dir_fd=p.dfd)

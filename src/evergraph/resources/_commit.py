@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -36,9 +37,14 @@ if TYPE_CHECKING:
 #: write (a drift repair) is done inline: a hop to a thread and back is ~0.1 ms.
 SLOW_S = 0.00025
 STREAM_S = 0.005
-#: in a stream sent to the committer, every SAMPLE-th write is still done inline, to
-#: measure again
+#: in a stream sent to the committer, a write is still done inline to measure again
+#: once SAMPLE writes and SAMPLE_S seconds have passed since the last inline one. Not
+#: more often: an inline write stops the loop for its fsyncs (1-12 ms on a busy disk),
+#: and every event and hand-back queued meanwhile waits. At 1,000 repairs/s, one write
+#: in 32 inline held the loop 5 % of the time: a repair's wait from its inotify event
+#: to its check had a p99 of 28 ms with it, 1.2 ms without (BENCHMARKS.md, issue 28).
 SAMPLE = 32
+SAMPLE_S = 1.0
 #: writes with the committer at most: each holds its directory open (see
 #: atomic.Pending), and a batch waits for the one before it
 MAX_PENDING = 512
@@ -58,6 +64,7 @@ class DurableWrites:
         self._last_end = -1.0
         self._inline_s: collections.deque[float] = collections.deque([0.0], maxlen=5)
         self._since_sample = 0
+        self._last_sample = -math.inf
         self._room: collections.deque[asyncio.Future[None]] = collections.deque()
         self._committer: Committer | None = None
 
@@ -79,10 +86,10 @@ class DurableWrites:
         if (
             not self._slow()
             or (not self._in_flight and time.monotonic() - self._last_end > STREAM_S)
-            or self._since_sample >= SAMPLE
+            or (self._since_sample >= SAMPLE and time.monotonic() - self._last_sample >= SAMPLE_S)
         ):
             self._since_sample = 0
-            t0 = time.monotonic()
+            self._last_sample = t0 = time.monotonic()
             try:
                 atomic_write(path, data, mode=mode, owner=owner, before_rename=before_rename)
             finally:
