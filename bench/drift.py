@@ -22,8 +22,10 @@ not ends the series ("behind").
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,6 +42,7 @@ from bench.common import (
     fs_type,
     percentile,
     spawn,
+    standalone,
     stop,
     table,
     temp_dir_until_exit,
@@ -229,7 +232,9 @@ def _cpu_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure_churn(impl: str, work: Path, rates: tuple[int, ...]) -> list[dict[str, Any]]:
+def measure_churn(
+    impl: str, work: Path, rates: tuple[int, ...], env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
     root = work / f"churn-{impl}"
     files = layout(root, CHURN_FILES)
     sub = work / f"churn-in-{impl}"
@@ -242,7 +247,7 @@ def measure_churn(impl: str, work: Path, rates: tuple[int, ...]) -> list[dict[st
     else:
         cmd = _floor(spec_path, status, impl)
     with open(work / f"churn-{impl}.log", "wb") as log:
-        p = spawn(cmd, stdout=log, stderr=log)
+        p = spawn(cmd, stdout=log, stderr=log, env=env)
     out = []
     try:
         wait_converged(p, status, timeout=300)
@@ -368,3 +373,86 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
     }
     result["met"] = eg["p99_s"] <= TARGET_P99_S and eg["capped"] == 0
     return result, table(title, header, rows)
+
+
+def churn_rounds(
+    rounds: int, sources: list[tuple[str, str]], rate: int = 1_000
+) -> tuple[dict[str, Any], str]:
+    """An A/B of the churn case at one rate: `rounds` interleaved rounds of evergraph
+    on each of `sources` (label, a src directory put first on PYTHONPATH), then the
+    floor with fsyncs, then the plain floor; each one a fresh process and tree, so a
+    busy minute on the machine hits every implementation about alike. Per round:
+    p50 / p99 / max, the watcher's CPU and the 1-min load average."""
+    work = temp_dir_until_exit("/var/tmp")
+    impls: list[tuple[str, str, dict[str, str] | None]] = []
+    for label, src in sources:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+        impls.append((label, "evergraph", env))
+    impls += [("floor-durable", "floor-durable", None), ("floor", "floor", None)]
+    got: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in impls}
+    for k in range(rounds):
+        for label, impl, env in impls:
+            load = os.getloadavg()[0]
+            sub = work / f"r{k}-{label}"
+            sub.mkdir()
+            r = measure_churn(impl, sub, (rate,), env)[0]
+            r["load"] = load
+            print(f"  round {k} {label}: {r}", file=sys.stderr)
+            got[label].append(r)
+
+    def ms(rs: list[dict[str, Any]], key: str) -> str:
+        xs = [r[key] for r in rs if key in r]
+        if not xs:
+            return "-"
+        return f"{fmt_s(statistics.median(xs))} ({fmt_s(min(xs))}-{fmt_s(max(xs))})"
+
+    rows = []
+    for label, rs in got.items():
+        loads = [r["load"] for r in rs]
+        rows.append(
+            [
+                label,
+                ms(rs, "p50_s"),
+                ms(rs, "p99_s"),
+                ms(rs, "max_s"),
+                f"{sum(r['behind'] for r in rs)}/{len(rs)}",
+                f"{statistics.median(r['cpu_s'] for r in rs):.2f} s",
+                f"{min(loads):.1f}-{max(loads):.1f}",
+            ]
+        )
+    header = ["", "p50", "p99", "max", "behind", "CPU", "load"]
+    title = (
+        f"churn {rate:,}/s on {CHURN_FILES:,} files, {rounds} interleaved rounds:"
+        " median (min-max) over rounds"
+    )
+    return {"rate": rate, "rounds": got}, table(title, header, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.drift", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="50 trials; churn at 1,000/s only")
+    ap.add_argument(
+        "--churn-only",
+        action="store_true",
+        help="only the churn case at 1,000/s, in interleaved rounds (an A/B with --src)",
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="--churn-only: rounds [default: 3]")
+    ap.add_argument(
+        "--src",
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="--churn-only: evergraph from this src directory (repeat: A/B) [default: ours]",
+    )
+    ap.add_argument("--json", type=Path, help="write the results here too")
+    args = ap.parse_args(argv)
+    if not args.churn_only:
+        return standalone(lambda: run(args.quick), args.json)
+    sources = [(label, src) for label, _, src in (s.partition("=") for s in args.src)]
+    sources = sources or [("evergraph", str(REPO / "src"))]
+    return standalone(lambda: churn_rounds(args.rounds, sources), args.json)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
