@@ -41,8 +41,9 @@ STREAM_S = 0.005
 #: once SAMPLE writes and SAMPLE_S seconds have passed since the last inline one. Not
 #: more often: an inline write stops the loop for its fsyncs (1-12 ms on a busy disk),
 #: and every event and hand-back queued meanwhile waits. At 1,000 repairs/s, one write
-#: in 32 inline held the loop 5 % of the time: a repair's wait from its inotify event
-#: to its check had a p99 of 28 ms with it, 1.2 ms without (BENCHMARKS.md, issue 28).
+#: in 32 inline held the loop 5 % of the time (in one traced run, a repair's wait from
+#: its inotify event to its check: p99 28 ms with it, 1.2 ms without; BENCHMARKS.md,
+#: "Issue 28: drift under churn").
 SAMPLE = 32
 SAMPLE_S = 1.0
 #: writes with the committer at most: each holds its directory open (see
