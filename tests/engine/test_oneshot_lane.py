@@ -85,7 +85,7 @@ KINDS = (Inline, Inline, Inline, Suspends, Task)
 
 def random_graph(seed: int, n: int = 80) -> GraphModel:
     """`n` resources of mixed kinds; each may fail a few times (with or without
-    retries), change or be clean; edges only forward (a DAG), some notifying,
+    retries), change or be clean, or be hidden; edges only forward (a DAG), some notifying,
     some sending a value."""
     rng = random.Random(seed)
     model = GraphModel(name=f"random-{seed}")
@@ -93,7 +93,12 @@ def random_graph(seed: int, n: int = 80) -> GraphModel:
     for i in range(n):
         cls = rng.choice(KINDS)
         fails = rng.choice((0, 0, 0, 0, 1, 2))
-        meta = Meta(retry=rng.choice((0, 1, 2)), delay=0) if fails or rng.random() < 0.1 else None
+        if rng.random() < 0.06:
+            meta: Meta | None = Meta(hidden=True)  # never applied; takes sent values
+        elif fails or rng.random() < 0.1:
+            meta = Meta(retry=rng.choice((0, 1, 2)), delay=0)
+        else:
+            meta = None
         kw: dict[str, Any] = {"fail_times": fails, "clean": rng.random() < 0.7}
         if meta is not None:
             kw["meta"] = meta
@@ -199,7 +204,18 @@ def test_the_graphs_cover_what_the_lane_hands_on(
                 seen.add("received")
         if any(s == "pending" for _, s, *_ in out["views"]):
             seen.add("held back")
-    assert {"clean", "changed", "failed", "retry", "refresh", "received", "held back"} <= seen
+        if any(r.meta.hidden for r in random_graph(seed).resources.values()):
+            seen.add("hidden")
+    assert {
+        "clean",
+        "changed",
+        "failed",
+        "retry",
+        "refresh",
+        "received",
+        "held back",
+        "hidden",
+    } <= seen
 
 
 def test_a_chain_of_inline_vertices_runs_in_the_lane(
@@ -242,3 +258,60 @@ def test_a_noop_run_agrees_too(tmp_path: Path, caplog: pytest.LogCaptureFixture)
     assert engine.lane_runs > 0
     for key in ("status", "views", "recap", "events", "runs"):
         assert laned[key] == general[key], key
+
+
+def test_a_hidden_receiver_freed_by_a_lane_parent_takes_its_value_unapplied(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hidden vertex sent a value (by `s`, general path) and held back by a parent
+    checked in the lane (`p`, the later one) takes the value and is never applied."""
+
+    def model() -> GraphModel:
+        m = GraphModel(name="hidden")
+        m.add(Inline(name="s", clean=False))  # changed: recorded by the general path
+        m.add(Inline(name="a"))
+        m.add(Inline(name="p"))
+        m.add(Inline(name="h", meta=Meta(hidden=True)))
+        m.connect(Edge("inline[s]", "inline[h]", send="out", recv="value"))
+        m.connect(Edge("inline[a]", "inline[p]"))  # p runs a batch step after s
+        m.connect(Edge("inline[p]", "inline[h]"))
+        m.check()
+        return m
+
+    laned, engine = run(tmp_path / "l", model(), caplog, lane=True)
+    general, _ = run(tmp_path / "g", model(), caplog, lane=False)
+    assert engine.lane_runs == 2  # a and p
+    assert "h" not in laned["runs"]  # never applied
+    for key in ("status", "views", "recap", "events", "runs"):
+        assert laned[key] == general[key], key
+
+
+def test_an_observer_hub_no_one_listens_to_gets_nothing_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """The agent's observer hub with no subscriber builds no status in the lane; one
+    subscribed gets every vertex's events as from the general path."""
+    from evergraph.agent.observe import ObserverHub
+
+    def go(hub: ObserverHub, lane: bool) -> tuple[list[tuple[object, ...]], Engine]:
+        _Base.log = []
+        engine = Engine(settings(tmp_path), observer=hub, registry=registry)
+        engine.lane = lane
+        assert asyncio.run(engine.run(random_graph(5))) == 1
+        return sorted(_view(s) for s in engine.status()), engine
+
+    quiet = ObserverHub()
+    assert not quiet.listening
+    views, engine = go(quiet, lane=True)
+    assert engine.lane_runs > 0
+    general_views, _ = go(ObserverHub(), lane=False)
+    assert views == general_views
+
+    heard: dict[bool, list[tuple[str, str]]] = {True: [], False: []}
+    for lane in (True, False):
+        hub = ObserverHub()
+        hub.subscribe(lambda s, lane=lane: heard[lane].append((s.ident, s.state)))
+        assert hub.listening
+        go(hub, lane)
+    assert sorted(heard[True]) == sorted(heard[False])
+    assert {"running", "clean", "changed", "failed"} <= {state for _, state in heard[True]}
