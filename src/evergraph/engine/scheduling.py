@@ -173,7 +173,8 @@ class Scheduling(EngineState):
                 self._observe(v, "running")
             else:
                 v.state, v.since = "running", clock.monotonic()
-            self._intend(v, apply)
+            if apply and v.notify_children:
+                self._intend(v, apply)
             coro = res.check_apply(apply)
             try:
                 yielded = coro.send(None)
