@@ -7,6 +7,11 @@ docstring has the rule); `_drain` starts queued runs a batch per loop turn;
 hands the outcome to outcomes.py. Counters kept here (`_running`, `_queued`,
 `_unready`; `_retrying` in outcomes.py) say whether the engine is idle
 (`_check_idle`, state.py).
+
+A run that ends once converged (`lane`, state.py) drains through `_drain_lane`
+instead: the same batches in the same order, with a plain inline vertex's clean
+check and its outcome fused into one step (10k unchanged files: ~10 % of the
+engine's work was these layers); anything else it hands to the steps above.
 """
 
 from __future__ import annotations
