@@ -103,6 +103,12 @@ class ObserverHub:
                 log.exception("an observer failed: dropping it")
                 self.unsubscribe(sub)
 
+    @property
+    def listening(self) -> bool:
+        """Someone subscribed: without, the engine's one-shot lane builds no status
+        for it (engine/scheduling.py)."""
+        return bool(self._subs)
+
     def subscribe(self, sub: Observer) -> None:
         self._subs = (*self._subs, sub)
 

@@ -36,7 +36,7 @@ from evergraph.engine.outcomes import Outcomes
 from evergraph.engine.reverse import Reversal
 from evergraph.engine.scheduling import Scheduling
 from evergraph.engine.sendrecv import SendRecv
-from evergraph.engine.state import YIELD_EVERY, members, yield_now
+from evergraph.engine.state import YIELD_EVERY, yield_now
 from evergraph.engine.status import VertexStatus, masked_params
 from evergraph.engine.stop import GRACEFUL, HARD
 from evergraph.engine.swap import Swap
@@ -234,7 +234,8 @@ class Engine(Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
         for t in [*aux, *self._timers, *self._repairs.values()]:
             t.cancel()
         for i, v in enumerate(list(self.vertices.values()), 1):
-            self._unsubscribe(v)
+            if v.unsubscribe is not None:  # (a one-shot run has none: no call per vertex)
+                self._unsubscribe(v)
             if v.watch_task is not None:
                 v.watch_task.cancel()
             if i % YIELD_EVERY == 0:
@@ -247,7 +248,8 @@ class Engine(Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
             await self._end_applies(applies)
         nothing = Resource.cleanup  # (most kinds take nothing in init: no await for them)
         for i, v in enumerate(list(self.vertices.values()), 1):
-            if type(v.res).cleanup is not nothing or members(v.res):
+            res = v.res
+            if type(res).cleanup is not nothing or getattr(res, "_group_members", None):
                 await self._call_cleanup(v)
             if i % YIELD_EVERY == 0:
                 await yield_now()

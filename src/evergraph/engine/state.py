@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from evergraph._util.clock import SYSTEM, Clock
@@ -174,6 +174,14 @@ class EngineState:
         #: after the exit. With a converged-timeout > 0 every watch stays, so drift in
         #: that window is repaired.
         self.one_shot = settings.watch and settings.converged_exit and converged_timeout == 0
+        #: the one-shot lane (scheduling.py, `_drain_lane`): a run that ends once
+        #: converged (`one_shot`, or --no-watch) runs each due plain eager vertex
+        #: (`lane_fits`) in one fused step, its outcome recorded and its children
+        #: queued without the general path's layers; everything else (and what
+        #: suspends, fails or changes) takes the general path, in the same order
+        self.lane = self.one_shot or not settings.watch
+        #: vertices run (and found clean) through the lane, for tests and benchmarks
+        self.lane_runs = 0
         #: passive subscriptions and poll timers set up, for tests and benchmarks
         self.subscriptions = 0
         self.started = clock.monotonic()
@@ -243,6 +251,11 @@ class EngineState:
         raise NotImplementedError
 
     async def _start_vertex(self, v: Vertex) -> None:
+        raise NotImplementedError
+
+    async def _finish_later(
+        self, v: Vertex, coro: Coroutine[Any, Any, bool], yielded: Any, apply: bool
+    ) -> None:
         raise NotImplementedError
 
     async def _guarded_check_apply(self, v: Vertex, res: Resource, apply: bool) -> bool:

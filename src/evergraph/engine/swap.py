@@ -146,7 +146,9 @@ class Swap(EngineState):
         # only the new ones are poked: not a pass over all 10k on a 1 % edit.
         for i, v in enumerate(old.values() if rewired else new_vs, 1):
             if v.pending:
-                self._poke(v)
+                ps = v.parents
+                if not (ps and ps[0].pending):  # (else held back: that parent pokes it)
+                    self._poke(v)
             if i % YIELD_EVERY == 0:
                 await yield_now()
         self._check_idle()
@@ -160,13 +162,15 @@ class Swap(EngineState):
             v.children.clear()
             v.notify_children = ()
             v.send_edges = ()
-        seen: set[tuple[str, str, bool]] = set()
+        seen: set[tuple[str, str]] = set()
+        notified: set[tuple[str, str]] = set()
         for i, e in enumerate(model.edges, 1):
             if may_yield and i % (10 * YIELD_EVERY) == 0:
                 await yield_now()
             a, b = old[e.from_id], old[e.to_id]
-            if (e.from_id, e.to_id, False) not in seen:
-                seen.add((e.from_id, e.to_id, False))
+            pair = (e.from_id, e.to_id)
+            if pair not in seen:
+                seen.add(pair)
                 a.children.append(b)
                 b.parents.append(a)
             if e.send is not None and e.recv is not None:
@@ -174,9 +178,9 @@ class Swap(EngineState):
                     a.send_edges.append((e.send, b, e.recv))
                 else:
                     a.send_edges = [(e.send, b, e.recv)]
-            if e.notify and (e.from_id, e.to_id, True) not in seen and not b.res.meta.hidden:
+            if e.notify and pair not in notified and not b.res.meta.hidden:
                 # a hidden vertex is never applied: no refresh is ever owed to it
-                seen.add((e.from_id, e.to_id, True))
+                notified.add(pair)
                 if a.notify_children:
                     a.notify_children.append(b)
                 else:
