@@ -528,27 +528,37 @@ def test_a_run_keeps_its_parse_under_the_state_dir(tmp_path: Path) -> None:
     g.write_text(GRAPH)
     state = tmp_path / "s"
     d = state / parse_cache.SUBDIR
-    # the state dir did not exist when the graph was parsed: nothing kept (the cache
-    # never makes a state dir; a run refused for bad input leaves none behind)
+    # the state dir did not exist when the graph was parsed: the entry is written
+    # once the agent has made it (the cache never makes a state dir; a run refused
+    # for bad input leaves none behind)
     r = run_cli("run", g, "--state-dir", state, "--converged-exit")
     assert r.returncode == 0, r.stderr
     assert state.is_dir()
-    assert not d.exists()
-    r = run_cli("run", g, "--state-dir", state, "--converged-exit")
-    assert r.returncode == 0, r.stderr
     assert d.stat().st_mode & 0o777 == 0o700
     (entry,) = d.iterdir()
     assert entry.stat().st_mode & 0o777 == 0o600
     made = entry.stat()
-    long_ago = time.time() - 1000
-    os.utime(entry, (long_ago, long_ago))
-    r = run_cli("run", g, "--state-dir", state, "--converged-exit")
-    assert r.returncode == 0, r.stderr
-    assert "converged: 1 vertices clean" in r.stderr, r.stderr  # (the two noops grouped)
-    # the second run read the entry (marked used), and did not write it again
-    (again,) = d.iterdir()
-    assert again.stat().st_ino == made.st_ino
-    assert again.stat().st_mtime > long_ago + 500
+    for _ in range(2):
+        long_ago = time.time() - 1000
+        os.utime(entry, (long_ago, long_ago))
+        r = run_cli("run", g, "--state-dir", state, "--converged-exit")
+        assert r.returncode == 0, r.stderr
+        assert "converged: 1 vertices clean" in r.stderr, r.stderr  # (the two noops grouped)
+        # the run read the entry (marked used), and did not write it again
+        (again,) = d.iterdir()
+        assert again.stat().st_ino == made.st_ino
+        assert again.stat().st_mtime > long_ago + 500
+
+
+def test_a_run_refused_for_bad_input_leaves_no_state_dir(tmp_path: Path) -> None:
+    g = tmp_path / "g.yaml"
+    g.write_text(GRAPH)
+    state = tmp_path / "s"
+    # the graph parses (its entry is made), then the run is refused: nothing written
+    r = run_cli("run", g, "--state-dir", state, "--converged-exit", "--hostname", "under_score")
+    assert r.returncode == 2, r.stderr
+    assert "under_score" in r.stderr, r.stderr
+    assert not state.exists()
 
 
 def test_without_a_state_dir_the_user_cache_directory_is_used(
@@ -572,4 +582,41 @@ def test_the_library_run_keeps_its_parse_under_the_state_dir(tmp_path: Path) -> 
     state = tmp_path / "s"
     for _ in range(2):
         assert evergraph.run(g, state_dir=state, converged_exit=True, world=None) == 0
-    assert len(list((state / parse_cache.SUBDIR).iterdir())) == 1
+        # (the first run's too: written once the agent made the state dir)
+        assert len(list((state / parse_cache.SUBDIR).iterdir())) == 1
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_one_shot_load_keeps_nothing_for_a_live_edit(
+    loads: Loads, tmp_path: Path, cached: bool
+) -> None:
+    """A run that takes only its first graph (`Frontend.one_shot`) keeps neither
+    the text, the entries, the validated resources nor their claims, and gets the
+    same model as a live run does."""
+    g = tmp_path / "g.yaml"
+    g.write_text(GRAPH)
+    if cached:
+        loads.miss(g)  # the entry, for the loads below to hit
+
+    def frontend() -> YamlFrontend:
+        f = YamlFrontend(g, REG)
+        if cached:
+            f.cache_parses(loads.state)
+        return f
+
+    live = frontend()
+    model_live = live.load()
+    once = frontend()
+    once.one_shot()
+    before = loads.parses
+    model_once = once.load()
+    assert loads.parses == before + (not cached)
+    assert _view(model_once)[:-1] == _view(model_live)[:-1]  # all but the kept claims
+    assert _groups(prepare(model_once)) == _groups(prepare(model_live))
+    assert live._text
+    assert live._valid
+    assert model_live._claims
+    assert once._text == ""
+    assert not once._valid
+    assert model_once._claims is None
+    assert once._entries.reuse(GRAPH) is None  # nothing a first edit could reuse

@@ -334,3 +334,21 @@ def test_a_vertex_started_again_in_one_run_does_not_list_its_directory_again(
     asyncio.run(main(plant=False))  # a new run sweeps again
     assert sorted(listed) == [f"{d}/a", f"{d}/b"]
     assert not (d / ".a.0123456789ab.tmp").exists()
+
+
+def test_files_told_of_no_managed_paths_share_one_empty_set(tmp_path: Path) -> None:
+    """Memory: a started file told of no managed paths holds the one shared empty
+    set (a `frozenset()` of its own is 216 bytes: 2 MB for 10k files); a purge
+    told of some holds those."""
+    made = []
+    for name in ("a", "b"):
+        res = build(default_registry, "file", {"name": name, "path": f"{tmp_path}/{name}"})
+        run_steps(res, [Start()], state_dir=tmp_path / "s")
+        made.append(res)
+    a, b = made
+    assert a._others == frozenset()  # type: ignore[attr-defined]
+    assert a._others is b._others  # type: ignore[attr-defined]
+    told = build(default_registry, "file", {"name": "p", "path": f"{tmp_path}/p/", "purge": True})
+    told.know_managed(frozenset({f"{tmp_path}/p/x"}))  # type: ignore[attr-defined]
+    run_steps(told, [Start()], state_dir=tmp_path / "s")
+    assert told._others == {f"{tmp_path}/p/x"}  # type: ignore[attr-defined]

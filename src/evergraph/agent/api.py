@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,16 @@ def _world(world: WorldOptions | str | None) -> WorldOptions | None:
     if world == "etcd":
         raise InputError("an etcd World needs WorldOptions(seeds=...) or embedded=True", "world")
     return WorldOptions(backend=world)
+
+
+def one_shot(settings: Mapping[str, Any]) -> bool:
+    """`run`'s keywords `settings` make a run that ends the moment it converges
+    (`Settings.one_shot`; `converged_exit` without a timeout is a timeout of 0)."""
+    return bool(
+        settings.get("watch", True)
+        and settings.get("converged_exit")
+        and (settings.get("converged_timeout") or 0.0) == 0
+    )
 
 
 def run(
@@ -91,6 +101,8 @@ def run(
         if deployers:  # following deploys: only these keys' (base64 verify keys)
             trust_deployers(frontend, deployers)
         frontend.cache_parses(Path(state_dir) if state_dir is not None else None)
+        if one_shot(settings):
+            frontend.one_shot()
         frontend.preload()
         opts = _world(world)
         private = opts is None or (opts.backend == "memory" and not opts.is_etcd)

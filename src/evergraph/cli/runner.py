@@ -362,6 +362,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     verbose: int = params["verbose"]
     deployers: tuple[str, ...] = params["deployers"]
     world = {k: params[k] for k in WORLD_PARAMS}
+    from evergraph.agent.api import one_shot
     from evergraph.agent.api import run as run_graph
     from evergraph.cli.logs import flush_logs, flusher, setup_logging, terminal_handler
     from evergraph.cli.progress import service as progress_service
@@ -388,6 +389,8 @@ def run_command(params: dict[str, Any]) -> NoReturn:
         if deployers:
             trust_deployers(frontend, deployers)
         frontend.cache_parses(state_dir)
+        if one_shot(settings):
+            frontend.one_shot()
         frontend.preload()
         opts = world_opts(world)
         services = (

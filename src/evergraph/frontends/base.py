@@ -72,6 +72,11 @@ class Frontend(abc.ABC):
         """Keep parsed graphs under `state_dir` (None: the user's cache directory)
         for the next run, if this frontend can (frontends/cache.py)."""
 
+    def one_shot(self) -> None:  # noqa: B027  (optional hook)
+        """Called before the first load when the run takes the first graph only
+        (`updates` is never asked for): keep nothing only a later graph would read
+        (the text, the validated resources and their claims kept for a live edit)."""
+
     def preload(self) -> None:  # noqa: B027  (optional hook)
         """Check the input before anything is started (a syntax error exits at once)."""
 

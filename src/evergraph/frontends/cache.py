@@ -183,6 +183,8 @@ class ParseCache:
         #: a directory the cache never creates (the state dir: a run refused for bad
         #: input leaves none behind; the agent makes it once it starts)
         self.within = within
+        #: an entry `put` made before `within` existed: (key, its bytes), for `flush`
+        self._pending: tuple[str, bytes] | None = None
 
     def _open_dir(self) -> int | None:
         """The directory, open, if it is ours (else None: not used)."""
@@ -199,9 +201,13 @@ class ParseCache:
             return None
         return fd
 
-    def get(self, key: str, registry: Registry, warn: bool = True) -> GraphModel | None:
+    def get(
+        self, key: str, registry: Registry, warn: bool = True, keep: bool = True
+    ) -> GraphModel | None:
         """The model of entry `key`, checked (warnings given again if `warn`); None
-        if there is none to use (absent, not ours, corrupt, or failing its check)."""
+        if there is none to use (absent, not ours, corrupt, or failing its check).
+        `keep`: its check keeps the claims for `validated()` (a live edit's re-check;
+        a run that takes no later graph needs none)."""
         dfd = self._open_dir()
         if dfd is None:
             return None
@@ -223,7 +229,7 @@ class ParseCache:
             valid = Validated((i, r) for i, r in model.resources.items() if i not in stateful)
             valid.claims = {}
             try:
-                model.check(valid, keep=True)
+                model.check(valid, keep=keep)
             except Exception as e:  # the parse gives the error, where it is
                 log.debug("%s/%s: cached model fails its check: %s", self.directory, key, e)
                 return None
@@ -254,9 +260,41 @@ class ParseCache:
 
     def put(self, key: str, model: GraphModel, notes: list[str], registry: Registry) -> None:
         """Keep `model` (as its parse returned it, checked) as entry `key`; quietly
-        nothing if it cannot be encoded exactly or written."""
+        nothing if it cannot be encoded exactly or written. Before `within` exists
+        (a run's first parse, before the agent makes its state dir) the entry is
+        encoded now (the model is changed once it runs) and written by `flush`."""
         if self.within is not None and not self.within.is_dir():
+            data = self._encoded(key, model, notes, registry)
+            self._pending = (key, data) if data is not None else None
             return
+        data = self._encoded(key, model, notes, registry)
+        if data is not None:
+            self._write(key, data)
+
+    def flush(self) -> None:
+        """Write the entry `put` held back because `within` did not exist yet (the
+        agent calls this once it has made its state dir; nothing if still absent)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and (self.within is None or self.within.is_dir()):
+            self._write(*pending)
+
+    def _encoded(
+        self, key: str, model: GraphModel, notes: list[str], registry: Registry
+    ) -> bytes | None:
+        """Entry `key`'s bytes, if they decode back to an equal model."""
+        try:
+            with gc_paused():
+                data = encode(key, model, notes)
+                _, back = decode(data, registry)
+            if not same_model(back, model):
+                log.debug("%s: not cached: the model does not encode exactly", key)
+                return None
+        except Exception as e:  # a cache never fails a run
+            log.debug("%s/%s: not cached: %s", self.directory, key, e)
+            return None
+        return data
+
+    def _write(self, key: str, data: bytes) -> None:
         try:
             make_dirs(self.directory, 0o700)
         except OSError as e:
@@ -266,12 +304,6 @@ class ParseCache:
         if dfd is None:
             return
         try:
-            with gc_paused():
-                data = encode(key, model, notes)
-                _, back = decode(data, registry)
-            if not same_model(back, model):
-                log.debug("%s: not cached: the model does not encode exactly", key)
-                return
             atomic_write(key, data, mode=0o600, dir_fd=dfd, durable=False)
             self._prune(dfd, key)
         except Exception as e:  # a cache never fails a run

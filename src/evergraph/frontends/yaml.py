@@ -639,28 +639,42 @@ class YamlFrontend(Frontend):
         self._built = Built()
         #: where parsed models are kept for the next run (`cache_parses`), if anywhere
         self._cache: ParseCache | None = None
+        #: False after `one_shot`: no later graph is asked for, so the text, the
+        #: entries and the validated resources a live edit reuses are not kept
+        self._follow = True
 
     def cache_parses(self, state_dir: Path | None) -> None:
         from evergraph.frontends.cache import ParseCache, default_dir
 
-        self._cache = ParseCache(default_dir(state_dir), within=state_dir)
+        directory = default_dir(state_dir)
+        if self._cache is None or self._cache.directory != directory:
+            # (the same one kept: it may hold the entry of a parse made before the
+            # state dir existed, for `first` to write)
+            self._cache = ParseCache(directory, within=state_dir)
+
+    def one_shot(self) -> None:
+        self._follow = False
 
     def load(self) -> GraphModel:
         """Parse the file now (InputError), or take its model from the parse cache."""
         data = read_graph_bytes(self.path)
         text = graph_text(data, self.path)
         cache, key, notes = self._cache, "", list[str]()
+        follow = self._follow
         if cache is not None:
             from evergraph.frontends.cache import entry_key
 
             key = entry_key(data, str(self.path), self.registry)
-            cached = cache.get(key, self.registry)
+            cached = cache.get(key, self.registry, keep=follow)
             if cached is not None:
-                self._entries.keep(text, None, None)  # a first edit parses the whole text
-                self._text, self._valid = text, cached.validated()
+                if follow:
+                    self._entries.keep(text, None, None)  # a first edit parses the whole text
+                    self._text, self._valid = text, cached.validated()
                 return cached
-        model = parse_yaml(text, str(self.path), self.registry, entries=self._entries, notes=notes)
-        self._text, self._valid = text, model.validated()
+        entries = self._entries if follow else None
+        model = parse_yaml(text, str(self.path), self.registry, entries=entries, notes=notes)
+        if follow:
+            self._text, self._valid = text, model.validated()
         if cache is not None:
             cache.put(key, model, notes, self.registry)
         return model
@@ -674,6 +688,8 @@ class YamlFrontend(Frontend):
 
     async def first(self, ctx: Context) -> GraphModel:
         raw, self._raw = self._raw or self.load(), None
+        if self._cache is not None:
+            self._cache.flush()  # a first run's parse: its state dir exists now
         self._specs = list(raw.collect)
         if raw.collect and ctx.collector is not None:
             self._found = matching(await ctx.collected(), raw.collect)

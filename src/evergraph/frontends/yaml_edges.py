@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import yaml_rs
+from evergraph.frontends import _yaml_rs as yaml_rs
 
 #: an edge as read: (name, from kind, from name, to kind, to name, notify), a
 #: match's groups: None for a name or notify not given, notify as written

@@ -9,9 +9,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-import yaml_rs
-
 from evergraph.engine.contract import R, Resource
+from evergraph.frontends import _yaml_rs as yaml_rs
 from evergraph.frontends.yaml_edges import RawEdge, load_fast
 
 

@@ -9,10 +9,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import yaml_rs
-
 from evergraph.engine.build import PathPart
 from evergraph.errors import InputError
+from evergraph.frontends import _yaml_rs as yaml_rs
 
 _LINE_COL = re.compile(r"line (\d+), column (\d+)")
 #: how an integer may be written in YAML (decimal, octal, hex, with `_`)

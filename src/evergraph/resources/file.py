@@ -266,7 +266,7 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         #: extra watches (source, fragments, listed directories) by path
         self._extra: dict[str, PathSubscription] = {}
         if not hasattr(self, "_others"):
-            self._others = frozenset()
+            self._others = _NO_OTHERS
 
     def subscribe(self) -> Callable[[], None]:
         # A passive watch: the shared inotify hub calls us directly, so 10k
@@ -496,6 +496,9 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
 
 #: bytes per read() of a file's current content
 _READ_CHUNK = 1 << 16
+#: `_others` of a file told of no managed paths: one shared set (`frozenset()` makes a
+#: new 216-byte set at each call: 2 MB for 10k files)
+_NO_OTHERS: frozenset[str] = frozenset()
 
 
 def _normpath(path: str) -> str:
