@@ -243,6 +243,7 @@ def test_planted_automatic_edges_closing_a_cycle_or_naming_no_resource_are_found
     plain = _prepared(lambda p: _once(None, p), g, caplog)
     model = loads.miss(g)
     auto = automatic_edges(model)
+    assert model.auto == auto  # (the parse's: its prepare does not find them again)
     assert auto is not None
     assert len(auto.edges) == 2
     a, b = "file[a]", "file[b]"

@@ -82,12 +82,13 @@ def _namespaces(index: dict[str, str]) -> set[str]:
 
 def add_autoedges(model: GraphModel) -> int:
     """Add automatic edges to `model` in place; returns how many were added."""
-    global _again
+    global _again, _last
     known = model.auto
     model.auto = None  # (used once: what follows changes the model)
     if known is not None and known.fits(model):
         got = _add_known(model, known)
         if got is not None:
+            _again, _last = True, {}  # (as a first prepare leaves them: keys found next)
             return got
     keep, _again = _again, True
     added = _find(model, keep=keep, remember=True)

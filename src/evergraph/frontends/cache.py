@@ -298,10 +298,12 @@ class ParseCache:
     def _encoded(
         self, key: str, model: GraphModel, notes: list[str], registry: Registry
     ) -> bytes | None:
-        """Entry `key`'s bytes, if they decode back to an equal model."""
+        """Entry `key`'s bytes, if they decode back to an equal model. The automatic
+        edges found for it are the model's too (`GraphModel.auto`: its `prepare`
+        takes them instead of finding them again)."""
         try:
             with gc_paused():
-                auto = automatic_edges(model)
+                auto = model.auto = automatic_edges(model)
                 data = encode(key, model, notes, auto)
                 entry, back = decode(data, registry)
             if not same_model(back, model) or entry.auto != auto:
