@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from evergraph.engine.contract import Resource
-from evergraph.engine.model import Edge, GraphCycleError, GraphModel
+from evergraph.engine.model import AutoEdges, Edge, GraphCycleError, GraphModel
 from evergraph.graph import CycleError
 
 log = logging.getLogger("evergraph.autoedge")
@@ -38,6 +38,8 @@ _RESOURCES_PACKAGE = "evergraph.resources."
 _last: dict[str, list[Any]] = {}
 #: per resource type: are its keys kept (a built-in kind of PURE_KEYS)
 _pure: dict[type[Resource], bool] = {}
+#: per resource type: are its keys a function of its parameters (`_known_keys`)
+_known: dict[type[Resource], bool] = {}
 #: the namespaces resources want, shared (`("dir", "pkgfile")` for every file)
 _wants: dict[tuple[str, ...], tuple[str, ...]] = {}
 #: keys are kept from the second prepare of a process on: a one-shot run
@@ -52,10 +54,88 @@ def _keeps(cls: type[Resource]) -> bool:
     return got
 
 
+def _known_keys(cls: type[Resource]) -> bool:
+    """Its keys are a function of its parameters: a kind of PURE_KEYS, or one with no
+    keys at all (neither `autoedge_provides` nor `autoedge_wants` of its own)."""
+    got = _known.get(cls)
+    if got is None:
+        got = _known[cls] = _keeps(cls) or (
+            cls.autoedge_provides is Resource.autoedge_provides
+            and cls.autoedge_wants is Resource.autoedge_wants
+        )
+    return got
+
+
+def _namespaces(index: dict[str, str]) -> set[str]:
+    """The namespaces of the provided keys (`dir` of `dir:/a/`): one split per run of
+    keys that share the last one's namespace (a graph's keys come in kinds)."""
+    out: set[str] = set()
+    last = ""
+    for key in index:
+        if last and key.startswith(last):
+            continue
+        ns = key.partition(":")[0]
+        out.add(ns)
+        last = ns + ":" if ":" in key else ""
+    return out
+
+
 def add_autoedges(model: GraphModel) -> int:
     """Add automatic edges to `model` in place; returns how many were added."""
-    global _last, _again
+    global _again, _last
+    known = model.auto
+    model.auto = None  # (used once: what follows changes the model)
+    if known is not None and known.fits(model):
+        got = _add_known(model, known)
+        if got is not None:
+            _again, _last = True, {}  # (as a first prepare leaves them: keys found next)
+            return got
     keep, _again = _again, True
+    added = _find(model, keep=keep, remember=True)
+    return len(added) - len(_settle(model, added, warn=True))
+
+
+def automatic_edges(model: GraphModel) -> AutoEdges | None:
+    """What `add_autoedges` would add to `model` (leaving it and the kept keys as they
+    are), for a parse cache entry; None where that is not a function of the model
+    alone: a kind whose keys may depend on the machine (not in PURE_KEYS: a package
+    provides the files it installs), `collect:` (resources come later), or a cycle
+    (the run reports it)."""
+    if model.collect or not all(_known_keys(type(r)) for r in model.resources.values()):
+        return None
+    copy = GraphModel(name=model.name, resources=model.resources, edges=list(model.edges))
+    try:
+        added = _find(copy, keep=False, remember=False)
+        dropped = _settle(copy, added, warn=False)
+    except GraphCycleError:
+        return None
+    edges = copy.edges[len(model.edges) :]
+    return AutoEdges(edges, dropped, len(model.resources), len(model.edges))
+
+
+def _add_known(model: GraphModel, known: AutoEdges) -> int | None:
+    """`add_autoedges` with its outcome known (a parse cache hit: `automatic_edges` of
+    this very model): the edges added and the warnings given. None (nothing added)
+    if they would close a cycle: not what `automatic_edges` gives (an entry is
+    trusted as far as its parse, not to bring a cycle in)."""
+    if known.edges:
+        n = len(model.edges)
+        model.edges.extend(known.edges)
+        if model.forward_order() is None:
+            try:
+                model.order()
+            except CycleError:
+                del model.edges[n:]
+                return None
+    for drop in known.dropped:
+        log.warning("dropping automatic edge %s -> %s: it closes a cycle", *drop)
+    return len(known.edges)
+
+
+def _find(model: GraphModel, *, keep: bool, remember: bool) -> list[Edge]:
+    """The automatic edges `model` lacks. `keep`: reuse the keys the last prepared
+    graph's equal resources had; `remember`: keep this graph's for the next."""
+    global _last
     last: dict[str, list[Any]] = _last
     now: dict[str, list[Any]] = {}
     index: dict[str, str] = {}
@@ -77,12 +157,15 @@ def add_autoedges(model: GraphModel) -> int:
             provides = res.autoedge_provides()
         for key in provides:
             index.setdefault(key, ident)
-    _last = now
+    if remember:
+        _last = now
     if not index:
-        return 0
-    namespaces = {key.partition(":")[0] for key in index}
-    existing = {(e.from_id, e.to_id) for e in model.edges}
+        return []
+    namespaces = _namespaces(index)
+    # (by index: a NamedTuple's fields by name cost several times more)
+    existing = {(e[0], e[1]) for e in model.edges}
     added: list[Edge] = []
+    get = index.get
     for ident, res in model.resources.items():
         if not res.meta.autoedge:
             continue
@@ -109,22 +192,39 @@ def add_autoedges(model: GraphModel) -> int:
                 wanted.append(ns)
             if ns not in namespaces:
                 continue  # nothing provides this kind of key: skip the walk
-            for key in itertools.chain((first,), keys_of):
-                provider = index.get(key)
-                if provider is None or provider == ident:
+            # The nearest wanted key first, without a chain: most are found at once
+            # (a file's own directory), and most of those edges are explicit already
+            provider = get(first)
+            if provider is None or provider == ident:
+                for key in keys_of:
+                    provider = get(key)
+                    if provider is not None and provider != ident:
+                        break
+                else:
                     continue
-                if (provider, ident) not in existing:
-                    existing.add((provider, ident))
-                    added.append(Edge(provider, ident, name="auto"))
-                break
+            pair = (provider, ident)
+            if pair not in existing:
+                existing.add(pair)
+                added.append(Edge(provider, ident, name="auto"))
         if keys is not None and wanted is not None:
             got = tuple(wanted)
             keys[2] = _wants.setdefault(got, got)  # shared: most are alike
+    return added
+
+
+def _settle(model: GraphModel, added: list[Edge], *, warn: bool) -> list[tuple[str, str]]:
+    """Add `added` to `model`, dropping those that close a cycle with the user's
+    edges (one at a time, the first found on a cycle; a warning each if `warn`);
+    returns the dropped, in order. A cycle of the user's own edges raises
+    GraphCycleError."""
+    dropped: list[tuple[str, str]] = []
     if not added:
-        return 0
+        return dropped
     model.edges.extend(added)
     auto = {(e.from_id, e.to_id) for e in added}
     while True:
+        if model.forward_order() is not None:
+            break  # (no cycle: the common case, without a topological sort)
         try:
             model.order()
             break
@@ -134,9 +234,11 @@ def add_autoedges(model: GraphModel) -> int:
             drop = next((p for p in pairs if p in auto), None)
             if drop is None:
                 raise GraphCycleError(cycle) from None
-            log.warning("dropping automatic edge %s -> %s: it closes a cycle", *drop)
+            if warn:
+                log.warning("dropping automatic edge %s -> %s: it closes a cycle", *drop)
+            dropped.append(drop)
             auto.discard(drop)
             model.edges[:] = [
                 e for e in model.edges if not (e.name == "auto" and (e.from_id, e.to_id) == drop)
             ]
-    return len(auto)
+    return dropped

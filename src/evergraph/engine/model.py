@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import UnionType
 from typing import Annotated, Any, NamedTuple, Union, get_args, get_origin
@@ -46,6 +46,26 @@ class CollectSpec(msgspec.Struct, frozen=True):
         )
 
 
+class AutoEdges(NamedTuple):
+    """The automatic edges a model gets (`autoedge.automatic_edges`), known before it
+    is prepared (a parse cache entry keeps them): those added, in order, and those
+    dropped for closing a cycle (each a warning). For the model of `resources`
+    resources and `edges` edges it was found for: `fits`."""
+
+    edges: list[Edge]
+    dropped: list[tuple[str, str]]
+    resources: int
+    edges_before: int
+
+    def fits(self, model: GraphModel) -> bool:
+        """The model is as it was found for (nothing added since: `collect:`)."""
+        return (
+            len(model.resources) == self.resources
+            and len(model.edges) == self.edges_before
+            and not model.collect
+        )
+
+
 @dataclass(slots=True)
 class GraphModel:
     """A validated graph ready for the engine. Build with `add` and `connect`, then `check`."""
@@ -61,6 +81,9 @@ class GraphModel:
     _claims: dict[str, tuple[Iterable[str], Iterable[str]]] | None = field(
         default=None, repr=False, compare=False
     )
+    #: its automatic edges, when known before `prepare` (a one-shot run's parse cache
+    #: hit); `add_autoedges` uses them once instead of finding them
+    auto: AutoEdges | None = field(default=None, repr=False, compare=False)
 
     def add(self, res: Resource, origin: str = "") -> None:
         """Add a resource; an equal duplicate merges, a different one is an error."""
@@ -93,11 +116,29 @@ class GraphModel:
         """A topological order of the identities; raises CycleError."""
         return topo_order(self.resources, ((e.from_id, e.to_id) for e in self.edges))
 
+    def forward_order(self) -> list[str] | None:
+        """The declaration order if every edge goes forward in it, else None. Such
+        an order is topological, so the graph has no cycle: the common case (a
+        directory declared before its files) costs a look-up per edge instead of
+        a topological sort (~10 ms for 10k edges)."""
+        pos = dict(zip(self.resources, range(len(self.resources)), strict=True))
+        get = pos.get
+        for e in self.edges:
+            a = get(e[0])  # (from_id, to_id: by index, several times cheaper)
+            b = get(e[1])
+            if a is None or b is None or a >= b:
+                return None
+        return list(pos)
+
     def dag(self) -> DAG[str]:
         return DAG.build(self.resources, ((e.from_id, e.to_id) for e in self.edges))
 
     def check(
-        self, valid: Mapping[str, Resource] | None = None, *, keep: bool = False
+        self,
+        valid: Mapping[str, Resource] | None = None,
+        *,
+        keep: bool = False,
+        stateful: Container[str] | None = None,
     ) -> list[str]:
         """Validate every resource and the shape; returns a topological order.
 
@@ -106,7 +147,9 @@ class GraphModel:
         the parameters alone), e.g. the unchanged 9,999 of a live edit, and its
         claims are taken from there (a `Validated` of a model checked with
         `keep`: claims are keys of parameter values too). `keep`: remember each
-        resource's claims for `validated()`."""
+        resource's claims for `validated()`. `stateful` (instead of `valid`): every
+        resource but these was validated before, with the parameters it has now (a
+        parse cache hit: the entry is a model whose parse validated it)."""
         #: semaphore id -> (its count, the first resource that gave it)
         semas: dict[str, tuple[int, Resource]] = {}
         #: what each resource manages (`file:/etc/x`) -> the first resource claiming it
@@ -127,7 +170,10 @@ class GraphModel:
                         f"{res.kind} resources cannot be reversed", f"{ident}.meta.reverse"
                     )
             got = None
-            if valid is None or valid.get(ident) != res:
+            if stateful is not None:
+                if ident in stateful:
+                    res.validate()
+            elif valid is None or valid.get(ident) != res:
                 res.validate()
             elif known is not None:
                 got = known.get(ident)
@@ -148,6 +194,9 @@ class GraphModel:
                     self._fight_part(key, other, res, later=res)
                 parts.setdefault(key, res)
         self._claims = kept
+        forward = self.forward_order()
+        if forward is not None:
+            return forward
         try:
             return self.order()
         except CycleError as e:

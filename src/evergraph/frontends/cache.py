@@ -16,14 +16,27 @@ kind's code changed) makes it a miss.
 
 What is cached is the model as the YAML frontend builds it (resources with
 their parameters in declaration order, explicit edges with notify and
-send/recv, `collect:` specs, the graph's name, the warnings given); on a hit
-the model is checked again (`GraphModel.check`: claims, cycles, meta), with
-`validate` skipped for the resources that kept no state from it (`validate`
-checks the parameter values alone, and these are the very values it passed:
-the same rule a live edit's re-check uses). A hit that fails its check is
-dropped and the file parsed: errors are never cached, and always name
-`file:line:col` as the parse does. An entry is written only after a parse
-that succeeded, and only if it decodes back to an equal model.
+send/recv, `collect:` specs, the graph's name, the warnings given), and the
+automatic edges `prepare` will add to it (`autoedge.automatic_edges`: for
+graphs whose kinds' keys are their parameters alone, without `collect:`).
+
+What a hit trusts, and why. The entry's model is what a parse of these bytes
+made with this code (the key), so whatever is a function of the model alone
+was right when the parse checked it: `validate` of the resources that kept no
+state from it (it checks the parameter values alone, and these are the very
+values it passed: the same rule a live edit's re-check uses) is not run again,
+and a one-shot run takes the automatic edges as found. What is checked again
+is what a corrupt or planted entry (ours, 0600 in a 0700 directory: only this
+user, who may as well edit the graph) could make dangerous, since it is cheap:
+the claims (two resources undoing each other's work), the meta, the acyclicity
+(a look-up per edge when the declaration order is topological, as it is when
+directories come before their files), `validate` of the resources the entry
+says kept state (it may read the machine); automatic edges that name no
+resource of the graph, are not plain automatic edges or close a cycle are
+found anew. A hit that fails its check is dropped and the file parsed: errors
+are never cached, and always name `file:line:col` as the parse does. An entry
+is written only after a parse that succeeded, and only if it decodes back to
+an equal model and the same automatic edges.
 
 Entries live in one directory (0700) as files (0600) written with the
 project's atomic write (without fsync: a torn entry after a power cut is
@@ -54,13 +67,14 @@ import msgspec
 from evergraph._util.atomic import atomic_write, is_temp, make_dirs
 from evergraph._util.gc import gc_paused
 from evergraph._version import __version__
+from evergraph.engine.autoedge import automatic_edges
 from evergraph.engine.contract import DEFAULT_META, Registry, Resource
-from evergraph.engine.model import CollectSpec, Edge, GraphModel, Validated
+from evergraph.engine.model import AutoEdges, CollectSpec, Edge, GraphModel
 
 log = logging.getLogger("evergraph.frontend.cache")
 
 #: the entry layout; a new one makes every old entry a miss
-FORMAT = "1"
+FORMAT = "2"
 #: what the cache directory may hold (a 10k-resource graph's entry is ~4 MB)
 MAX_BYTES = 64 * 1024 * 1024
 MAX_ENTRIES = 32
@@ -71,6 +85,7 @@ SUBDIR = "parse-cache"
 #: the modules whose code makes a YAML graph's model (their source is in the key)
 _MAKERS = (
     "evergraph._version",
+    "evergraph.engine.autoedge",
     "evergraph.engine.build",
     "evergraph.engine.contract",
     "evergraph.engine.model",
@@ -105,6 +120,8 @@ class _Entry(msgspec.Struct, array_like=True):
     notes: list[str]
     #: resources `validate` gave state of their own: validated again on a hit
     stateful: list[str]
+    #: the automatic edges `prepare` adds to the model (None: not known in advance)
+    auto: AutoEdges | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -225,14 +242,14 @@ class ParseCache:
                 return None
             if entry.key != key:
                 return None
-            stateful = set(entry.stateful)
-            valid = Validated((i, r) for i, r in model.resources.items() if i not in stateful)
-            valid.claims = {}
             try:
-                model.check(valid, keep=keep)
+                model.check(keep=keep, stateful=frozenset(entry.stateful))
             except Exception as e:  # the parse gives the error, where it is
                 log.debug("%s/%s: cached model fails its check: %s", self.directory, key, e)
                 return None
+            auto = entry.auto
+            if auto is not None and not keep and _plain_auto(auto, model):
+                model.auto = auto  # (a run that takes later graphs finds its own)
         if warn:
             for note in entry.notes:
                 log.warning("%s", note)
@@ -281,12 +298,15 @@ class ParseCache:
     def _encoded(
         self, key: str, model: GraphModel, notes: list[str], registry: Registry
     ) -> bytes | None:
-        """Entry `key`'s bytes, if they decode back to an equal model."""
+        """Entry `key`'s bytes, if they decode back to an equal model. The automatic
+        edges found for it are the model's too (`GraphModel.auto`: its `prepare`
+        takes them instead of finding them again)."""
         try:
             with gc_paused():
-                data = encode(key, model, notes)
-                _, back = decode(data, registry)
-            if not same_model(back, model):
+                auto = model.auto = automatic_edges(model)
+                data = encode(key, model, notes, auto)
+                entry, back = decode(data, registry)
+            if not same_model(back, model) or entry.auto != auto:
                 log.debug("%s: not cached: the model does not encode exactly", key)
                 return None
         except Exception as e:  # a cache never fails a run
@@ -342,8 +362,22 @@ def _now() -> float:
     return time.time()
 
 
-def encode(key: str, model: GraphModel, notes: list[str]) -> bytes:
-    """An entry of `model` (resources' fields only: state `validate` set is not kept)."""
+def _plain_auto(auto: AutoEdges, model: GraphModel) -> bool:
+    """Automatic edges as `automatic_edges` makes them, between the model's resources."""
+    res = model.resources
+    # (by index: a NamedTuple's fields by name cost more)
+    return auto.fits(model) and all(
+        e[0] in res and e[1] in res and e[2:] == _AUTO_TAIL for e in auto.edges
+    )
+
+
+#: what follows the two ends of an automatic edge: no notify, send or recv; "auto"
+_AUTO_TAIL = Edge("", "", name="auto")[2:]
+
+
+def encode(key: str, model: GraphModel, notes: list[str], auto: AutoEdges | None = None) -> bytes:
+    """An entry of `model` (resources' fields only: state `validate` set is not kept)
+    and of its automatic edges `auto` (`automatic_edges(model)`)."""
     kinds: list[_Kind] = []
     index: dict[type[Resource], int] = {}
     runs: list[tuple[int, msgspec.Raw]] = []
@@ -378,6 +412,7 @@ def encode(key: str, model: GraphModel, notes: list[str]) -> bytes:
         collect=model.collect,
         notes=notes,
         stateful=stateful,
+        auto=auto,
     )
     return _encoder.encode(entry)
 
