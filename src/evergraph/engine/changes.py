@@ -16,6 +16,7 @@ diffs nobody asked for.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
+from functools import lru_cache
 from typing import Any
 
 from evergraph.engine.masking import MASK
@@ -113,6 +114,25 @@ def content_diff(old: bytes | None, new: bytes | None, label: str) -> str:
     return "\n".join(out)
 
 
+#: (the `_change` and `_changes` memos below: a vertex keeps what its last change
+#: changed, and a first apply of 10k files makes as many `content` and `mode` changes
+#: from none to the same few sizes and one mode: equal values are one object, shared
+#: (they are immutable), not 10k; ~270 bytes a changed vertex)
+MEMO_SIZE = 1024
+#: values longer than this are not memoised (`_change`)
+_SHORT = 64
+
+
+@lru_cache(maxsize=MEMO_SIZE)
+def _change(field: str, old: str | None, new: str | None) -> Change:
+    return Change(field, old, new)
+
+
+@lru_cache(maxsize=MEMO_SIZE)
+def _changes(changes: tuple[Change, ...]) -> tuple[Change, ...]:
+    return changes
+
+
 def build(
     reports: Iterable[Report],
     secret_fields: Collection[str],
@@ -123,18 +143,32 @@ def build(
     as `MASK` whole (never a diff of it); every other text goes through `mask`
     (the secrets the vertex knows). `diffs`: build unified diffs of content."""
     out = []
+    alike = True  # every Change is a memoised one: so may the tuple be
     for field, old, new, content in reports:
         if field in secret_fields:
-            out.append(Change(field, None if old is None else MASK, None if new is None else MASK))
+            out.append(_change(field, None if old is None else MASK, None if new is None else MASK))
             continue
         if content:
             a, b = _as_bytes(old), _as_bytes(new)
-            diff = mask(content_diff(a, b, field)) if diffs else None
-            out.append(Change(field, size_text(a), size_text(b), diff))
+            if diffs:
+                out.append(
+                    Change(field, size_text(a), size_text(b), mask(content_diff(a, b, field)))
+                )
+                alike = False
+            else:
+                out.append(_change(field, size_text(a), size_text(b)))
             continue
         o, n = _text(old), _text(new)
-        out.append(Change(field, None if o is None else mask(o), None if n is None else mask(n)))
-    return tuple(out)
+        if (o is None or len(o) <= _SHORT) and (n is None or len(n) <= _SHORT):
+            out.append(
+                _change(field, None if o is None else mask(o), None if n is None else mask(n))
+            )
+        else:  # (long values are rarely alike: not memoised, nor kept alive by the memo)
+            out.append(
+                Change(field, None if o is None else mask(o), None if n is None else mask(n))
+            )
+            alike = False
+    return _changes(tuple(out)) if alike else tuple(out)
 
 
 def _shown(text: str | None, keep: str = "") -> str:

@@ -11,12 +11,13 @@ the values (checked against the declared types), validated, re-initialised.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import msgspec
 
 from evergraph.engine.contract import Resource
 from evergraph.engine.state import EngineState, ended
-from evergraph.engine.vertex import Vertex
+from evergraph.engine.vertex import NO_VALUES, Vertex
 from evergraph.errors import InputError
 
 log = logging.getLogger("evergraph.engine")
@@ -25,7 +26,7 @@ log = logging.getLogger("evergraph.engine")
 class SendRecv(EngineState):
     async def _receive(self, v: Vertex) -> Resource:
         """Apply received values: a new resource with them, validated, re-initialised."""
-        values, v.inbox = v.inbox, {}
+        values, v.inbox = v.inbox, NO_VALUES
         new = with_values(v.res, _as_declared(v.res, values))
         new.meta.check(new.ident)
         new.validate()  # an InputError here is this vertex's failure
@@ -39,7 +40,7 @@ class SendRecv(EngineState):
                 self._unready -= 1
         await self._call_cleanup(v)
         v.res = new
-        v.received.update(values)
+        v.received = {**v.received, **values}
         await self._start_vertex(v)
         log.info(
             "%s: received %s",
@@ -74,11 +75,11 @@ class SendRecv(EngineState):
                     c.secrets |= {value}
             current = c.inbox.get(recv, c.received.get(recv, getattr(c.res, recv, None)))
             if current != value:
-                c.inbox[recv] = value
+                c.inbox = {**c.inbox, recv: value}
                 c.pending = True
 
 
-def _as_declared(res: Resource, values: dict[str, object]) -> dict[str, object]:
+def _as_declared(res: Resource, values: Mapping[str, object]) -> dict[str, object]:
     """Received values as the receiver declares them: a sender of `Any` (value) is
     only checked here, when a value arrives; a mismatch is an InputError."""
     types = {f.name: f.type for f in msgspec.structs.fields(res)}

@@ -50,11 +50,14 @@ YIELD_EVERY = 1000
 #: eager checks that suspended (a write waiting for the disk) at most at once: the
 #: drain starts no more until they are down to SUSPENDED_LOW. Without a bound a 10k
 #: first apply started all 10k, each holding its task and coroutines while its write
-#: waited for the committer (peak RSS 115 MB, against 99 MB with it). Well above the
-#: committer's own bound (resources/_commit.py: MAX_PENDING), and refilled in
-#: batches before it runs dry: with 1024 and a refill at 512 the loop idled between
-#: bursts and a first apply took ~0.4 s more CPU.
-SUSPENDED_MAX = 2048
+#: waited for the committer (peak RSS 115 MB, against 99 MB with it). Twice the
+#: committer's own bound (resources/_commit.py: MAX_PENDING), so that as many again
+#: wait for its room, and refilled in batches before it runs dry: with 1024 and a
+#: refill at 512 the loop idled between bursts and a first apply took ~0.4 s more
+#: CPU; a refill 128 below it does not. Each check waiting holds its task, its
+#: coroutines and its write (~3-4 KB of RSS): 2048 raised a 10k first apply's RSS by
+#: ~3 MB over 1024 (BENCHMARKS.md, "Issue 28: first-apply memory").
+SUSPENDED_MAX = 1024
 #: ... and drains again once they are down to this many (a batch, not one at a time)
 SUSPENDED_LOW = SUSPENDED_MAX - 128
 
