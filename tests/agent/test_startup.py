@@ -510,3 +510,38 @@ def test_a_sqlite_watcher_sees_another_clients_commit_made_before_its_notifier_i
             await other.close()
 
     assert asyncio.run(main()) == ["k/a"]
+
+
+def test_a_one_shot_run_from_the_parse_cache_imports_no_parser(tmp_path: Path) -> None:
+    """An unchanged re-run takes its model from the parse cache: the YAML parser
+    (yaml_rs and the modules around it), the builder of resources from data
+    (engine.build, difflib) and what only an unprintable log character needs
+    (unicodedata) are not imported (issue 28: the imports a one-shot run pays).
+    The first run, which parses, has them."""
+    g = tmp_path / "g.yaml"
+    g.write_text(
+        f"resources:\n  file:\n  - name: d\n    path: {tmp_path}/d/\n    state: exists\n"
+        f"  - name: f\n    path: {tmp_path}/d/x\n    content: hi\n"
+        "edges:\n- name: e\n  from:\n    kind: file\n    name: d\n"
+        "  to:\n    kind: file\n    name: f\n"
+    )
+    st = str(tmp_path / "state")
+    argv = ["run", str(g), "--converged-exit", "--state-dir", st]
+    parser = (
+        "yaml_rs",
+        "evergraph.frontends._yaml_rs",
+        "evergraph.frontends.yaml_edges",
+        "evergraph.frontends.yaml_load",
+        "evergraph.engine.build",
+        "difflib",
+    )
+    rc, err, first = _at_exit(argv)
+    assert rc == 0, err
+    assert (tmp_path / "d" / "x").read_text() == "hi"
+    assert set(parser) <= first
+    rc, err, again = _at_exit(argv)
+    assert rc == 0, err
+    assert "evergraph.world.sqlite" in again  # the World was opened and joined
+    assert "evergraph.frontends.yaml" in again
+    for deferred in (*parser, "unicodedata"):
+        assert deferred not in again, deferred

@@ -14,6 +14,8 @@ import json
 import logging
 import os
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -331,6 +333,35 @@ def test_another_version_code_or_kinds_do_not_use_the_entry(
         loads.miss(g)  # (the entry is now that code's)
     loads.miss(g)
     loads.hit(g)
+
+
+def test_the_key_covers_the_parser_modules_a_cached_run_never_imports(tmp_path: Path) -> None:
+    """A run whose model comes from the cache imports no parser module (yaml_edges,
+    yaml_load, engine.build: they load with the first parse), yet its key still
+    digests their source: the same key as in a process that imported them."""
+    g = tmp_path / "g.yaml"
+    g.write_text(GRAPH)
+    parsers = ("evergraph.frontends.yaml_edges", "evergraph.frontends.yaml_load")
+    code = (
+        "import sys, importlib\n"
+        "from evergraph.frontends import cache\n"
+        "from evergraph.frontends.open import builtin_registry\n"
+        f"parsers = {(*parsers, 'evergraph.engine.build')!r}\n"
+        "before = [m for m in parsers if m in sys.modules]\n"
+        "if sys.argv[1] == 'imported':\n"
+        "    for m in parsers: importlib.import_module(m)\n"
+        "key = cache.entry_key(b'graph', sys.argv[2], builtin_registry())\n"
+        "print(before, key)\n"
+    )
+
+    def key(how: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", code, how, str(g)], capture_output=True, text=True, check=True
+        ).stdout.split()
+        assert out[0] == "[]", out  # none imported by the cache itself
+        return out[-1]
+
+    assert key("imported") == key("not-imported")
 
 
 def test_the_same_content_under_another_name_is_another_entry(

@@ -42,7 +42,6 @@ from evergraph.cluster.hostbook import load_cluster_trust
 from evergraph.cluster.hostkeys import HostKeys, KeyError_
 from evergraph.cluster.members import HostnameTaken, Member, Membership
 from evergraph.cluster.pins import Pins, PinsError
-from evergraph.engine.build import build
 from evergraph.engine.engine import Engine
 from evergraph.engine.model import GraphModel
 from evergraph.engine.prepare import prepare
@@ -680,6 +679,8 @@ class Agent:
         job = self.worker.job
         if job is None:
             return raw
+        from evergraph.engine.build import build  # (a worker's only)
+
         kind, key, *comment = job.public_key.split(" ")
         grant = build(
             builtin_registry(),

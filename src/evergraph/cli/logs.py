@@ -26,7 +26,6 @@ import os
 import re
 import sys
 import time
-import unicodedata
 from typing import TYPE_CHECKING, Any
 
 from evergraph._util.crash import crash_point
@@ -44,7 +43,11 @@ ALL = 1
 
 
 def _escaped_char(c: str) -> str:
-    if c == "\t" or c.isprintable() or unicodedata.category(c) == "Zs":
+    if c == "\t" or c.isprintable():
+        return c
+    import unicodedata  # (a control or other unprintable character: rare)
+
+    if unicodedata.category(c) == "Zs":
         return c
     return c.encode("unicode_escape", "backslashreplace").decode("ascii")
 

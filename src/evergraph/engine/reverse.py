@@ -14,7 +14,6 @@ from typing import Any
 
 import msgspec
 
-from evergraph.engine.build import build
 from evergraph.engine.state import EngineState
 from evergraph.engine.vertex import Vertex
 from evergraph.errors import InputError, ResourceError
@@ -55,6 +54,8 @@ class Reversal(EngineState):
         if self.registry.get(kind_name) is None:
             log.error("%s: reversal of unknown kind %r kept for later", ident, kind_name)
             return
+        from evergraph.engine.build import build  # (a run with no reversal never needs it)
+
         try:
             rev = build(self.registry, kind_name, dict(record["params"]), f"reversal of {ident}")
         except (InputError, TypeError, KeyError, ValueError) as e:

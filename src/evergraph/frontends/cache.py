@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.machinery
 import logging
 import os
 import stat
@@ -131,11 +132,21 @@ _decoders: dict[type[Resource], msgspec.msgpack.Decoder[Any]] = {}
 _digests: dict[str, str] = {}
 
 
+def _source_path(name: str) -> str | None:
+    """The file of module `name`, imported or not: the parser's modules load with
+    the first parse only, and a run whose model is cached never imports them."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return getattr(module, "__file__", None)
+    parent = sys.modules.get(name.rpartition(".")[0])
+    spec = importlib.machinery.PathFinder.find_spec(name, getattr(parent, "__path__", None))
+    return None if spec is None else spec.origin
+
+
 def _module_digest(name: str) -> str:
     got = _digests.get(name)
     if got is None:
-        module = sys.modules.get(name)
-        path = getattr(module, "__file__", None)
+        path = _source_path(name)
         data = b"?"
         if path:
             try:

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from evergraph.engine.build import build
 from evergraph.engine.contract import Registry, Resource
 from evergraph.engine.model import CollectSpec, GraphModel, same_but_named
 from evergraph.errors import InputError
@@ -79,6 +78,8 @@ def to_resources(
 ) -> list[Resource]:
     """Collected exports as resources of this host's graph; bad ones are skipped
     with one line naming the export. `cache`: the last round's, kept for the next."""
+    from evergraph.engine.build import build  # (with the first export: see yaml.py)
+
     got: list[Resource] = []
     for exp in exports:
         res = cache.get(exp) if cache is not None else None

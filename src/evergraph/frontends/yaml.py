@@ -16,7 +16,6 @@ such.
 
 from __future__ import annotations
 
-import difflib
 import logging
 import re
 import sys
@@ -27,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from evergraph._util.gc import gc_paused
-from evergraph.engine.build import PathPart, build_resource, known_kinds_hint, msgspec_path
 from evergraph.engine.contract import Registry, Resource
 from evergraph.engine.model import CollectSpec, Edge, GraphCycleError, GraphModel
 from evergraph.errors import InputError
@@ -41,7 +39,6 @@ from evergraph.frontends.base import (
     read_graph_file,
 )
 from evergraph.frontends.collect import Built, matching, merge, to_resources
-from evergraph.frontends.yaml_edges import RawEdge, load_fast
 from evergraph.frontends.yaml_entries import (
     Entries,
     Known,
@@ -49,7 +46,6 @@ from evergraph.frontends.yaml_entries import (
     copy_resource,
     split_entries,
 )
-from evergraph.frontends.yaml_load import Locator, load_text, long_number_at
 
 #: what other modules take from here (`Entries` and `split_entries` live in yaml_entries.py)
 __all__ = ["Entries", "YamlFrontend", "load_yaml", "parse_yaml", "split_entries"]
@@ -96,7 +92,10 @@ _INT_FOR_TEXT = re.compile(r"^Expected `(?P<types>[^`]*)`, got `int`$")
 
 if TYPE_CHECKING:
     from evergraph.cluster.exports import Exported
+    from evergraph.engine.build import PathPart
     from evergraph.frontends.cache import ParseCache
+    from evergraph.frontends.yaml_edges import RawEdge
+    from evergraph.frontends.yaml_load import Locator
 
 
 def parse_yaml(
@@ -127,6 +126,8 @@ def parse_yaml(
             # an integer too long to print (sys.get_int_max_str_digits()), in a message
             if "integer string conversion" not in str(e):
                 raise
+            from evergraph.frontends.yaml_load import long_number_at
+
             raise InputError(
                 f"a number of more than {sys.get_int_max_str_digits()} digits: "
                 "quote it if it is text",
@@ -143,6 +144,10 @@ def _parse_yaml(
     entries: Entries | None,
     notes: list[str] | None = None,
 ) -> GraphModel:
+    # the parser's modules load with the first parse: a run whose model comes from
+    # the parse cache (every unchanged re-run) never needs them
+    from evergraph.frontends.yaml_load import Locator, load_text
+
     loc = Locator(filename, text)
     if entries is not None:
         found = entries.reuse(text)
@@ -169,6 +174,8 @@ def _parse_yaml(
 
 def _with_fast_edges(text: str) -> tuple[Any, Iterable[RawEdge] | None]:
     """`load_fast`: (the document, its edges), or (None, None) to parse the whole text."""
+    from evergraph.frontends.yaml_edges import load_fast
+
     got = load_fast(text)
     return (None, None) if got is None else got
 
@@ -253,6 +260,8 @@ def _model(
                     ("resources", kind),
                     key=True,
                 )
+            from evergraph.engine.build import known_kinds_hint
+
             raise fail(
                 f"unknown resource kind {kind!r} {known_kinds_hint(kinds, str(kind))}",
                 ("resources", kind),
@@ -378,6 +387,8 @@ def _built(
 
 
 def _did_you_mean(word: object, choices: tuple[str, ...]) -> str:
+    import difflib
+
     close = difflib.get_close_matches(str(word), choices, n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
 
@@ -440,6 +451,8 @@ def _build(
 ) -> Resource:
     """One resource. An integer given where text is wanted takes its source text,
     as mgmt's reader hands it over (`mode: 0741` is "0741", not 741)."""
+    from evergraph.engine.build import build_resource, msgspec_path
+
     for _ in range(1000):  # one integer per round: at most one per field
         try:
             return msgspec.convert(item, cls, strict=True)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from evergraph.engine.contract import R, Resource
-from evergraph.frontends import _yaml_rs as yaml_rs
-from evergraph.frontends.yaml_edges import RawEdge, load_fast
+
+if TYPE_CHECKING:
+    from evergraph.frontends.yaml_edges import RawEdge
 
 
 def copy_resource(res: R) -> R:
@@ -219,6 +220,10 @@ class Entries:
             if texts:
                 items[kind] = got
         # explicit edges in mgmt's layout: read by yaml_edges, as in a whole parse
+        # (the parser's modules load with the first parse: see yaml._parse_yaml)
+        from evergraph.frontends import _yaml_rs as yaml_rs
+        from evergraph.frontends.yaml_edges import load_fast
+
         fast = load_fast(skeleton)
         edges = None
         if fast is not None:
@@ -241,6 +246,8 @@ def _entry(d: int, text: str, at_end: bool) -> list[Any] | None:
     value; None if it is not exactly one entry. Followed by a next entry as
     in the text (yaml_rs reads an empty block scalar at the very end as a line
     break, elsewhere as empty), unless `at_end`: it ends the text."""
+    from evergraph.frontends import _yaml_rs as yaml_rs
+
     indent = " " * d
     parsed: Any
     try:
