@@ -18,7 +18,8 @@ import bisect
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+
+import msgspec
 
 from evergraph.engine.status import Observer, VertexStatus
 from evergraph.world.kv import KV, Compare, Delete, Event, KeyValue, Put
@@ -45,9 +46,9 @@ LATENCY_BUCKETS = (
 )
 
 
-@dataclass(frozen=True)
-class ClusterFigures:
-    """The self-forming cluster as this agent sees it (`run --etcd embedded`)."""
+class ClusterFigures(msgspec.Struct, frozen=True):
+    """The self-forming cluster as this agent sees it (`run --etcd embedded`).
+    (A frozen Struct, not a dataclass: a tenth of the import time.)"""
 
     voters: int
     learners: int

@@ -270,15 +270,19 @@ _named(WORLD_OPTIONS)
 _named(AGENT_OPTIONS)
 _named(LAST_OPTIONS)
 
+#: (field, Flag) of the engine's settings: read once, `flags()` evaluates the
+#: Settings struct's annotations
+_SETTINGS_FLAGS = flags()
+
 #: the engine's settings among `run`'s options: parameter -> (Settings field, whether
 #: the flag sets it False: `--no-watch` is watch=False)
-SETTINGS_PARAMS = {flag.param: (field, flag.invert) for field, flag in flags()}
+SETTINGS_PARAMS = {flag.param: (field, flag.invert) for field, flag in _SETTINGS_FLAGS}
 
 
 def run_options() -> list[Flag]:
     """Every option of `run`, in the order of its `--help`."""
     return [
-        *(flag for _, flag in flags()),
+        *(flag for _, flag in _SETTINGS_FLAGS),
         *AGENT_OPTIONS,
         *WORLD_OPTIONS,
         *LAST_OPTIONS,
