@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import logging
 import os
 import re
@@ -71,6 +70,8 @@ def _data(record: logging.LogRecord) -> dict[str, Any] | None:
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
+        import json  # (`--log-format json` only)
+
         msg = record.getMessage()
         data = _data(record)
         if data is not None:

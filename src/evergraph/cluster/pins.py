@@ -20,7 +20,6 @@ called with the hosts whose pin changed and whether the deployers did.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -159,6 +158,8 @@ class Pins:
             return
         except OSError as e:
             raise PinsError(f"{self.path}: cannot read: {e.strerror}") from None
+        import json  # (with a pins file: most hosts never write one)
+
         try:
             data = json.loads(raw)
             if not isinstance(data, dict):
@@ -200,6 +201,8 @@ class Pins:
             self._load()
 
     def _save(self) -> None:
+        import json
+
         data = {
             "hosts": {
                 h: {"public": p.public, "verify": p.verify, "how": p.how}

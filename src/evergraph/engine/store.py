@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -132,6 +131,8 @@ class VertexStore:
     def intend(self, kind: str, name: str, children: Iterable[str]) -> bool:
         """Before `kind[name]` applies: whom (`children`, idents) to refresh if it
         changes something."""
+        import json  # (with the first record: a run may have none)
+
         data = json.dumps(sorted(children)).encode()
         try:
             atomic_write(self._path(kind, name, INTENT), data)
@@ -158,6 +159,8 @@ class VertexStore:
     ) -> None:
         """`seal` (the host key's): the record may hold a secret, kept only sealed as
         `{"sealed": TOKEN}`; `open_reversal` gives it back."""
+        import json  # (with the first record: a run may have none)
+
         data = json.dumps(record).encode()
         if seal is not None:
             data = json.dumps({SEALED: seal(data).decode("ascii")}).encode()
@@ -170,6 +173,8 @@ class VertexStore:
     @staticmethod
     def open_reversal(record: dict[str, Any], unseal: Callable[[bytes], bytes]) -> dict[str, Any]:
         """The record a sealed one holds (ValueError if it is not one)."""
+        import json  # (with the first record: a run may have none)
+
         token = record.get(SEALED)
         if not isinstance(token, str):
             raise ValueError("not a sealed reversal record")
@@ -179,6 +184,8 @@ class VertexStore:
         return opened
 
     def load_reversal(self, kind: str, name: str) -> dict[str, Any] | None:
+        import json  # (with the first record: a run may have none)
+
         try:
             with open(self._path(kind, name, REVERSAL), "rb") as f:
                 record = json.loads(f.read())
@@ -209,6 +216,8 @@ class VertexStore:
                 self._recover_intent(ident, os.path.join(name.path, INTENT), owed)
                 rev = os.path.join(name.path, REVERSAL)
                 if os.path.exists(rev):
+                    import json  # (with the first record: a run may have none)
+
                     try:
                         with open(rev, "rb") as f:
                             record = json.loads(f.read())
@@ -232,6 +241,8 @@ class VertexStore:
         something, so its children are owed their refresh (flags written first)."""
         try:
             with open(path, "rb") as f:
+                import json  # (with the first record: a run may have none)
+
                 children = json.loads(f.read())
         except FileNotFoundError:
             return

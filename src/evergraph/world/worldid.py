@@ -23,7 +23,6 @@ re-publish what they own: a resync, never a loss.
 
 from __future__ import annotations
 
-import secrets
 import time
 
 import msgspec
@@ -73,7 +72,7 @@ class WorldIdentity:
         for _ in range(10):
             cur = await self.kv.get(WORLD_ID)
             if cur is None:
-                new = WorldIdRecord(id=secrets.token_hex(8), created=time.time())
+                new = WorldIdRecord(id=_new_id(), created=time.time())
                 if not await self.kv.cas(WORLD_ID, msgspec.json.encode(new), expect=0):
                     continue  # another client made it first: read theirs
                 cur = await self.kv.get(WORLD_ID)
@@ -94,7 +93,7 @@ class WorldIdentity:
                     rec = _decoder.decode(cur.value)
                     bumped = msgspec.structs.replace(rec, epoch=rec.epoch + 1)
                 except msgspec.DecodeError:
-                    bumped = WorldIdRecord(id=secrets.token_hex(8), created=time.time())
+                    bumped = WorldIdRecord(id=_new_id(), created=time.time())
                 if not await self.kv.cas(
                     WORLD_ID, msgspec.json.encode(bumped), expect=cur.mod_revision
                 ):
@@ -108,3 +107,11 @@ class WorldIdentity:
             self.kv.mark_replaced(why)
             self._epoch = self.kv.epoch
         return why
+
+
+def _new_id() -> str:
+    """A new World's id (`secrets` loads only here: a run joining its World never
+    makes one, and `secrets` costs `hmac` and `hashlib` at import)."""
+    import secrets
+
+    return secrets.token_hex(8)
