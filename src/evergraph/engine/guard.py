@@ -30,14 +30,16 @@ class Guard(EngineState):
         res = v.res
         try:
             await res.init(v)
-            for member in members(res):
+            grouped = members(res)
+            for member in grouped:
                 await member.init(v)
         except Exception as e:
             self._fail_permanently(v, f"init failed: {e}", revive=False)
             return
-        if res.meta.hidden:
+        meta = res.meta
+        if meta.hidden:
             return
-        poll = res.meta.poll
+        poll = meta.poll
         if not self.settings.watch or poll < 0:
             return
         if self.one_shot and (poll > 0 or not res.watches()):
@@ -45,9 +47,9 @@ class Guard(EngineState):
         if poll == 0:
             try:
                 v.unsubscribe = res.subscribe()
-                if v.unsubscribe is not None and members(res):
+                if v.unsubscribe is not None and grouped:
                     # members of a group watch passively too; one unsubscribe for all
-                    subs = [v.unsubscribe, *(m.subscribe() for m in members(res))]
+                    subs = [v.unsubscribe, *(m.subscribe() for m in grouped)]
 
                     def unsubscribe_all() -> None:
                         for u in subs:

@@ -96,7 +96,7 @@ class Scheduling(EngineState):
     def _runnable(self, v: Vertex) -> bool:
         if not v.pending or v.running or v.failed or v.retry_wait or not v.watch_ready:
             return False
-        if self.stopping or self.vertices.get(v.ident) is not v:
+        if self._draining or self.vertices.get(v.ident) is not v:  # (`stopping`, inlined)
             return False
         for p in v.parents:  # noqa: SIM110 (a loop, `clean` inlined: 3 calls per vertex)
             if not p.ok or p.pending or p.running:

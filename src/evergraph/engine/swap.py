@@ -76,10 +76,10 @@ class Swap(EngineState):
                 self._observe(gone, "removed")  # its last status: watchers drop it
         new_vs: list[Vertex] = []
         for ident in added:
-            v = Vertex(self, model.resources[ident])
+            v = Vertex(self, resources[ident])
             v.watch_ready = False  # held back until started (see below)
             self._unready += 1
-            before = replaced.get(ident)
+            before = replaced.get(ident) if replaced else None
             if before is not None:
                 if not v.res.meta.reset:
                     # The retry budget is the resource's, not the vertex's: a
@@ -129,8 +129,9 @@ class Swap(EngineState):
                 await self._reverse(ident, record)  # left the graph while we were down
             elif not old[ident].res.meta.reverse:
                 self.store.reversal_done(old[ident].res.kind, old[ident].res.name)
+        refresh = owed.refresh
         for i, v in enumerate(new_vs, 1):
-            if v.ident in owed.refresh:
+            if refresh and v.ident in refresh:
                 v.refresh_flag = True
             # New vertices were held back (not ready) so that nothing runs one
             # before its init, while this loop yields: a kept parent that succeeds
@@ -164,21 +165,23 @@ class Swap(EngineState):
             v.send_edges = ()
         seen: set[tuple[str, str]] = set()
         notified: set[tuple[str, str]] = set()
-        for i, e in enumerate(model.edges, 1):
-            if may_yield and i % (10 * YIELD_EVERY) == 0:
+        every = 10 * YIELD_EVERY if may_yield else 0
+        # (an edge unpacked at once: its fields by name cost a call each, 10k edges)
+        for i, (from_id, to_id, notify, send, recv, _name) in enumerate(model.edges, 1):
+            if every and i % every == 0:
                 await yield_now()
-            a, b = old[e.from_id], old[e.to_id]
-            pair = (e.from_id, e.to_id)
+            a, b = old[from_id], old[to_id]
+            pair = (from_id, to_id)
             if pair not in seen:
                 seen.add(pair)
                 a.children.append(b)
                 b.parents.append(a)
-            if e.send is not None and e.recv is not None:
+            if send is not None and recv is not None:
                 if a.send_edges:
-                    a.send_edges.append((e.send, b, e.recv))
+                    a.send_edges.append((send, b, recv))
                 else:
-                    a.send_edges = [(e.send, b, e.recv)]
-            if e.notify and pair not in notified and not b.res.meta.hidden:
+                    a.send_edges = [(send, b, recv)]
+            if notify and pair not in notified and not b.res.meta.hidden:
                 # a hidden vertex is never applied: no refresh is ever owed to it
                 notified.add(pair)
                 if a.notify_children:

@@ -14,7 +14,13 @@ a run" means once in that agent's life.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from evergraph._util.atomic import sweep_leftovers_of
+
+if TYPE_CHECKING:
+    from asyncio import AbstractEventLoop
 
 
 class Sweeps:
@@ -24,6 +30,8 @@ class Sweeps:
         self._swept: set[str] = set()
         self._listed: dict[str, dict[str, list[str]]] = {}
         self._turn = False
+        #: asyncio's `get_running_loop`, looked up at the first sweep (10k inits)
+        self._loop: Callable[[], AbstractEventLoop] | None = None
 
     def _end_turn(self) -> None:
         self._listed.clear()
@@ -32,15 +40,19 @@ class Sweeps:
     def sweep(self, path: str) -> list[str]:
         """`sweep_leftovers_of(path)` with this turn's listings (outside a loop: its
         own), once per path in the run; the leftovers removed."""
-        import asyncio  # (loaded by then: inits run in its loop)
+        running_loop = self._loop
+        if running_loop is None:
+            import asyncio  # (loaded by then: inits run in its loop)
 
+            running_loop = self._loop = asyncio.get_running_loop
         try:
-            loop = asyncio.get_running_loop()
+            loop = running_loop()
         except RuntimeError:
             return sweep_leftovers_of(path)  # (no turn to end: nothing kept)
-        if path in self._swept:
+        swept = self._swept
+        if path in swept:
             return []
-        self._swept.add(path)
+        swept.add(path)
         if not self._turn:
             self._turn = True
             loop.call_soon(self._end_turn)

@@ -238,11 +238,11 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         return self.content is not None or self.source is not None or bool(self.fragments)
 
     async def init(self, handle: Handle) -> None:
-        await super().init(handle)
+        self.handle = handle  # (Resource.init's one line, without its coroutine: 10k inits)
         path = self.path or self.name
         self._is_dir = path.endswith("/")
         self._path = _normpath(path)
-        mode = parse_mode(self.mode) if self.mode is not None else None
+        mode = _parsed_mode(self.mode) if self.mode is not None else None
         if mode is None and handle.is_secret("content"):
             mode = 0o600  # a secret (a received password) is not for every reader
         self._mode = mode
@@ -499,6 +499,21 @@ _READ_CHUNK = 1 << 16
 #: `_others` of a file told of no managed paths: one shared set (`frozenset()` makes a
 #: new 216-byte set at each call: 2 MB for 10k files)
 _NO_OTHERS: frozenset[str] = frozenset()
+
+
+#: modes parsed at init, by their text (a graph's files share a few: `parse_mode`
+#: walks each character of each); bounded, for graphs that give every file its own
+_MODES: dict[str, int] = {}
+
+
+def _parsed_mode(text: str) -> int:
+    """`parse_mode(text)`, remembered (its ValueError is not: validate raised it)."""
+    mode = _MODES.get(text)
+    if mode is None:
+        mode = parse_mode(text)
+        if len(_MODES) < 256:
+            _MODES[text] = mode
+    return mode
 
 
 def _normpath(path: str) -> str:
