@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,78 @@ def test_a_waiting_write_cancelled_leaves_no_other_stranded(
 
 def noop(fd: int) -> None:
     pass
+
+
+def test_a_write_that_waits_for_room_after_the_delivery_is_still_woken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # room for one write. The committer delivers A; before A's coroutine runs again
+    # (and gives its place back), B begins and finds no room, so it waits. A's place
+    # must wake B when it is given back: woken at the delivery (when no one waited
+    # yet), B waited forever (a 10k first apply under load hung this way, with 512
+    # writes waiting and none in flight).
+    writes = streaming(monkeypatch, 1)
+    late: list[asyncio.Task[None]] = []
+
+    class Committer(_commit.Committer):
+        def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:
+            if not late:  # B's first step runs before A's coroutine is resumed
+                b = writes.write(str(tmp_path / "b"), b"b\n", 0o644, None, noop)
+                late.append(loop.create_task(b))
+            super()._deliver(loop)
+
+    monkeypatch.setattr(_commit, "Committer", Committer)
+
+    async def main() -> None:
+        try:
+            await writes.write(str(tmp_path / "a"), b"a\n", 0o644, None, noop)
+            assert late
+            await asyncio.wait_for(late[0], 30)
+        finally:
+            await writes.aclose()
+
+    asyncio.run(main())
+    assert (tmp_path / "a").read_bytes() == b"a\n"
+    assert (tmp_path / "b").read_bytes() == b"b\n"
+    assert writes._in_flight == 0
+    assert CountingDeque.waits == 1  # B waited (the interleaving happened)
+    assert not writes._room
+
+
+def test_a_committer_thread_that_cannot_start_fails_that_write_and_the_next_one_lands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a machine out of threads: the first start fails; the write that needed it
+    # fails with that error, and the next write starts a committer and lands
+    # (before, the thread that never started stayed recorded: every later write
+    # queued for it and waited forever)
+    writes = streaming(monkeypatch, 4)
+    starts: list[str] = []
+
+    class Flaky(threading.Thread):
+        def start(self) -> None:
+            starts.append(self.name)
+            if len(starts) == 1:
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    class Committer(_commit.Committer):
+        def __init__(self) -> None:
+            super().__init__()
+            self._new_thread = Flaky
+
+    monkeypatch.setattr(_commit, "Committer", Committer)
+
+    async def main() -> None:
+        try:
+            with pytest.raises(RuntimeError, match="can't start new thread"):
+                await writes.write(str(tmp_path / "a"), b"a\n", 0o644, None, noop)
+            await asyncio.wait_for(writes.write(str(tmp_path / "b"), b"b\n", 0o644, None, noop), 30)
+        finally:
+            await writes.aclose()
+
+    asyncio.run(main())
+    assert len(starts) == 2
+    assert not (tmp_path / "a").exists()
+    assert (tmp_path / "b").read_bytes() == b"b\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["b"]  # no temporary file left

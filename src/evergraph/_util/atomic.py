@@ -290,6 +290,16 @@ def prepare(
     return Pending(dfd, tmp, name)
 
 
+def discard(p: Pending) -> None:
+    """Give up a `prepare`d write that will not be committed: its temporary file
+    removed, its directory closed."""
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p.tmp, dir_fd=p.dfd)
+    finally:
+        os.close(p.dfd)
+
+
 #: a batch of at least this many writes is made durable by two syncfs(2) of each
 #: filesystem it touches (one for the files' data before the renames, one for the
 #: renames), instead of an fsync per file and per directory: on ext4 here, 10k small

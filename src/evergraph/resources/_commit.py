@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from evergraph._util.atomic import Pending, atomic_write, commit
+from evergraph._util.atomic import discard as atomic_discard
 from evergraph._util.atomic import prepare as atomic_prepare
 
 if TYPE_CHECKING:
@@ -111,11 +112,15 @@ class DurableWrites:
                 raise
         self._since_sample += 1
         if self._committer is None:
-            self._committer = Committer(self._free_room)
+            self._committer = Committer()
         job = _Job(
             atomic_prepare(path, data, mode=mode, owner=owner, before_rename=before_rename), loop
         )
-        self._committer.submit(job)
+        try:
+            self._committer.submit(job)
+        except BaseException:
+            atomic_discard(job.pending)  # (no committer thread: nothing will commit it)
+            raise
         self._in_flight += 1
         cancel: asyncio.CancelledError | None = None
         try:
@@ -132,6 +137,12 @@ class DurableWrites:
         finally:
             self._in_flight -= 1
             self._last_end = time.monotonic()
+            # room for one more, now that it is taken back: a write that began
+            # waiting after the committer delivered this one, but before this
+            # coroutine ran again, saw no room and is woken here (woken at the
+            # delivery instead, such writes were never woken: a 10k first apply under
+            # load hung with 512 writes waiting and none in flight)
+            self._free_room(1)
         if cancel is not None:
             raise cancel
         if job.error is not None:
@@ -171,7 +182,7 @@ class Committer:
     wake-up of their loop (a future per write, and its wake-up, would cost the loop
     more than the write saves it when 10k files are written)."""
 
-    def __init__(self, ended: Callable[[int], None]) -> None:
+    def __init__(self) -> None:
         import threading  # (here: `check`, which writes nothing, does not load it)
 
         self._cv = threading.Condition(threading.Lock())
@@ -180,9 +191,6 @@ class Committer:
         self._thread: threading.Thread | None = None
         self._new_thread = threading.Thread
         self._closing = False
-        #: called in the loop after each delivery, with how many writes ended (room
-        #: for as many more)
-        self._on_ended = ended
 
     def submit(self, job: _Job) -> None:
         with self._cv:
@@ -192,7 +200,17 @@ class Committer:
                 return
             self._thread = self._new_thread(target=self._work, name="evergraph-commit", daemon=True)
             thread = self._thread
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:
+            # (e.g. "can't start new thread": a machine out of threads or PIDs) this
+            # write fails with the error; a thread never started must not stay
+            # recorded as the committer, or every later write would wait forever
+            with self._cv:
+                if self._thread is thread:
+                    self._thread = None
+                self._jobs.remove(job)
+            raise
 
     def _taken(self, batch: list[_Job]) -> None:
         """Called in the thread with each batch taken, before it is committed (a
@@ -229,7 +247,6 @@ class Committer:
             job.done = True
             if not job.fut.done():
                 job.fut.set_result(None)
-        self._on_ended(len(ended))
 
     async def aclose(self) -> None:
         import asyncio
