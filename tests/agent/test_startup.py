@@ -513,8 +513,9 @@ def test_a_sqlite_watcher_sees_another_clients_commit_made_before_its_notifier_i
 
 
 def test_a_one_shot_run_from_the_parse_cache_imports_no_parser(tmp_path: Path) -> None:
-    """An unchanged re-run takes its model from the parse cache: the YAML parser
-    (yaml_rs and the modules around it), the builder of resources from data
+    """An unchanged re-run takes its model from the parse cache: the modules around
+    the YAML parser (yaml_rs itself loads with frontends.yaml, in the main thread:
+    see there), the builder of resources from data
     (engine.build, difflib) and what only an unprintable log character needs
     (unicodedata) are not imported (issue 28: the imports a one-shot run pays).
     The first run, which parses, has them."""
@@ -528,8 +529,6 @@ def test_a_one_shot_run_from_the_parse_cache_imports_no_parser(tmp_path: Path) -
     st = str(tmp_path / "state")
     argv = ["run", str(g), "--converged-exit", "--state-dir", st]
     parser = (
-        "yaml_rs",
-        "evergraph.frontends._yaml_rs",
         "evergraph.frontends.yaml_edges",
         "evergraph.frontends.yaml_load",
         "evergraph.engine.build",

@@ -29,6 +29,12 @@ from evergraph._util.gc import gc_paused
 from evergraph.engine.contract import Registry, Resource
 from evergraph.engine.model import CollectSpec, Edge, GraphCycleError, GraphModel
 from evergraph.errors import InputError
+
+# The parser itself loads with this module, in the importing (main) thread, even
+# though a run served from the parse cache never calls it: a first import of
+# yaml_rs inside `evergraph check`'s loading thread crashed the process
+# (a segfault in yaml_rs.loads, tests/frontends/test_fuzz_yaml.py, not understood).
+from evergraph.frontends import _yaml_rs  # noqa: F401  (see above)
 from evergraph.frontends.base import (
     Context,
     Frontend,
