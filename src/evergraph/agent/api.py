@@ -36,11 +36,14 @@ def _world(world: WorldOptions | str | None) -> WorldOptions | None:
 
 def one_shot(settings: Mapping[str, Any]) -> bool:
     """`run`'s keywords `settings` make a run that ends the moment it converges
-    (`Settings.one_shot`; `converged_exit` without a timeout is a timeout of 0)."""
-    return bool(
-        settings.get("watch", True)
-        and settings.get("converged_exit")
-        and (settings.get("converged_timeout") or 0.0) == 0
+    (`Settings.one_shot`; `converged_exit` without a timeout is a timeout of 0, as
+    `run` makes it)."""
+    from evergraph.engine.settings import ends_when_converged
+
+    exits = bool(settings.get("converged_exit"))
+    timeout = settings.get("converged_timeout")
+    return ends_when_converged(
+        bool(settings.get("watch", True)), exits, 0.0 if exits and timeout is None else timeout
     )
 
 

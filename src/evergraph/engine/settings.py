@@ -263,10 +263,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         """The run ends the moment it converges (`--converged-exit` with a
         converged-timeout of 0): it sets up no passive watches (the engine's
         `one_shot`) and follows no later graph (the agent)."""
-        return self.watch and self.converged_exit and self.converged_timeout == 0
+        return ends_when_converged(self.watch, self.converged_exit, self.converged_timeout)
 
     def host(self) -> str:
         return self.hostname or socket.gethostname()
+
+
+def ends_when_converged(watch: bool, converged_exit: bool, converged_timeout: float | None) -> bool:
+    """The one-shot rule (`Settings.one_shot`): watching, told to exit once
+    converged, with no time after that to repair drift in."""
+    return watch and converged_exit and converged_timeout == 0
 
 
 def check_times(converged_timeout: float | None, max_runtime: float | None) -> None:

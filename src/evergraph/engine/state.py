@@ -176,7 +176,7 @@ class EngineState:
         #: edge between them) no longer re-runs it, like the same change a moment
         #: after the exit. With a converged-timeout > 0 every watch stays, so drift in
         #: that window is repaired.
-        self.one_shot = settings.watch and settings.converged_exit and converged_timeout == 0
+        self.one_shot = settings.one_shot
         #: the one-shot lane (scheduling.py, `_drain_lane`): a run that ends once
         #: converged (`one_shot`, or --no-watch) runs each due plain eager vertex
         #: (`lane_fits`) in one fused step, its outcome recorded and its children
