@@ -18,9 +18,10 @@ import logging
 import os
 import stat
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from evergraph.engine.contract import Registry
 from evergraph.engine.model import GraphModel
@@ -36,9 +37,9 @@ log = logging.getLogger("evergraph.frontend")
 SUFFIXES = (".yaml", ".yml", ".py")
 
 
-@dataclass
-class Context:
-    """What a frontend may use while it runs."""
+class Context(msgspec.Struct):
+    """What a frontend may use while it runs. (A Struct: a dataclass's generated
+    methods are compiled at import, ~0.7 ms of every run.)"""
 
     registry: Registry
     hostname: str

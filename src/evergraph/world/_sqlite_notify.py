@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from evergraph._util.inotify import (  # the event bits and parser; ctypes once armed
     IN_ATTRIB,
@@ -35,9 +36,9 @@ _IN_MODIFY_CLOSE_WRITE_ATTRIB = IN_MODIFY | IN_CLOSE_WRITE | IN_ATTRIB
 _IN_CREATE_DELETE_MOVED = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO
 
 
-@dataclass(frozen=True)
-class Notified:
-    """What the notifier needs of its client."""
+class Notified(msgspec.Struct, frozen=True):
+    """What the notifier needs of its client. (A Struct: a dataclass's generated
+    methods are compiled at import, ~0.7 ms of every run with a World.)"""
 
     #: set when the client is closed: the notifier ends
     closed: asyncio.Event

@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import random
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Generic, TypeVar, cast
 
@@ -70,6 +69,8 @@ class _Backoff:
         self.delay = BACKOFF_FIRST
 
     def next(self) -> float:
+        import random  # (a backoff's only: not in every run's start-up)
+
         d = self.delay * random.uniform(0.75, 1.25)
         self.delay = min(self.delay * 2, BACKOFF_MAX)
         return d

@@ -12,6 +12,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -22,7 +23,6 @@ from evergraph.cluster.exports.index import (
     parse_bucket_key,
     record_digest,
 )
-from evergraph.cluster.exports.pairindex import PairIndex
 from evergraph.cluster.exports.record import (
     EVERYONE,
     EXPORTED,
@@ -34,6 +34,9 @@ from evergraph.cluster.hostbook import HostKeyBook
 from evergraph.cluster.hostkeys import HostKeys
 from evergraph.world.follow import Follower, follow
 from evergraph.world.kv import KV, KeyValue
+
+if TYPE_CHECKING:  # imported with the first index seen: a run that is sent no export
+    from evergraph.cluster.exports.pairindex import PairIndex  # has no PairIndex
 
 log = logging.getLogger("evergraph.exports")
 
@@ -171,6 +174,8 @@ class Collector(Follower[KeyValue]):
     def _pair_index(self, pair: Pair) -> PairIndex:
         p = self._index.get(pair)
         if p is None:
+            from evergraph.cluster.exports.pairindex import PairIndex
+
             p = self._index[pair] = PairIndex(pair)
             mark = self._marks.pop(pair, None)
             if mark is not None:
