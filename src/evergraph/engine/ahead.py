@@ -107,24 +107,24 @@ class Ahead:
                 return
             self._got += chunk
 
-    def take(self, i: int) -> bool | None:
-        """Whether `resources[i]` was found in its state (False: not, or its kind
-        cannot tell; None: no verdict yet, as of the last `poll`), asked once per
+    def take(self, i: int) -> bool:
+        """Whether `resources[i]` was found in its state (False: not, its kind
+        cannot tell, or no verdict yet as of the last `poll`), asked once per
         resource. Once every resource not asked yet has its verdict, the child has
         nothing left to do: it is stopped."""
-        n = len(self.resources)
         got = self._got
-        back = n - 1 - i
-        verdict = got[back] == CLEAN if back < len(got) else None
+        back = len(self.resources) - 1 - i
         asked = self._asked
         asked[i] = 1
-        low = self._low
-        while low < n and asked[low]:
-            low += 1
-        self._low = low
-        if low >= n - len(got):
-            self.stop()
-        return verdict
+        if i == self._low:  # (the lane goes mostly in order: the scan is short)
+            n = len(asked)
+            low = i + 1
+            while low < n and asked[low]:
+                low += 1
+            self._low = low
+            if low >= n - len(got):
+                self.stop()
+        return back < len(got) and got[back] == CLEAN
 
     def stop(self) -> None:
         """No more verdicts wanted (or all came): end the child and reap it."""

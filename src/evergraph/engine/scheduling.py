@@ -178,8 +178,13 @@ class Scheduling(EngineState):
                 found = (
                     at >= 0
                     and ahead is not None
-                    and ahead.take(at) is True
-                    and not (v.secret_fields or v.send_edges or self._upstream_changed(v))
+                    and ahead.take(at)
+                    and not (v.secret_fields or v.send_edges)
+                    and not (
+                        self._upstream_changed(v)
+                        if v.upstream_changed is None
+                        else v.upstream_changed
+                    )
                 )
                 if found:
                     v.ahead = VERDICT_USED  # (still not initialised)
