@@ -10,10 +10,8 @@ answers only in part leaves its resources to the usual checks."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import random
-import re
 import signal
 from pathlib import Path
 from typing import Any, ClassVar
@@ -24,8 +22,7 @@ from evergraph.engine import Edge, GraphModel
 from evergraph.engine.ahead import Ahead
 from evergraph.engine.contract import Handle, Meta, Registry, Resource, register
 from evergraph.engine.engine import Engine
-from evergraph.engine.status import VertexStatus
-from tests.kit.engine import settings
+from tests.kit.engine import run_observed
 
 registry = Registry()
 
@@ -109,41 +106,12 @@ def random_graph(seed: int, n: int = 90) -> GraphModel:
     return model
 
 
-def _view(s: VertexStatus) -> tuple[object, ...]:
-    return (s.ident, s.state, s.error, s.changed_count, s.clean_count, s.fail_count)
-
-
 def run(
-    tmp_path: Path,
-    model: GraphModel,
-    caplog: pytest.LogCaptureFixture,
-    **kw: object,
+    tmp_path: Path, model: GraphModel, caplog: pytest.LogCaptureFixture, **kw: object
 ) -> tuple[dict[str, Any], Engine]:
     Probe.log = []
-    events: list[tuple[str, str]] = []
-    engine = Engine(
-        settings(tmp_path, **kw),
-        observer=lambda s: events.append((s.ident, s.state)),
-        registry=registry,
-    )
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="evergraph.engine"):
-        status = asyncio.run(engine.run(model))
-    recap = [
-        re.sub(r"\([0-9.]+ m?s\)", "(t)", r.getMessage())
-        for r in caplog.records
-        if r.getMessage().startswith("recap")
-    ]
-    per_vertex: dict[str, list[str]] = {}
-    for ident, state in events:
-        per_vertex.setdefault(ident, []).append(state)
-    return {
-        "status": status,
-        "views": sorted(_view(s) for s in engine.status()),
-        "recap": recap,
-        "events": per_vertex,
-        "log": list(Probe.log),
-    }, engine
+    out, engine = run_observed(tmp_path, model, caplog, registry, **kw)
+    return {**out, "log": list(Probe.log)}, engine
 
 
 async def _all_verdicts(ahead: Ahead) -> None:
