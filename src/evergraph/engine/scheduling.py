@@ -266,9 +266,15 @@ class Scheduling(EngineState):
         """Whether anything `v` depends on, however far up, changed something in
         this run (worked out once per vertex: `upstream_changed`; `v` runs, so
         all of them have run)."""
-        known = v.upstream_changed
-        if known is not None:
-            return known
+        changed = False
+        for p in v.parents:  # (the common case: each parent known already)
+            up = p.upstream_changed
+            if up is None:
+                break
+            changed = changed or up or p.changed_count > 0
+        else:
+            v.upstream_changed = changed
+            return changed
         stack = [v]
         while stack:
             u = stack[-1]
