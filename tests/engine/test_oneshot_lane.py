@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import random
-import re
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -22,8 +20,7 @@ import pytest
 from evergraph.engine import Edge, GraphModel
 from evergraph.engine.contract import Meta, Registry, Resource, register
 from evergraph.engine.engine import Engine
-from evergraph.engine.status import VertexStatus
-from tests.kit.engine import settings
+from tests.kit.engine import run_observed, settings, view
 
 registry = Registry()
 
@@ -124,10 +121,6 @@ def random_graph(seed: int, n: int = 80) -> GraphModel:
     return model
 
 
-def _view(s: VertexStatus) -> tuple[object, ...]:
-    return (s.ident, s.state, s.error, s.changed_count, s.clean_count, s.fail_count)
-
-
 def run(
     tmp_path: Path,
     model: GraphModel,
@@ -138,36 +131,12 @@ def run(
     **kw: object,
 ) -> tuple[dict[str, Any], Engine]:
     _Base.log = []
-    events: list[tuple[str, str]] = []
-    engine = Engine(
-        settings(tmp_path, **kw),
-        observer=(lambda s: events.append((s.ident, s.state))) if observe else None,
-        registry=registry,
-    )
-    engine.lane = lane
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="evergraph.engine"):
-        status = asyncio.run(engine.run(model))
-    recap = [
-        re.sub(r"\([0-9.]+ m?s\)", "(t)", r.getMessage())
-        for r in caplog.records
-        if r.getMessage().startswith("recap")
-    ]
-    per_vertex: dict[str, list[str]] = {}
-    for ident, state in events:
-        per_vertex.setdefault(ident, []).append(state)
+    out, engine = run_observed(tmp_path, model, caplog, registry, lane=lane, observe=observe, **kw)
     runs: dict[str, list[str]] = {}
     for name, what in _Base.log:
         runs.setdefault(name, []).append(what)
-    return {
-        "status": status,
-        "views": sorted(_view(s) for s in engine.status()),
-        "recap": recap,
-        "events": per_vertex,
-        # each probe's runs, with the refresh it was served and the value it had
-        "runs": runs,
-        "order": _Base.log,
-    }, engine
+    # each probe's runs, with the refresh it was served and the value it had
+    return {**out, "runs": runs, "order": _Base.log}, engine
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -298,7 +267,7 @@ def test_an_observer_hub_no_one_listens_to_gets_nothing_and_changes_nothing(
         engine = Engine(settings(tmp_path), observer=hub, registry=registry)
         engine.lane = lane
         assert asyncio.run(engine.run(random_graph(5))) == 1
-        return sorted(_view(s) for s in engine.status()), engine
+        return sorted(view(s) for s in engine.status()), engine
 
     quiet = ObserverHub()
     assert not quiet.listening

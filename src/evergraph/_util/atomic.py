@@ -553,9 +553,7 @@ def sweep_leftovers_of(
     parent, _, base = os.fspath(path).rpartition("/")
     parent = parent or "/"
     if listed is not None:
-        found = listed.get(parent)
-        if found is None:
-            found = listed[parent] = _leftovers_in(parent)
+        found = _listed(parent, listed)
     else:
         try:
             mtime = os.stat(parent).st_mtime_ns
@@ -583,6 +581,22 @@ def sweep_leftovers_of(
         except OSError:
             continue
     return removed
+
+
+def leftovers_named(path: str, listed: dict[str, dict[str, list[str]]]) -> bool:
+    """Whether `path`'s directory holds a name a killed write of ours would have left
+    for it (`sweep_leftovers_of` removes such files; this only looks). `listed`: the
+    caller's listings, each directory listed once into it."""
+    parent, _, base = path.rpartition("/")
+    found = _listed(parent or "/", listed)
+    return bool(found) and (_short(base) in found or base in found)
+
+
+def _listed(parent: str, listed: dict[str, dict[str, list[str]]]) -> dict[str, list[str]]:
+    found = listed.get(parent)
+    if found is None:
+        found = listed[parent] = _leftovers_in(parent)
+    return found
 
 
 def _leftovers_in(directory: str) -> dict[str, list[str]]:

@@ -369,8 +369,6 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     from evergraph.engine.settings import check_times
     from evergraph.frontends.open import frontend_for, trust_deployers
 
-    importlib.import_module("evergraph.agent.run")  # (api.run's) with the GC paused too
-    collector_on()  # the console script paused it for the imports
     setup_logging(log_format, verbose)
     if max_runtime is not None and max_runtime > 0 and not math.isnan(max_runtime):
         _watchdog(max_runtime, flush_logs)
@@ -389,9 +387,14 @@ def run_command(params: dict[str, Any]) -> NoReturn:
         if deployers:
             trust_deployers(frontend, deployers)
         frontend.cache_parses(state_dir)
-        if one_shot(settings):
+        ends = one_shot(settings)
+        if ends:
             frontend.one_shot()
         frontend.preload()
+        # a one-shot run checks its files in a child while it loads the agent
+        ahead = frontend.check_ahead() if ends else None
+        importlib.import_module("evergraph.agent.run")  # (api.run's) with the GC paused too
+        collector_on()  # the console script paused it for the imports
         opts = world_opts(world)
         services = (
             [http_service(http_addr, farm_anonymous, http_socket, http_max_body)]
@@ -427,6 +430,8 @@ def run_command(params: dict[str, Any]) -> NoReturn:
             farm=farm,
         )
     finally:
+        if ahead is not None:
+            ahead.stop()  # (if the run ended before it took the verdicts)
         flush_logs()
     # The agent has stopped: its World is closed, its children are gone, its writes
     # are on disk. Skip the interpreter's teardown, which would free a big graph

@@ -12,6 +12,7 @@ in `res.meta`, never among the parameters. The engine calls, per vertex:
                                each difference found is reported: handle.changed(f, old, new)
     cmp(other)                 equality of parameters: decides survival across a graph swap
     await cleanup()
+    ahead_check(seen)          optional: in state? told before init, in a forked child
 
 Resources import this module and nothing else of the engine.
 """
@@ -324,6 +325,17 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
 
     async def cleanup(self) -> None:
         """Release what init took."""
+
+    def ahead_check(self, seen: dict[str, Any]) -> bool | None:
+        """Optional: whether this resource is in its state, told before init, in
+        another process (a run that ends once converged forks one to check ahead
+        while it loads: engine/ahead.py). True promises that init then
+        check_apply would find it so and change nothing, so the engine skips both
+        for it (it runs them after all if anything it depends on changed in the
+        run). False, or None (the default: the kind cannot tell this way): the
+        usual init and check. Local reads only: no writes, no logging, no handle.
+        `seen`: scratch shared by every resource of that process (listings)."""
+        return None
 
     # -- optional abilities (override to take part) -------------------------
     def autoedge_provides(self) -> list[str]:

@@ -231,6 +231,9 @@ class Engine(Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
         self.stop.raise_to(GRACEFUL)
         self._draining = True
         self.converger.close()
+        if self._ahead is not None:
+            self._ahead.stop()  # (a child still checking: no use for it now)
+            log.debug("%d vertices found in their state ahead: no init, no check", self.ahead_runs)
         for t in [*aux, *self._timers, *self._repairs.values()]:
             t.cancel()
         for i, v in enumerate(list(self.vertices.values()), 1):

@@ -16,17 +16,20 @@ import logging
 import math
 import types
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from evergraph.engine.contract import Resource, semaphores
 from evergraph.engine.state import SUSPENDED_LOW, EngineState, error_text, members, yield_now
-from evergraph.engine.vertex import Vertex
+from evergraph.engine.vertex import INITIALISED, Vertex
 
 log = logging.getLogger("evergraph.engine")
+
+T = TypeVar("T")
 
 
 class Guard(EngineState):
     async def _start_vertex(self, v: Vertex) -> None:
+        v.ahead = INITIALISED
         res = v.res
         try:
             await res.init(v)
@@ -71,6 +74,35 @@ class Guard(EngineState):
             assert self._tg is not None
             v.watch_task = self._tg.create_task(self._watch(v))
 
+    def _init_deferred(self, v: Vertex) -> bool:
+        """Initialise now a vertex whose init waited for a verdict from ahead
+        (swap.py) that has to run: inline (the kinds that check ahead do not wait
+        in init). True if it may run now; False if it failed, or if its init
+        waited after all: a task ends it, then pokes `v` again."""
+        if v.ahead >= 0 and self._ahead is not None:
+            self._ahead.take(v.ahead)  # (its verdict is not wanted now)
+        coro = self._start_vertex(v)
+        try:
+            yielded = coro.send(None)
+        except StopIteration:
+            return not v.failed
+        v.running = True  # held back until its init is done
+        self._running += 1
+        assert self._tg is not None
+        self._tg.create_task(self._init_then_poke(v, coro, yielded))
+        return False
+
+    async def _init_then_poke(
+        self, v: Vertex, coro: Coroutine[Any, Any, None], yielded: Any
+    ) -> None:
+        try:
+            await _resume(coro, yielded)
+        finally:
+            v.running = False
+            self._running -= 1
+        self._poke(v)
+        self._check_idle()
+
     def _unsubscribe(self, v: Vertex) -> None:
         if v.unsubscribe is not None:
             unsubscribe, v.unsubscribe = v.unsubscribe, None
@@ -80,6 +112,8 @@ class Guard(EngineState):
                 log.error("%s: unsubscribing its watch failed: %s", v.ident, e)
 
     async def _call_cleanup(self, v: Vertex) -> None:
+        if v.ahead != INITIALISED:
+            return  # never initialised (ahead.py): nothing taken
         for res in (v.res, *members(v.res)):
             try:
                 await res.cleanup()
@@ -222,7 +256,7 @@ class Guard(EngineState):
         return s
 
 
-async def _resume(coro: Coroutine[Any, Any, bool], yielded: Any) -> bool:
+async def _resume(coro: Coroutine[Any, Any, T], yielded: Any) -> T:
     """Drive a coroutine that was started outside a task and then suspended.
 
     Does what a Task's step does: wait for what it yielded (a future, or a
@@ -239,12 +273,12 @@ async def _resume(coro: Coroutine[Any, Any, bool], yielded: Any) -> bool:
             try:
                 yielded = coro.throw(exc)
             except StopIteration as done:
-                return bool(done.value)
+                return done.value  # type: ignore[no-any-return]
             continue
         try:
             yielded = coro.send(None)
         except StopIteration as done:
-            return bool(done.value)
+            return done.value  # type: ignore[no-any-return]
 
 
 @types.coroutine

@@ -5,13 +5,16 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import UnionType
-from typing import Annotated, Any, NamedTuple, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple, Union, get_args, get_origin
 
 import msgspec
 
 from evergraph.engine.contract import DEFAULT_META, Resource, semaphores
 from evergraph.errors import InputError
 from evergraph.graph import DAG, CycleError, topo_order
+
+if TYPE_CHECKING:
+    from evergraph.engine.ahead import Ahead
 
 
 class Edge(NamedTuple):
@@ -84,6 +87,8 @@ class GraphModel:
     #: its automatic edges, when known before `prepare` (a one-shot run's parse cache
     #: hit); `add_autoedges` uses them once instead of finding them
     auto: AutoEdges | None = field(default=None, repr=False, compare=False)
+    #: its resources' checks running ahead in a child (a one-shot run: ahead.py)
+    ahead: Ahead | None = field(default=None, repr=False, compare=False)
 
     def add(self, res: Resource, origin: str = "") -> None:
         """Add a resource; an equal duplicate merges, a different one is an error."""

@@ -11,7 +11,10 @@ hands the outcome to outcomes.py. Counters kept here (`_running`, `_queued`,
 A run that ends once converged (`lane`, state.py) drains through `_drain_lane`
 instead: the same batches in the same order, with a plain inline vertex's clean
 check and its outcome fused into one step (10k unchanged files: ~10 % of the
-engine's work was these layers); anything else it hands to the steps above.
+engine's work was these layers); anything else it hands to the steps above. A
+vertex found in its state by the checks run ahead (ahead.py, `Vertex.deferred`)
+is recorded clean there with no check, while nothing it depends on changed in
+the run; else it is initialised (`_init_late`, guard.py) and runs as usual.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import math
 
 from evergraph._util.crash import crash_point
 from evergraph.engine.state import DRAIN_BATCH, SUSPENDED_MAX, EngineState, error_text
-from evergraph.engine.vertex import Vertex
+from evergraph.engine.vertex import INITIALISED, VERDICT_USED, Vertex
 
 log = logging.getLogger("evergraph.engine")
 
@@ -153,6 +156,9 @@ class Scheduling(EngineState):
         # is not given statuses it would throw away
         observer = self.observer
         observed = debug or (observer is not None and getattr(observer, "listening", True))
+        ahead = self._ahead
+        if ahead is not None:
+            ahead.poll()  # the verdicts come since the last batch
         clock = self.clock
         noop = self.settings.noop
         for _ in range(DRAIN_BATCH):
@@ -164,8 +170,26 @@ class Scheduling(EngineState):
             if not self._runnable(v):
                 continue  # a parent may have turned dirty since
             if v.refresh_flag or not self._inline_ok(v):
-                self._start(v)
+                self._start(v)  # (which initialises a deferred vertex first)
                 continue
+            found = False  # in its state, by the check run ahead (ahead.py)
+            if v.ahead != INITIALISED:
+                at = v.ahead
+                found = (
+                    at >= 0
+                    and ahead is not None
+                    and ahead.take(at)
+                    and not (v.secret_fields or v.send_edges)
+                    and not (
+                        self._upstream_changed(v)
+                        if v.upstream_changed is None
+                        else v.upstream_changed
+                    )
+                )
+                if found:
+                    v.ahead = VERDICT_USED  # (still not initialised)
+                elif not self._init_deferred(v):
+                    continue  # (it is poked again once its init is done)
             # _start, _check_apply_inline, _finish and _record_success fused, for a
             # vertex that has nothing but its check to do (see the tail below)
             res = v.res
@@ -178,21 +202,27 @@ class Scheduling(EngineState):
                 self._observe(v, "running")
             else:
                 v.state, v.since = "running", clock.monotonic()
-            if apply and v.notify_children:
-                self._intend(v, apply)
-            coro = res.check_apply(apply)
-            try:
-                yielded = coro.send(None)
-            except StopIteration as done:
-                result = bool(done.value)
-            except Exception as e:
-                self._finish(v, True, error_text(e, res), apply)
-                continue
+            if found:
+                # found in its state ahead, and nothing it depends on changed since
+                self.ahead_runs += 1
+                result = True
             else:
-                assert self._tg is not None
-                self._suspended += 1
-                v.apply_task = self._tg.create_task(self._finish_later(v, coro, yielded, apply))
-                continue
+                if apply and v.notify_children:
+                    self._intend(v, apply)
+                coro = res.check_apply(apply)
+                try:
+                    yielded = coro.send(None)
+                except StopIteration as done:
+                    result = bool(done.value)
+                except Exception as e:
+                    self._finish(v, True, error_text(e, res), apply)
+                    continue
+                else:
+                    assert self._tg is not None
+                    self._suspended += 1
+                    task = self._finish_later(v, coro, yielded, apply)
+                    v.apply_task = self._tg.create_task(task)
+                    continue
             if not result or v.intent or v.unknown_why is not None or v.send_edges:
                 # changed (its log record, refreshes owed), a noop run that could not
                 # tell, or values to send: the general path records it
@@ -232,7 +262,33 @@ class Scheduling(EngineState):
             asyncio.get_running_loop().call_soon(self._drain)  # a loop turn, no time
         self._check_idle()
 
+    def _upstream_changed(self, v: Vertex) -> bool:
+        """Whether anything `v` depends on, however far up, changed something in
+        this run (worked out once per vertex: `upstream_changed`; `v` runs, so
+        all of them have run)."""
+        changed = False
+        for p in v.parents:  # (the common case: each parent known already)
+            up = p.upstream_changed
+            if up is None:
+                break
+            changed = changed or up or p.changed_count > 0
+        else:
+            v.upstream_changed = changed
+            return changed
+        stack = [v]
+        while stack:
+            u = stack[-1]
+            unknown = [p for p in u.parents if p.upstream_changed is None]
+            if unknown:
+                stack.extend(unknown)
+                continue
+            stack.pop()
+            u.upstream_changed = any(p.changed_count or p.upstream_changed for p in u.parents)
+        return bool(v.upstream_changed)
+
     def _start(self, v: Vertex) -> None:
+        if v.ahead != INITIALISED and not self._init_deferred(v):
+            return  # (it is poked again once its init is done)
         v.running = True
         v.pending = False
         self._running += 1

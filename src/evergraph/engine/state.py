@@ -35,6 +35,7 @@ from evergraph.errors import InputError
 
 if TYPE_CHECKING:
     from evergraph.cluster.hostkeys import HostKeys
+    from evergraph.engine.ahead import Ahead
     from evergraph.engine.contract import PathWatcher
     from evergraph.world.kv import KV
 
@@ -185,6 +186,10 @@ class EngineState:
         self.lane = self.one_shot or not settings.watch
         #: vertices run (and found clean) through the lane, for tests and benchmarks
         self.lane_runs = 0
+        #: of which found in their state by the checks run ahead, with no check here
+        self.ahead_runs = 0
+        #: the checks run ahead for the first graph (ahead.py), once it is swapped in
+        self._ahead: Ahead | None = None
         #: passive subscriptions and poll timers set up, for tests and benchmarks
         self.subscriptions = 0
         self.started = clock.monotonic()
@@ -254,6 +259,9 @@ class EngineState:
         raise NotImplementedError
 
     async def _start_vertex(self, v: Vertex) -> None:
+        raise NotImplementedError
+
+    def _init_deferred(self, v: Vertex) -> bool:
         raise NotImplementedError
 
     async def _finish_later(

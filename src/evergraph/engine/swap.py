@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 from evergraph._util.atomic import atomic_write
 from evergraph._util.gc import gc_paused
+from evergraph.engine.contract import Resource
 from evergraph.engine.model import GraphModel
 from evergraph.engine.sendrecv import with_values
 from evergraph.engine.state import YIELD_EVERY, EngineState, ended, yield_now
@@ -130,6 +131,14 @@ class Swap(EngineState):
             elif not old[ident].res.meta.reverse:
                 self.store.reversal_done(old[ident].res.kind, old[ident].res.name)
         refresh = owed.refresh
+        # resources checked ahead in a child (a one-shot run's first graph, in the
+        # same order): their init waits for the verdict (ahead.py, Vertex.ahead)
+        ahead = model.ahead if self.lane and self._ahead is None else None
+        checked: list[Resource] = []
+        if ahead is not None:
+            self._ahead = ahead
+            checked = ahead.resources
+        nothing = Resource.ahead_check
         for i, v in enumerate(new_vs, 1):
             if refresh and v.ident in refresh:
                 v.refresh_flag = True
@@ -138,7 +147,14 @@ class Swap(EngineState):
             # meanwhile pokes its children. Each is released as it starts.
             v.watch_ready = True
             self._unready -= 1
-            await self._start_vertex(v)
+            if ahead is not None and i <= len(checked) and checked[i - 1] is v.res:
+                res = v.res
+                if not (v.refresh_flag or res.meta.hidden) and type(res).ahead_check is not nothing:
+                    v.ahead = i - 1
+                else:
+                    ahead.take(i - 1)  # (no verdict wanted)
+            if v.ahead < 0:
+                await self._start_vertex(v)
             if i % YIELD_EVERY == 0:
                 await yield_now()
         # New vertices start; after a rewire, kept ones that were held back by a

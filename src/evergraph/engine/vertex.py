@@ -35,6 +35,11 @@ _NONE: frozenset[str] = frozenset()
 #: mapping, not two dicts a vertex (1.3 MB at 10k); a value received replaces it
 NO_VALUES: Mapping[str, object] = MappingProxyType({})
 
+#: `Vertex.ahead` besides a place among the resources checked ahead (ahead.py):
+#: initialised as usual; recorded clean on the verdict, never initialised
+INITIALISED = -1
+VERDICT_USED = -2
+
 
 class VertexHost(Protocol):
     """What a vertex (and the resource, through its handle) asks of what runs it."""
@@ -77,6 +82,7 @@ class VertexHost(Protocol):
 
 class Vertex:
     __slots__ = (
+        "ahead",
         "apply_task",
         "bucket_at",
         "changed_count",
@@ -116,6 +122,7 @@ class Vertex:
         "tokens",
         "unknown_why",
         "unsubscribe",
+        "upstream_changed",
         "watch_ready",
         "watch_task",
     )
@@ -171,6 +178,14 @@ class Vertex:
         #: token bucket for meta.limit/burst
         self.tokens = 0.0
         self.bucket_at: float | None = None
+        #: its resource's place among those checked ahead (ahead.py) while its
+        #: init waits for the verdict (guard.py `_init_deferred` initialises it if
+        #: it has to run); VERDICT_USED: recorded clean on it, not initialised;
+        #: INITIALISED: as usual
+        self.ahead = INITIALISED
+        #: something this vertex depends on (transitively) changed in this run: a
+        #: verdict from ahead no longer holds (None: not worked out yet)
+        self.upstream_changed: bool | None = None
         #: the reversal was captured (or found on disk) before our first apply
         self.reversal_saved = False
         #: succeeded at least once (meta.realize)

@@ -29,6 +29,7 @@ from evergraph.errors import InputError
 
 if TYPE_CHECKING:
     from evergraph.cluster.exports import Collector, Exported
+    from evergraph.engine.ahead import Ahead
     from evergraph.world.kv import KV
 
 log = logging.getLogger("evergraph.frontend")
@@ -80,6 +81,12 @@ class Frontend(abc.ABC):
 
     def preload(self) -> None:  # noqa: B027  (optional hook)
         """Check the input before anything is started (a syntax error exits at once)."""
+
+    def check_ahead(self) -> Ahead | None:
+        """After `preload`, in a run that ends once converged: start checking the
+        preloaded graph's resources in a child (engine/ahead.py), if this frontend
+        keeps one; the first graph carries it (`GraphModel.ahead`)."""
+        return None
 
     @abc.abstractmethod
     def load(self) -> GraphModel:

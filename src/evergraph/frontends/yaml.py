@@ -98,6 +98,7 @@ _INT_FOR_TEXT = re.compile(r"^Expected `(?P<types>[^`]*)`, got `int`$")
 
 if TYPE_CHECKING:
     from evergraph.cluster.exports import Exported
+    from evergraph.engine.ahead import Ahead
     from evergraph.engine.build import PathPart
     from evergraph.frontends.cache import ParseCache
     from evergraph.frontends.yaml_edges import RawEdge
@@ -704,6 +705,15 @@ class YamlFrontend(Frontend):
     def preload(self) -> None:
         if self._raw is None:
             self._raw = self.load()
+
+    def check_ahead(self) -> Ahead | None:
+        raw = self._raw
+        if raw is None or raw.ahead is not None:
+            return None
+        from evergraph.engine.ahead import Ahead
+
+        raw.ahead = Ahead.start(raw.resources.values())
+        return raw.ahead
 
     async def first(self, ctx: Context) -> GraphModel:
         raw, self._raw = self._raw or self.load(), None

@@ -1,0 +1,241 @@
+"""Checks run ahead (engine/ahead.py): a one-shot run forks a child that tells
+which resources are already in their state, and the engine records those clean
+with no init and no check. It may change what a run costs, never what it does:
+on random graphs (seeded) the run with verdicts ahead gives the same statuses,
+exit status, recap and observer events as the run without, every resource not
+found ahead is checked as before, a verdict is dropped where something upstream
+changed or a refresh, a value or a secret is due, and a child that dies or
+answers only in part leaves its resources to the usual checks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from evergraph.engine import Edge, GraphModel
+from evergraph.engine.ahead import Ahead
+from evergraph.engine.contract import Handle, Meta, Registry, Resource, register
+from evergraph.engine.engine import Engine
+from tests.kit.engine import run_observed
+
+registry = Registry()
+
+
+class Probe(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
+    """Eager, finishes inline. `clean`: what its check finds; `ahead`: what it
+    tells ahead (True only where its check would find it clean)."""
+
+    eager = True
+    clean: bool = True
+    fail_times: int = 0
+    ahead: bool | None = None
+    value: str = ""
+    sends: ClassVar[dict[str, Any]] = {"out": str}
+    #: (name, what) of every init and check, in order (reset by each run)
+    log: ClassVar[list[tuple[str, str]]] = []
+
+    def sent(self) -> dict[str, object]:
+        return {"out": f"from-{self.name}"}
+
+    def ahead_check(self, seen: dict[str, Any]) -> bool | None:
+        seen[self.name] = True
+        return self.ahead
+
+    async def init(self, handle: Handle) -> None:
+        self.handle = handle
+        Probe.log.append((self.name, "init"))
+
+    async def check_apply(self, apply: bool) -> bool:
+        runs = sum(1 for n, w in Probe.log if n == self.name and w.startswith("check"))
+        refresh = self.handle.refresh()
+        Probe.log.append((self.name, f"check refresh={refresh} value={self.value}"))
+        if runs < self.fail_times:
+            raise RuntimeError(f"planned failure {runs + 1}")
+        return self.clean and not refresh
+
+
+register("probe", registry=registry)(Probe)
+
+
+@register("plain", registry=registry)
+class Plain(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
+    """A kind that cannot tell ahead (the default `ahead_check`)."""
+
+    eager = True
+
+    async def check_apply(self, apply: bool) -> bool:
+        Probe.log.append((self.name, "check"))
+        return True
+
+
+def random_graph(seed: int, n: int = 90) -> GraphModel:
+    rng = random.Random(seed)
+    model = GraphModel(name=f"ahead-{seed}")
+    res: list[Resource] = []
+    for i in range(n):
+        if rng.random() < 0.1:
+            r: Resource = Plain(name=f"r{i}")
+        else:
+            fails = rng.choice((0, 0, 0, 0, 0, 1))
+            clean = rng.random() < 0.75
+            # telling ahead is a promise: True only where the check finds it clean
+            told = rng.choice((True, True, True, False, None)) if clean and not fails else False
+            meta = Meta(retry=1, delay=0) if fails else Meta(hidden=rng.random() < 0.04)
+            r = Probe(name=f"r{i}", clean=clean, fail_times=fails, ahead=told, meta=meta)
+        res.append(r)
+        model.add(r)
+    for b in range(1, n):
+        for _ in range(rng.choice((0, 1, 1, 2))):
+            a = rng.randrange(b)
+            roll = rng.random()
+            if roll < 0.12:
+                edge = Edge(res[a].ident, res[b].ident, notify=True)
+            elif roll < 0.2 and isinstance(res[a], Probe) and isinstance(res[b], Probe):
+                edge = Edge(res[a].ident, res[b].ident, send="out", recv="value")
+            else:
+                edge = Edge(res[a].ident, res[b].ident)
+            if all((e.from_id, e.to_id) != (edge.from_id, edge.to_id) for e in model.edges):
+                model.connect(edge)
+    model.check()
+    return model
+
+
+def run(
+    tmp_path: Path, model: GraphModel, caplog: pytest.LogCaptureFixture, **kw: object
+) -> tuple[dict[str, Any], Engine]:
+    Probe.log = []
+    out, engine = run_observed(tmp_path, model, caplog, registry, **kw)
+    return {**out, "log": list(Probe.log)}, engine
+
+
+async def _all_verdicts(ahead: Ahead) -> None:
+    """Wait (polling the pipe, as the lane does) until the child has answered
+    for every resource, so that a test knows which verdicts the engine sees."""
+    while ahead._fd >= 0:
+        ahead.poll()
+        await asyncio.sleep(0.001)
+
+
+def ahead_of(model: GraphModel, whole: bool = True) -> Ahead:
+    ahead = Ahead.start(model.resources.values(), at_least=1)
+    assert ahead is not None
+    if whole:
+        asyncio.run(_all_verdicts(ahead))
+    model.ahead = ahead
+    return ahead
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_verdicts_ahead_change_nothing_a_run_does(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, seed: int
+) -> None:
+    plain, p_engine = run(tmp_path / "p", random_graph(seed), caplog)
+    model = random_graph(seed)
+    ahead_of(model)
+    told, a_engine = run(tmp_path / "a", model, caplog)
+    assert p_engine.ahead_runs == 0
+    assert a_engine.ahead_runs > 0  # verdicts were used
+    for key in ("status", "views", "recap", "events"):
+        assert told[key] == plain[key], key
+    # what was not found ahead was initialised and checked as before (its init
+    # later: when it was due); what was, neither
+    skipped = {n for n, _ in plain["log"]} - {n for n, _ in told["log"]}
+    assert len(skipped) == a_engine.ahead_runs
+    checks = [e for e in plain["log"] if e[0] not in skipped and e[1] != "init"]
+    assert [e for e in told["log"] if e[1] != "init"] == checks
+    inits = sorted(e for e in plain["log"] if e[0] not in skipped and e[1] == "init")
+    assert sorted(e for e in told["log"] if e[1] == "init") == inits
+    for name in skipped:
+        r = model.resources[f"probe[{name}]"]
+        assert isinstance(r, Probe)
+        assert r.ahead is True
+
+
+def test_a_verdict_is_dropped_below_a_change_a_refresh_or_a_value(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """a (changes) -> b -> c: b and c are checked although found ahead, since a
+    changed something upstream of them; d is refreshed by a notify edge from a;
+    e receives a value from f (clean); g is on its own: the only one skipped."""
+    model = GraphModel(name="drop")
+    for name, clean in (("a", False), *((n, True) for n in "bcdefg")):
+        model.add(Probe(name=name, clean=clean, ahead=clean))
+    model.connect(Edge("probe[a]", "probe[b]"))
+    model.connect(Edge("probe[b]", "probe[c]"))
+    model.connect(Edge("probe[a]", "probe[d]", notify=True))
+    model.connect(Edge("probe[f]", "probe[e]", send="out", recv="value"))
+    model.check()
+    ahead_of(model)
+    out, engine = run(tmp_path, model, caplog)
+    inited = sorted({n for n, w in out["log"] if w == "init"})  # (e again, with its value)
+    assert inited == ["a", "b", "c", "d", "e", "f"]
+    assert ("d", "check refresh=True value=") in out["log"]
+    assert ("e", "check refresh=False value=from-f") in out["log"]
+    assert engine.ahead_runs == 1
+    assert out["status"] == 0
+
+
+def test_a_child_that_dies_leaves_every_resource_to_its_check(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = GraphModel(name="dies")
+    for i in range(50):
+        model.add(Probe(name=f"p{i}", ahead=True))
+    model.check()
+    ahead = ahead_of(model, whole=False)
+    os.kill(ahead.pid, signal.SIGKILL)  # before (or while) it answers
+    out, engine = run(tmp_path, model, caplog)
+    # whatever it said before dying was used; the rest was checked: all clean
+    assert out["status"] == 0
+    checked = {n for n, w in out["log"] if w.startswith("check")}
+    assert len(checked) + engine.ahead_runs == 50
+    assert {s.state for s in engine.status()} == {"clean"}
+    with pytest.raises(ChildProcessError):
+        os.waitpid(ahead.pid, os.WNOHANG)  # reaped: no zombie left
+
+
+def test_a_child_that_answers_in_part_is_used_for_that_part(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The child answers from the last resource back; the lane takes what came:
+    with half the answers read, the second half is found ahead, the first checked."""
+    model = GraphModel(name="half")
+    for i in range(40):
+        model.add(Probe(name=f"p{i}", ahead=True))
+    model.check()
+    ahead = ahead_of(model)
+    ahead._got = ahead._got[:20]  # (as if the rest had not come yet)
+    out, engine = run(tmp_path, model, caplog)
+    assert engine.ahead_runs == 20
+    assert sorted(int(n[1:]) for n, w in out["log"] if w == "init") == list(range(20))
+
+
+def test_no_child_for_a_graph_whose_kinds_cannot_tell(tmp_path: Path) -> None:
+    model = GraphModel(name="none")
+    for i in range(300):
+        model.add(Plain(name=f"p{i}"))
+    assert Ahead.start(model.resources.values(), at_least=1) is None
+    few = [Probe(name=f"q{i}") for i in range(10)]
+    assert Ahead.start(few) is None  # below MIN_RESOURCES: a fork costs more
+
+
+def test_the_general_path_initialises_a_vertex_found_ahead_before_it_runs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A vertex that must not run inline (a semaphore) goes through the general
+    path (`_start`): its init runs first, then its check, even if found ahead."""
+    model = GraphModel(name="general")
+    model.add(Probe(name="s", ahead=True, meta=Meta(sema=["one:1"])))
+    model.add(Probe(name="t", ahead=True))
+    model.check()
+    ahead_of(model)
+    out, engine = run(tmp_path, model, caplog)
+    assert [w for n, w in out["log"] if n == "s"] == ["init", "check refresh=False value="]
+    assert [w for n, w in out["log"] if n == "t"] == []
+    assert engine.ahead_runs == 1
