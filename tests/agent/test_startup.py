@@ -556,11 +556,12 @@ def test_a_one_shot_run_from_the_parse_cache_imports_no_parser(tmp_path: Path) -
     assert "evergraph.world.sqlite" in again  # the World was opened and joined
     assert "evergraph.frontends.yaml" in again
     # nor what only a new World's id (secrets), a record of the store or a pins
-    # file (json), a follower's backoff (random) or another host's export index
-    # (pairindex) need
+    # file (json), a follower's backoff (random), another host's export index
+    # (pairindex) or a removed tree or a command (shutil) need
     for deferred in (
         *(*parser, "unicodedata", "secrets", "json"),
         *("random", "evergraph.cluster.exports.pairindex"),
+        *("shutil", "bz2", "lzma"),  # (rmtree and which: a removal, a command)
     ):
         assert deferred not in again, deferred
     # a dataclass compiles its generated methods at import (~0.7-1.4 ms each):

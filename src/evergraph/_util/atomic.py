@@ -35,7 +35,6 @@ import _thread  # (its locks: `threading` would cost `check` ~1 ms of import)
 import contextlib
 import os
 import re
-import shutil
 import stat
 import time
 from collections.abc import Callable, Iterable
@@ -498,6 +497,8 @@ def sweep_temps(
                 path = os.path.join(here, d)
                 if young(path):
                     continue
+                import shutil  # (rare: not in every run's start-up, with bz2 and lzma)
+
                 with contextlib.suppress(OSError):
                     shutil.rmtree(path)  # never follows a symlink
                     removed.append(path)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import stat
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -46,6 +45,8 @@ class FileShapes(FileReport):
         if not self.force:
             raise ResourceError(f"{self._path} exists and is {what} (force: true replaces it)")
         if stat.S_ISDIR(st.st_mode):
+            import shutil  # (rare: not in every run's start-up, with bz2 and lzma)
+
             shutil.rmtree(self._path)
         else:
             os.unlink(self._path)
@@ -235,6 +236,8 @@ class FileShapes(FileReport):
 def _remove(path: str) -> None:
     try:
         if os.path.isdir(path) and not os.path.islink(path):
+            import shutil  # (rare: not in every run's start-up, with bz2 and lzma)
+
             shutil.rmtree(path)
         else:
             os.unlink(path)

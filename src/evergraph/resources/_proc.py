@@ -20,11 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import grp
 import logging
 import os
 import pwd
-import shutil
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -52,10 +52,15 @@ _LINE_MAX = 1 << 16
 #: called with ("stdout" or "stderr", line) for each line a command writes
 OnLine = Callable[[str, str], None]
 
+
 #: util-linux's setpriv sets the parent-death signal and execs the command. Done
 #: by exec, not by a `preexec_fn`: Python code in a child forked from a process
 #: with other threads (gRPC's, with an etcd World) can deadlock or crash there.
-_SETPRIV = shutil.which("setpriv")
+@functools.cache
+def _setpriv() -> str | None:
+    import shutil  # (a run with no command loads neither it nor bz2/lzma)
+
+    return shutil.which("setpriv")
 
 
 def _tied(argv: Sequence[str], env: Mapping[str, str] | None) -> list[str]:
@@ -65,12 +70,15 @@ def _tied(argv: Sequence[str], env: Mapping[str, str] | None) -> list[str]:
     call, the start-up sweep of the next run kills the survivor.)"""
     cmd = argv[0]
     path = (env if env is not None else os.environ).get("PATH", os.defpath)
+    import shutil
+
     found = cmd if "/" in cmd else shutil.which(cmd, path=path)
     if found is None or not os.path.exists(found):
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), cmd)
-    if _SETPRIV is None:
+    setpriv = _setpriv()
+    if setpriv is None:
         return list(argv)
-    return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]  # setpriv finds it the same way
+    return [setpriv, "--pdeathsig", "KILL", "--", *argv]  # setpriv finds it the same way
 
 
 def _boot_id() -> str:

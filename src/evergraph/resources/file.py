@@ -47,7 +47,6 @@ import errno
 import grp
 import os
 import pwd
-import shutil
 import stat
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, ClassVar, Literal
@@ -423,6 +422,8 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         try:
             if stat.S_ISDIR(st.st_mode):
                 if self.force:
+                    import shutil  # (rare: not in every run's start-up, with bz2 and lzma)
+
                     shutil.rmtree(self._path)
                 else:
                     os.rmdir(self._path)
