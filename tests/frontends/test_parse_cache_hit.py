@@ -19,11 +19,12 @@ import logging
 import random
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from evergraph.engine.autoedge import automatic_edges
 from evergraph.engine.build import build
-from evergraph.engine.contract import default_registry
+from evergraph.engine.contract import DEFAULT_META, default_registry
 from evergraph.engine.model import Edge, GraphModel
 from evergraph.engine.prepare import prepare
 from evergraph.errors import InputError
@@ -256,3 +257,37 @@ def test_planted_automatic_edges_closing_a_cycle_or_naming_no_resource_are_found
         n = loads.parses
         assert _prepared(lambda p: _once(loads, p), g, caplog) == plain
         assert loads.parses == n  # (a hit: the entry's resources and edges are the file's)
+
+
+def test_an_entry_leaves_out_the_fields_at_their_defaults_and_a_hit_gives_them_back(
+    loads: Loads, tmp_path: Path
+) -> None:
+    """A hit decodes only what the graph gave (a File's ~20 fields, its meta's ~17,
+    are mostly defaults); a value equal to its default but of another type is kept
+    as it was, and a default meta comes back as the one shared DEFAULT_META."""
+    g = tmp_path / "g.yaml"
+    g.write_text(
+        "resources:\n  file:\n"
+        f"  - {{name: d, path: {tmp_path}/t/}}\n"
+        f"  - {{name: a, path: {tmp_path}/t/a, content: one, mode: '0644'}}\n"
+        f"  - {{name: b, path: {tmp_path}/t/b, meta: {{retry: 2, poll: 0.0}}}}\n"
+    )
+    parsed = _once(None, g)
+    loads.miss(g)
+    (entry_path,) = loads.entries
+    data = entry_path.read_bytes()
+    # field names at their defaults are not in the entry (msgpack: names as strings)
+    for absent in (b"recurse", b"purge", b"symlink", b"owner", b"fragments"):
+        assert absent not in data, absent
+    n = loads.parses
+    hit = _once(loads, g)
+    assert loads.parses == n  # taken from the entry
+    assert list(hit.resources) == list(parsed.resources)
+    for ident, res in parsed.resources.items():
+        got = hit.resources[ident]
+        assert type(got) is type(res), ident
+        assert got == res, ident
+        for f in msgspec.structs.fields(res):
+            assert type(getattr(got, f.name)) is type(getattr(res, f.name)), (ident, f.name)
+    assert hit.resources["file[d]"].meta is DEFAULT_META
+    assert hit.resources["file[b]"].meta.retry == 2
