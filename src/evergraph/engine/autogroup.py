@@ -35,6 +35,13 @@ from evergraph.engine.model import Edge, GraphModel
 
 def group_vertices(model: GraphModel) -> int:
     """Group in place; returns how many vertices were merged away."""
+    candidates = [
+        ident
+        for ident, res in model.resources.items()
+        if res.groupable and res.meta.autogroup and not res.meta.hidden
+    ]
+    if len(candidates) < 2:
+        return 0  # (before the pass over the edges: 10k files have no candidate)
     edges = model.edges
     on_edge: set[str] = set()
     keep_own: set[str] = set()
@@ -44,13 +51,10 @@ def group_vertices(model: GraphModel) -> int:
         if e.notify or e.send is not None or e.recv is not None:
             keep_own.add(e.from_id)
             keep_own.add(e.to_id)
-    candidates = [
-        ident
-        for ident, res in model.resources.items()
-        if res.groupable and res.meta.autogroup and not res.meta.hidden and ident not in keep_own
-    ]
-    if len(candidates) < 2:
-        return 0
+    if keep_own:
+        candidates = [ident for ident in candidates if ident not in keep_own]
+        if len(candidates) < 2:
+            return 0
     # Parent kinds first, so that a family's group is led by `a`, not `a:b`
     # (a stable sort: graph order otherwise).
     candidates.sort(key=lambda ident: ":" in model.resources[ident].kind)
