@@ -291,3 +291,33 @@ def test_an_entry_leaves_out_the_fields_at_their_defaults_and_a_hit_gives_them_b
             assert type(getattr(got, f.name)) is type(getattr(res, f.name)), (ident, f.name)
     assert hit.resources["file[d]"].meta is DEFAULT_META
     assert hit.resources["file[b]"].meta.retry == 2
+
+
+def test_a_one_shot_hit_never_decodes_the_text_and_bad_bytes_are_still_refused(
+    loads: Loads, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bytes of a hit parsed once, so they are UTF-8: a one-shot hit does not
+    decode them again (W1 10k: 2.7 MB of text nothing reads). Bytes that are not
+    UTF-8 are never cached: refused as without a cache."""
+    from evergraph.frontends import yaml as yaml_frontend
+
+    g = tmp_path / "g.yaml"
+    g.write_text(GRAPH)
+    loads.miss(g)
+    decoded: list[Path] = []
+    real = yaml_frontend.graph_text
+
+    def counting(data: bytes, path: Path) -> str:
+        decoded.append(path)
+        return real(data, path)
+
+    monkeypatch.setattr(yaml_frontend, "graph_text", counting)
+    n = loads.parses
+    assert list(_once(loads, g).resources) == ["file[d]", "file[a]", "file[b]"]
+    assert loads.parses == n
+    assert decoded == []
+    loads.hit(g)  # a run that follows the file keeps its text for a live edit
+    assert decoded == [g.absolute()]
+    g.write_bytes(GRAPH.encode() + b"# \xff\n")
+    with pytest.raises(InputError, match="not UTF-8"):
+        _once(loads, g)

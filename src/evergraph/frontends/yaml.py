@@ -678,7 +678,6 @@ class YamlFrontend(Frontend):
     def load(self) -> GraphModel:
         """Parse the file now (InputError), or take its model from the parse cache."""
         data = read_graph_bytes(self.path)
-        text = graph_text(data, self.path)
         cache, key, notes = self._cache, "", list[str]()
         follow = self._follow
         if cache is not None:
@@ -687,10 +686,14 @@ class YamlFrontend(Frontend):
             key = entry_key(data, str(self.path), self.registry)
             cached = cache.get(key, self.registry, keep=follow)
             if cached is not None:
+                # (a one-shot hit never decodes the text: these bytes parsed, so
+                # they are UTF-8, and nothing reads it; W1 10k: 2.7 MB)
                 if follow:
+                    text = graph_text(data, self.path)
                     self._entries.keep(text, None, None)  # a first edit parses the whole text
                     self._text, self._valid = text, cached.validated()
                 return cached
+        text = graph_text(data, self.path)
         entries = self._entries if follow else None
         model = parse_yaml(text, str(self.path), self.registry, entries=entries, notes=notes)
         if follow:
