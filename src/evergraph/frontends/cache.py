@@ -446,21 +446,32 @@ def _slim(cls: type[Resource], run: list[Resource]) -> list[dict[str, Any]]:
             for f in msgspec.structs.fields(cls)
         ]
     nodefault = msgspec.NODEFAULT
-    out: list[dict[str, Any]] = []
-    for res in run:
-        kept: dict[str, Any] = {}
-        for name, key, default, factory in fields:
-            value = getattr(res, name)
-            if default is not nodefault:
-                if value is default or (type(value) is type(default) and value == default):
-                    continue
-            elif factory is not nodefault:
-                made = factory()
-                if type(value) is type(made) and value == made:
-                    continue
-            kept[key] = value
-        out.append(kept)
-    return out
+    # each field's encoded name and default (a factory's: one made for comparing;
+    # a required field's: nothing a value is)
+    pairs = [
+        (
+            key,
+            default
+            if default is not nodefault
+            else factory()
+            if factory is not nodefault
+            else _REQUIRED,
+        )
+        for _, key, default, factory in fields
+    ]
+    astuple = msgspec.structs.astuple
+    return [
+        {
+            key: value
+            for (key, default), value in zip(pairs, astuple(res), strict=True)
+            if not (value is default or (type(value) is type(default) and value == default))
+        }
+        for res in run
+    ]
+
+
+#: the default of a field without one: no value is it, or of its type
+_REQUIRED = object()
 
 
 def decode(data: bytes, registry: Registry) -> tuple[_Entry, GraphModel]:
