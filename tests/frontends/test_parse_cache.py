@@ -79,6 +79,22 @@ class Loads:
         return model
 
 
+def entries_in(d: Path) -> list[Path]:
+    """The entries of cache directory `d` (not its secret)."""
+    return sorted(p for p in d.iterdir() if p.name != parse_cache.KEY_NAME)
+
+
+def signed(entry: Path, body: bytes) -> bytes:
+    """`body` as the cache writes an entry next to `entry`: its MAC under the
+    cache's secret first (what only a user who can read the secret can make)."""
+    secret = (entry.parent / parse_cache.KEY_NAME).read_bytes()
+    return parse_cache._mac(secret, body) + body
+
+
+def body_of(entry: Path) -> bytes:
+    return entry.read_bytes()[parse_cache.MAC_SIZE :]
+
+
 @pytest.fixture
 def loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Loads:
     return Loads(tmp_path / "state", monkeypatch)
@@ -472,6 +488,38 @@ def test_a_corrupt_entry_is_parsed_anew_and_rewritten(
     assert _view(loads.hit(g)) == want
 
 
+def test_an_entry_this_cache_did_not_write_is_not_used(loads: Loads, tmp_path: Path) -> None:
+    """Each entry carries its MAC under the cache's own secret (0600, ours): an
+    entry of the right model under another secret, a secret changed, gone, or
+    readable by others, is a miss (then a new secret is made, and the entry
+    written again under it)."""
+    g = tmp_path / "g.yaml"
+    g.write_text(GRAPH)
+    want = _view(loads.miss(g))
+    (entry,) = loads.entries
+    key = entry.parent / parse_cache.KEY_NAME
+    body = body_of(entry)
+    # the same bytes under another secret
+    entry.write_bytes(parse_cache._mac(os.urandom(parse_cache.KEY_SIZE), body) + body)
+    assert _view(loads.miss(g)) == want
+    assert _view(loads.hit(g)) == want
+    # the secret changed, removed, or others may read it: no entry is this cache's
+    for spoil in (
+        lambda: key.write_bytes(os.urandom(parse_cache.KEY_SIZE)),
+        key.unlink,
+        lambda: key.chmod(0o640),
+        lambda: key.write_bytes(b"short"),
+    ):
+        spoil()
+        assert _view(loads.miss(g)) == want
+        assert key.stat().st_mode & 0o777 == 0o600
+        assert len(key.read_bytes()) == parse_cache.KEY_SIZE
+        assert _view(loads.hit(g)) == want
+    # and the entry signed anew is this cache's (the helpers below plant so)
+    entry.write_bytes(signed(entry, body))
+    assert _view(loads.hit(g)) == want
+
+
 # -- errors -----------------------------------------------------------------------------
 
 
@@ -566,8 +614,9 @@ def test_a_run_keeps_its_parse_under_the_state_dir(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert state.is_dir()
     assert d.stat().st_mode & 0o777 == 0o700
-    (entry,) = d.iterdir()
+    (entry,) = entries_in(d)
     assert entry.stat().st_mode & 0o777 == 0o600
+    assert (d / parse_cache.KEY_NAME).stat().st_mode & 0o777 == 0o600
     made = entry.stat()
     for _ in range(2):
         long_ago = time.time() - 1000
@@ -576,7 +625,7 @@ def test_a_run_keeps_its_parse_under_the_state_dir(tmp_path: Path) -> None:
         assert r.returncode == 0, r.stderr
         assert "converged: 1 vertices clean" in r.stderr, r.stderr  # (the two noops grouped)
         # the run read the entry (marked used), and did not write it again
-        (again,) = d.iterdir()
+        (again,) = entries_in(d)
         assert again.stat().st_ino == made.st_ino
         assert again.stat().st_mtime > long_ago + 500
 
@@ -601,7 +650,7 @@ def test_without_a_state_dir_the_user_cache_directory_is_used(
     f = YamlFrontend(g, REG)
     f.cache_parses(None)
     f.load()
-    (entry,) = (tmp_path / "xdg" / "evergraph" / parse_cache.SUBDIR).iterdir()
+    (entry,) = entries_in(tmp_path / "xdg" / "evergraph" / parse_cache.SUBDIR)
     assert entry.stat().st_mode & 0o777 == 0o600
 
 
@@ -614,7 +663,7 @@ def test_the_library_run_keeps_its_parse_under_the_state_dir(tmp_path: Path) -> 
     for _ in range(2):
         assert evergraph.run(g, state_dir=state, converged_exit=True, world=None) == 0
         # (the first run's too: written once the agent made the state dir)
-        assert len(list((state / parse_cache.SUBDIR).iterdir())) == 1
+        assert len(entries_in(state / parse_cache.SUBDIR)) == 1
 
 
 @pytest.mark.parametrize("cached", [False, True])

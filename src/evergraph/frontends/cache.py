@@ -20,31 +20,31 @@ send/recv, `collect:` specs, the graph's name, the warnings given), and the
 automatic edges `prepare` will add to it (`autoedge.automatic_edges`: for
 graphs whose kinds' keys are their parameters alone, without `collect:`).
 
-What a hit trusts, and why. The entry's model is what a parse of these bytes
-made with this code (the key), so whatever is a function of the model alone
-was right when the parse checked it: `validate` of the resources that kept no
-state from it (it checks the parameter values alone, and these are the very
-values it passed: the same rule a live edit's re-check uses) is not run again,
-and a one-shot run takes the automatic edges as found. What is checked again
-is what a corrupt or planted entry (ours, 0600 in a 0700 directory: only this
-user, who may as well edit the graph) could make dangerous, since it is cheap:
-the claims (two resources undoing each other's work), the meta, the acyclicity
-(a look-up per edge when the declaration order is topological, as it is when
-directories come before their files), `validate` of the resources the entry
-says kept state (it may read the machine); automatic edges that name no
-resource of the graph, are not plain automatic edges or close a cycle are
-found anew. A hit that fails its check is dropped and the file parsed: errors
-are never cached, and always name `file:line:col` as the parse does. An entry
-is written only after a parse that succeeded, and only if it decodes back to
-an equal model and the same automatic edges.
+What a hit trusts, and why. Each entry starts with its MAC (keyed BLAKE2b)
+under the cache's own secret (`KEY_NAME` in the directory: 32 random bytes,
+0600, made with the first entry), so an entry is used only if this cache wrote
+it: one planted by anyone who cannot read the secret, or corrupt, or torn, is
+a miss. And this cache writes an entry only after a parse that succeeded, only
+if it decodes back to an equal model and the same automatic edges. So the
+entry's model is what a parse of these bytes made with this code (the key),
+and whatever is a function of the model alone was right when the parse
+checked it: a run that takes one graph (a one-shot run) checks again only the
+resources the entry says `validate` gave state (it may read the machine),
+and takes the claims, the meta, the acyclicity and the automatic edges as
+the parse found them (automatic edges that name no resource of the graph or
+are not plain automatic edges are found anew all the same). A run that follows
+the file checks the whole model again, for the claims a live edit compares
+with (a look-up per edge for the acyclicity when the declaration order is
+topological). A hit that fails its check is dropped and the file parsed:
+errors are never cached, and always name `file:line:col` as the parse does.
 
-Entries live in one directory (0700) as files (0600) written with the
-project's atomic write (without fsync: a torn entry after a power cut is
-a miss). They are used only when the directory and the entry are ours (our
-uid, not group- or other-writable, no symlink): a local user must not plant
-a model. A corrupt or truncated entry is a miss (parsed anew, rewritten),
-never an error. The directory is bounded (MAX_BYTES, MAX_ENTRIES): after a
-write the least recently used entries go.
+Entries live in one directory (0700) as files (0600) written with the project's
+atomic write (without fsync: a torn entry after a power cut fails its MAC: a
+miss). They are used only when the directory, the entry and the secret are ours
+(our uid, not group- or other-writable, no symlink; the secret readable by no
+one else): a local user must not plant a model. A corrupt or truncated entry is
+a miss (parsed anew, rewritten), never an error. The directory is bounded
+(MAX_BYTES, MAX_ENTRIES): after a write the least recently used entries go.
 
 Python graphs are not cached: `def graph(g, world)` runs code, which may read
 other files, the environment, the World or the clock; the file's bytes do not
@@ -75,8 +75,8 @@ from evergraph.engine.model import AutoEdges, CollectSpec, Edge, GraphModel
 log = logging.getLogger("evergraph.frontend.cache")
 
 #: the entry layout; a new one makes every old entry a miss (3: a resource's
-#: fields at their defaults are left out)
-FORMAT = "3"
+#: fields at their defaults are left out; 4: the MAC first)
+FORMAT = "4"
 #: what the cache directory may hold (a 10k-resource graph's entry is ~4 MB)
 MAX_BYTES = 64 * 1024 * 1024
 MAX_ENTRIES = 32
@@ -84,6 +84,10 @@ MAX_ENTRIES = 32
 MAX_ENTRY = 128 * 1024 * 1024
 #: the subdirectory of the state (or cache) directory
 SUBDIR = "parse-cache"
+#: the cache's secret, in its directory: each entry starts with its MAC under it
+KEY_NAME = ".key"
+KEY_SIZE = 32
+MAC_SIZE = 32
 #: the modules whose code makes a YAML graph's model (their source is in the key)
 _MAKERS = (
     "evergraph._version",
@@ -245,20 +249,29 @@ class ParseCache:
             return None
         try:
             data = self._read(dfd, key)
+            secret = self._secret(dfd) if data is not None else None
         finally:
             os.close(dfd)
         if data is None:
             return None
+        body = memoryview(data)[MAC_SIZE:]
+        if secret is None or not _same(data[:MAC_SIZE], _mac(secret, body)):
+            log.debug("%s/%s: parse cache entry not used: not this cache's", self.directory, key)
+            return None
         with gc_paused():
             try:
-                entry, model = decode(data, registry)
-            except Exception as e:  # corrupt, truncated, or of other code: parse anew
+                entry, model = decode(body, registry)
+            except Exception as e:  # of other code: parse anew
                 log.debug("%s/%s: parse cache entry not used: %s", self.directory, key, e)
                 return None
             if entry.key != key:
                 return None
             try:
-                model.check(keep=keep, stateful=frozenset(entry.stateful))
+                if keep:
+                    model.check(keep=True, stateful=frozenset(entry.stateful))
+                else:  # (what is not a function of the model alone: see the docstring)
+                    for ident in entry.stateful:
+                        model.resources[ident].validate()
             except Exception as e:  # the parse gives the error, where it is
                 log.debug("%s/%s: cached model fails its check: %s", self.directory, key, e)
                 return None
@@ -269,6 +282,31 @@ class ParseCache:
             for note in entry.notes:
                 log.warning("%s", note)
         return model
+
+    def _secret(self, dfd: int, make: bool = False) -> bytes | None:
+        """The cache's secret (`KEY_NAME`), if it is ours and no one else may read it;
+        with `make`, one is made if there is none to use."""
+        secret = None
+        try:
+            fd = os.open(KEY_NAME, _OPEN_ENTRY, dir_fd=dfd)
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode) and _ours(st) and not st.st_mode & 0o077:
+                    secret = os.read(fd, KEY_SIZE + 1)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        if secret is not None and len(secret) == KEY_SIZE:
+            return secret
+        if not make:
+            return None
+        secret = os.urandom(KEY_SIZE)  # (two writers at once: the last one's stays)
+        atomic_write(KEY_NAME, secret, mode=0o600, dir_fd=dfd, durable=False)
+        return secret
 
     def _read(self, dfd: int, key: str) -> bytes | None:
         try:
@@ -339,7 +377,9 @@ class ParseCache:
         if dfd is None:
             return
         try:
-            atomic_write(key, data, mode=0o600, dir_fd=dfd, durable=False)
+            secret = self._secret(dfd, make=True)
+            assert secret is not None
+            atomic_write(key, _mac(secret, data) + data, mode=0o600, dir_fd=dfd, durable=False)
             self._prune(dfd, key)
         except Exception as e:  # a cache never fails a run
             log.debug("%s/%s: not cached: %s", self.directory, key, e)
@@ -355,6 +395,8 @@ class ParseCache:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             except OSError:
                 continue
+            if name == KEY_NAME:
+                continue
             if is_temp(name):
                 if st.st_mtime < _now() - 60:
                     with contextlib.suppress(OSError):
@@ -369,6 +411,16 @@ class ParseCache:
             if i + 1 >= MAX_ENTRIES or total > MAX_BYTES:
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=dfd)
+
+
+def _mac(secret: bytes, data: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(data, key=secret, digest_size=MAC_SIZE).digest()
+
+
+def _same(a: bytes, b: bytes) -> bool:
+    import hmac  # (compare_digest: in constant time)
+
+    return hmac.compare_digest(a, b)
 
 
 def _now() -> float:
@@ -474,7 +526,7 @@ def _slim(cls: type[Resource], run: list[Resource]) -> list[dict[str, Any]]:
 _REQUIRED = object()
 
 
-def decode(data: bytes, registry: Registry) -> tuple[_Entry, GraphModel]:
+def decode(data: bytes | memoryview, registry: Registry) -> tuple[_Entry, GraphModel]:
     """An entry and its model (unchecked); raises on anything amiss. The kinds'
     classes in `registry` must be those the entry was made with."""
     entry = _entry_decoder.decode(data)
