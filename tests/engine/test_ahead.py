@@ -225,11 +225,13 @@ def test_no_child_for_a_graph_whose_kinds_cannot_tell(tmp_path: Path) -> None:
     assert Ahead.start(few) is None  # below MIN_RESOURCES: a fork costs more
 
 
-def test_the_general_path_initialises_a_vertex_found_ahead_before_it_runs(
+def test_a_vertex_that_does_not_run_inline_is_initialised_and_checked_as_usual(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A vertex that must not run inline (a semaphore) goes through the general
-    path (`_start`): its init runs first, then its check, even if found ahead."""
+    """A vertex that must not run inline (a semaphore) takes no verdict: it is
+    initialised as it starts and checked (the general path), even if found ahead;
+    a refreshed one (found ahead too) is initialised by `_start` before its check
+    (see the test above: d)."""
     model = GraphModel(name="general")
     model.add(Probe(name="s", ahead=True, meta=Meta(sema=["one:1"])))
     model.add(Probe(name="t", ahead=True))

@@ -169,27 +169,46 @@ class Scheduling(EngineState):
             self._queued -= 1
             if not self._runnable(v):
                 continue  # a parent may have turned dirty since
+            at = v.ahead
+            if (
+                at >= 0
+                and ahead is not None
+                and not (v.refresh_flag or v.inbox or v.secret_fields or v.send_edges)
+                and ahead.take(at)
+                and not (
+                    self._upstream_changed(v) if v.upstream_changed is None else v.upstream_changed
+                )
+            ):
+                # found in its state by the check run ahead (swap.py deferred only
+                # vertices that run inline), and nothing it depends on changed since:
+                # clean, with no init (VERDICT_USED) and no check. Its first run: the
+                # outcome's fields (last_error, retries...) are as they started.
+                v.ahead = VERDICT_USED
+                v.pending = False
+                self.ahead_runs += 1
+                self.lane_runs += 1
+                v.ok = v.ever_ok = True
+                v.clean_count += 1
+                if observed:
+                    self._observe(v, "running")
+                    self._observe(v, "clean")
+                else:
+                    v.state, v.since = "clean", clock.monotonic()
+                for c in v.children:  # _poke, inline
+                    if c.queued or not self._runnable(c):
+                        continue
+                    if c.res.meta.hidden:
+                        self._settle_hidden(c)
+                        continue
+                    c.queued = True
+                    self._queued += 1
+                    ready.append(c)
+                continue
             if v.refresh_flag or not self._inline_ok(v):
                 self._start(v)  # (which initialises a deferred vertex first)
                 continue
-            found = False  # in its state, by the check run ahead (ahead.py)
-            if v.ahead != INITIALISED:
-                at = v.ahead
-                found = (
-                    at >= 0
-                    and ahead is not None
-                    and ahead.take(at)
-                    and not (v.secret_fields or v.send_edges)
-                    and not (
-                        self._upstream_changed(v)
-                        if v.upstream_changed is None
-                        else v.upstream_changed
-                    )
-                )
-                if found:
-                    v.ahead = VERDICT_USED  # (still not initialised)
-                elif not self._init_deferred(v):
-                    continue  # (it is poked again once its init is done)
+            if at != INITIALISED and not self._init_deferred(v):
+                continue  # (it is poked again once its init is done)
             # _start, _check_apply_inline, _finish and _record_success fused, for a
             # vertex that has nothing but its check to do (see the tail below)
             res = v.res
@@ -202,27 +221,21 @@ class Scheduling(EngineState):
                 self._observe(v, "running")
             else:
                 v.state, v.since = "running", clock.monotonic()
-            if found:
-                # found in its state ahead, and nothing it depends on changed since
-                self.ahead_runs += 1
-                result = True
+            if apply and v.notify_children:
+                self._intend(v, apply)
+            coro = res.check_apply(apply)
+            try:
+                yielded = coro.send(None)
+            except StopIteration as done:
+                result = bool(done.value)
+            except Exception as e:
+                self._finish(v, True, error_text(e, res), apply)
+                continue
             else:
-                if apply and v.notify_children:
-                    self._intend(v, apply)
-                coro = res.check_apply(apply)
-                try:
-                    yielded = coro.send(None)
-                except StopIteration as done:
-                    result = bool(done.value)
-                except Exception as e:
-                    self._finish(v, True, error_text(e, res), apply)
-                    continue
-                else:
-                    assert self._tg is not None
-                    self._suspended += 1
-                    task = self._finish_later(v, coro, yielded, apply)
-                    v.apply_task = self._tg.create_task(task)
-                    continue
+                assert self._tg is not None
+                self._suspended += 1
+                v.apply_task = self._tg.create_task(self._finish_later(v, coro, yielded, apply))
+                continue
             if not result or v.intent or v.unknown_why is not None or v.send_edges:
                 # changed (its log record, refreshes owed), a noop run that could not
                 # tell, or values to send: the general path records it

@@ -229,6 +229,9 @@ class EngineState:
     def _poke(self, v: Vertex) -> None:
         raise NotImplementedError
 
+    def _inline_ok(self, v: Vertex) -> bool:
+        raise NotImplementedError
+
     def _drain(self) -> None:
         raise NotImplementedError
 

@@ -149,7 +149,11 @@ class Swap(EngineState):
             self._unready -= 1
             if ahead is not None and i <= len(checked) and checked[i - 1] is v.res:
                 res = v.res
-                if not (v.refresh_flag or res.meta.hidden) and type(res).ahead_check is not nothing:
+                if (
+                    not (v.refresh_flag or res.meta.hidden)
+                    and type(res).ahead_check is not nothing
+                    and self._inline_ok(v)  # (what the lane takes a verdict for)
+                ):
                     v.ahead = i - 1
                 else:
                     ahead.take(i - 1)  # (no verdict wanted)
