@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from evergraph.engine.settings import one_shot
 from evergraph.errors import InputError
 from evergraph.frontends.base import Frontend
 from evergraph.frontends.open import frontend_for, trust_deployers
@@ -32,19 +33,6 @@ def _world(world: WorldOptions | str | None) -> WorldOptions | None:
     if world == "etcd":
         raise InputError("an etcd World needs WorldOptions(seeds=...) or embedded=True", "world")
     return WorldOptions(backend=world)
-
-
-def one_shot(settings: Mapping[str, Any]) -> bool:
-    """`run`'s keywords `settings` make a run that ends the moment it converges
-    (`Settings.one_shot`; `converged_exit` without a timeout is a timeout of 0, as
-    `run` makes it)."""
-    from evergraph.engine.settings import ends_when_converged
-
-    exits = bool(settings.get("converged_exit"))
-    timeout = settings.get("converged_timeout")
-    return ends_when_converged(
-        bool(settings.get("watch", True)), exits, 0.0 if exits and timeout is None else timeout
-    )
 
 
 def run(

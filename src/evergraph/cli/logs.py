@@ -18,7 +18,6 @@ time). JSON is safe as it is (json.dumps escapes).
 
 from __future__ import annotations
 
-import asyncio
 import io
 import logging
 import os
@@ -311,6 +310,8 @@ def terminal_handler() -> TerminalHandler | None:
 async def flusher(_agent: object = None) -> None:
     """An agent service: write buffered lines out `FLUSH_INTERVAL` after the first
     line since the last flush (no periodic timer), and at the end."""
+    import asyncio  # (loaded by then: a service runs in the agent's loop)
+
     handler = _buffered
     if handler is None:
         await asyncio.Event().wait()  # nothing is buffered (a terminal): idle for ever

@@ -362,11 +362,9 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     verbose: int = params["verbose"]
     deployers: tuple[str, ...] = params["deployers"]
     world = {k: params[k] for k in WORLD_PARAMS}
-    from evergraph.agent.api import one_shot
-    from evergraph.agent.api import run as run_graph
+    # (the agent's modules, asyncio's too, load after the checks run ahead have started)
     from evergraph.cli.logs import flush_logs, flusher, setup_logging, terminal_handler
-    from evergraph.cli.progress import service as progress_service
-    from evergraph.engine.settings import check_times
+    from evergraph.engine.settings import check_times, one_shot
     from evergraph.frontends.open import frontend_for, trust_deployers
 
     setup_logging(log_format, verbose)
@@ -393,6 +391,9 @@ def run_command(params: dict[str, Any]) -> NoReturn:
         frontend.preload()
         # a one-shot run checks its files in a child while it loads the agent
         ahead = frontend.check_ahead() if ends else None
+        from evergraph.agent.api import run as run_graph
+        from evergraph.cli.progress import service as progress_service
+
         importlib.import_module("evergraph.agent.run")  # (api.run's) with the GC paused too
         collector_on()  # the console script paused it for the imports
         opts = world_opts(world)

@@ -6,8 +6,9 @@
 
 import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -269,6 +270,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     def host(self) -> str:
         return self.hostname or socket.gethostname()
+
+
+def one_shot(settings: Mapping[str, Any]) -> bool:
+    """`run`'s keywords `settings` make a run that ends the moment it converges
+    (`Settings.one_shot`; `converged_exit` without a timeout is a timeout of 0, as
+    `run` makes it)."""
+    exits = bool(settings.get("converged_exit"))
+    timeout = settings.get("converged_timeout")
+    return ends_when_converged(
+        bool(settings.get("watch", True)), exits, 0.0 if exits and timeout is None else timeout
+    )
 
 
 def ends_when_converged(watch: bool, converged_exit: bool, converged_timeout: float | None) -> bool:
