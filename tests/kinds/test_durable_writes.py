@@ -214,19 +214,29 @@ def test_writes_of_one_turn_of_the_loop_are_handed_off_at_once(
     batches: list[int] = []
     real_submit = _commit.Committer.submit
 
-    def submit(self: _commit.Committer, jobs: object) -> None:
+    def submit(self: _commit.Committer, jobs: object, *dirs: object) -> None:
         handoffs.append(len(jobs) if isinstance(jobs, list) else 1)
-        real_submit(self, jobs)  # type: ignore[arg-type]
+        real_submit(self, jobs, *dirs)  # type: ignore[arg-type]
 
     def taken(self: _commit.Committer, batch: list[object]) -> None:
         batches.append(len(batch))
 
+    dir_opens: list[str] = []
+    real_open = os.open
+
+    def open_(path: str, flags: int, *a: object, **kw: object) -> int:
+        if flags & os.O_DIRECTORY:
+            dir_opens.append(os.fspath(path))
+        return real_open(path, flags, *a, **kw)  # type: ignore[arg-type]
+
     monkeypatch.setattr(_commit.Committer, "submit", submit)
     monkeypatch.setattr(_commit.Committer, "_taken", taken)
     writes = _commit.DurableWrites()
+    fds_before = len(os.listdir("/proc/self/fd"))
     writes._inline_s.extend([1.0] * 5)  # writes look slow: each goes to the committer
 
     async def main() -> None:
+        monkeypatch.setattr(os, "open", open_)
         try:
             # gather starts every write in the same turn of the loop
             await asyncio.wait_for(
@@ -242,8 +252,12 @@ def test_writes_of_one_turn_of_the_loop_are_handed_off_at_once(
             await writes.aclose()
 
     asyncio.run(main())
+    monkeypatch.setattr(os, "open", real_open)
     assert handoffs == [n]
     assert batches == [n]
+    # their directory opened once for them all, and closed once they were committed
+    assert dir_opens == [str(tmp_path)]
+    assert len(os.listdir("/proc/self/fd")) == fds_before
     for i in range(n):
         assert (tmp_path / f"f{i}").read_text() == f"{i}\n"
         assert (tmp_path / f"f{i}").stat().st_mode & 0o7777 == 0o640
@@ -252,6 +266,40 @@ def test_writes_of_one_turn_of_the_loop_are_handed_off_at_once(
 
 def noop(fd: int) -> None:
     pass
+
+
+def test_writes_prepared_with_open_dirs_share_each_directory_until_its_owner_closes_it(
+    tmp_path: Path,
+) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    dirs = atomic.OpenDirs()
+    batch = [
+        atomic.prepare(f"{d}/f{i}", f"{i}\n".encode(), mode=0o640, dirs=dirs)
+        for i in range(atomic.SYNCFS_MIN)
+        for d in (a, b)
+    ]
+    dropped = atomic.prepare(f"{a}/gone", b"x", mode=0o640, dirs=dirs)
+    assert sorted(dirs.fds) == [str(a), str(b)]
+    assert {p.dfd for p in batch} == set(dirs.fds.values())
+    assert not any(p.owns_dir for p in batch)
+    atomic.discard(dropped)  # its temporary file removed, the shared directory kept
+    assert atomic.commit(batch) == [None] * len(batch)
+    for fd in dirs.fds.values():
+        os.fstat(fd)  # still open: the commit leaves them to their owner
+    fds = list(dirs.fds.values())
+    dirs.close()
+    for fd in fds:
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            os.fstat(fd)
+    for d in (a, b):
+        assert sorted(p.name for p in d.iterdir()) == sorted(
+            f"f{i}" for i in range(atomic.SYNCFS_MIN)
+        )
+        for i in range(atomic.SYNCFS_MIN):
+            assert (d / f"f{i}").read_text() == f"{i}\n"
+            assert (d / f"f{i}").stat().st_mode & 0o7777 == 0o640
 
 
 def test_a_write_under_way_when_cancelled_is_finished_before_the_run_ends(
