@@ -21,6 +21,7 @@ import pytest
 import evergraph.resources.file  # noqa: F401  (registers the file kind)
 from evergraph._util import atomic
 from evergraph._util.atomic import TEMP_RE, temp_name
+from evergraph.engine import scheduling
 from evergraph.engine.build import build
 from evergraph.engine.contract import default_registry
 from evergraph.engine.engine import Engine
@@ -103,6 +104,10 @@ def test_a_stream_of_writes_is_committed_in_batches_each_durable_and_recognised_
 ) -> None:
     every_write_in_a_stream(monkeypatch)  # a batch of 4 or more is synced by syncfs
     monkeypatch.setattr(atomic, "SYNCFS_MIN", 4)
+    # one check per turn of the loop: the writes one turn prepares are handed to the
+    # committer together (test_writes_of_one_turn_of_the_loop_are_handed_off_at_once),
+    # so the interleaving below needs them spread over turns
+    monkeypatch.setattr(scheduling, "DRAIN_BATCH", 1)
     d = tmp_path / "d"
     d.mkdir()  # exists: its watch is set before the writes
     spy = Spy(monkeypatch)
@@ -195,6 +200,106 @@ def test_a_stream_of_writes_is_committed_in_batches_each_durable_and_recognised_
             op in (("fsync dir", "d", True), ("syncfs", "", True)) for op in ops[ren:done]
         ), ops
     assert not [p for p in d.iterdir() if p.name.startswith(".")]  # no temp file left
+
+
+def test_writes_of_one_turn_of_the_loop_are_handed_off_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writes a turn of the loop prepares (a drain batch of a first apply) reach
+    the committer in one hand-off, as one batch: not one lock, wake-up of its thread
+    and GIL hand-over each, nor a batch of one or two fsynced file by file."""
+    every_write_in_a_stream(monkeypatch)
+    n = 20
+    handoffs: list[int] = []
+    batches: list[int] = []
+    real_submit = _commit.Committer.submit
+
+    def submit(self: _commit.Committer, jobs: object, *dirs: object) -> None:
+        handoffs.append(len(jobs) if isinstance(jobs, list) else 1)
+        real_submit(self, jobs, *dirs)  # type: ignore[arg-type]
+
+    def taken(self: _commit.Committer, batch: list[object]) -> None:
+        batches.append(len(batch))
+
+    dir_opens: list[str] = []
+    real_open = os.open
+
+    def open_(path: str, flags: int, *a: object, **kw: object) -> int:
+        if flags & os.O_DIRECTORY:
+            dir_opens.append(os.fspath(path))
+        return real_open(path, flags, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_commit.Committer, "submit", submit)
+    monkeypatch.setattr(_commit.Committer, "_taken", taken)
+    writes = _commit.DurableWrites()
+    fds_before = len(os.listdir("/proc/self/fd"))
+    writes._inline_s.extend([1.0] * 5)  # writes look slow: each goes to the committer
+
+    async def main() -> None:
+        monkeypatch.setattr(os, "open", open_)
+        try:
+            # gather starts every write in the same turn of the loop
+            await asyncio.wait_for(
+                asyncio.gather(
+                    *(
+                        writes.write(f"{tmp_path}/f{i}", f"{i}\n".encode(), 0o640, None, noop)
+                        for i in range(n)
+                    )
+                ),
+                60,
+            )
+        finally:
+            await writes.aclose()
+
+    asyncio.run(main())
+    monkeypatch.setattr(os, "open", real_open)
+    assert handoffs == [n]
+    assert batches == [n]
+    # their directory opened once for them all, and closed once they were committed
+    assert dir_opens == [str(tmp_path)]
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    for i in range(n):
+        assert (tmp_path / f"f{i}").read_text() == f"{i}\n"
+        assert (tmp_path / f"f{i}").stat().st_mode & 0o7777 == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"f{i}" for i in range(n))
+
+
+def noop(fd: int) -> None:
+    pass
+
+
+def test_writes_prepared_with_open_dirs_share_each_directory_until_its_owner_closes_it(
+    tmp_path: Path,
+) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    dirs = atomic.OpenDirs()
+    batch = [
+        atomic.prepare(f"{d}/f{i}", f"{i}\n".encode(), mode=0o640, dirs=dirs)
+        for i in range(atomic.SYNCFS_MIN)
+        for d in (a, b)
+    ]
+    dropped = atomic.prepare(f"{a}/gone", b"x", mode=0o640, dirs=dirs)
+    assert sorted(dirs.fds) == [str(a), str(b)]
+    assert {p.dfd for p in batch} == set(dirs.fds.values())
+    assert not any(p.owns_dir for p in batch)
+    atomic.discard(dropped)  # its temporary file removed, the shared directory kept
+    assert atomic.commit(batch) == [None] * len(batch)
+    for fd in dirs.fds.values():
+        os.fstat(fd)  # still open: the commit leaves them to their owner
+    fds = list(dirs.fds.values())
+    dirs.close()
+    for fd in fds:
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            os.fstat(fd)
+    for d in (a, b):
+        assert sorted(p.name for p in d.iterdir()) == sorted(
+            f"f{i}" for i in range(atomic.SYNCFS_MIN)
+        )
+        for i in range(atomic.SYNCFS_MIN):
+            assert (d / f"f{i}").read_text() == f"{i}\n"
+            assert (d / f"f{i}").stat().st_mode & 0o7777 == 0o640
 
 
 def test_a_write_under_way_when_cancelled_is_finished_before_the_run_ends(

@@ -254,15 +254,49 @@ def _temp_file(
 
 
 class Pending:
-    """A temporary file `prepare` wrote, not yet durable nor under its name; it holds
-    its directory open until `commit`."""
+    """A temporary file `prepare` wrote, not yet durable nor under its name; its
+    directory is held open until `commit` (by the Pending itself, `owns_dir`, or by
+    the `OpenDirs` it was prepared with)."""
 
-    __slots__ = ("dfd", "name", "tmp")
+    __slots__ = ("dfd", "name", "owns_dir", "tmp")
 
-    def __init__(self, dfd: int, tmp: str, name: str) -> None:
+    def __init__(self, dfd: int, tmp: str, name: str, owns_dir: bool = True) -> None:
         self.dfd = dfd
         self.tmp = tmp
         self.name = name
+        self.owns_dir = owns_dir
+
+
+class OpenDirs:
+    """Directories opened once for the many writes `prepare`d into each of them
+    together (the file kind's writes of one turn of its loop: a first apply writes
+    hundreds into each directory), instead of an open, an fstat and a close per
+    write. The caller keeps it until those writes are committed or discarded, then
+    `close`s it. Each write still goes into the directory its path named when the
+    first of them was prepared, as a lone Pending's goes into the directory its
+    path named at its `prepare`."""
+
+    __slots__ = ("fds",)
+
+    def __init__(self) -> None:
+        #: parent directory (as the paths spell it) -> its open fd
+        self.fds: dict[str, int] = {}
+
+    def open(self, path: str) -> tuple[int, str]:
+        """(the open directory of `path`, `path`'s last name); see `_open_parent`."""
+        parent, _, name = path.rpartition("/")
+        parent = parent or ("/" if path.startswith("/") else ".")  # (as _open_parent)
+        dfd = self.fds.get(parent)
+        if dfd is None:
+            dfd, name = _open_parent(path, 0o755)
+            self.fds[parent] = dfd
+        return dfd, name
+
+    def close(self) -> None:
+        fds = list(self.fds.values())
+        self.fds.clear()
+        for fd in fds:
+            os.close(fd)
 
 
 def prepare(
@@ -272,11 +306,13 @@ def prepare(
     mode: int,
     owner: tuple[int, int] | None = None,
     before_rename: Callable[[int], None] | None = None,
+    dirs: OpenDirs | None = None,
 ) -> Pending:
     """The first half of a durable `atomic_write` of `path` (whose directory exists):
     the temporary file, written and closed, with no fsync. `commit` does the rest
-    for many at once."""
-    dfd, name = _open_parent(path, 0o755)
+    for many at once. `dirs`: take the directory from there (open it there if it is
+    not yet), not open it for this write alone."""
+    dfd, name = _open_parent(path, 0o755) if dirs is None else dirs.open(path)
     try:
 
         def fill(fd: int) -> None:
@@ -284,19 +320,21 @@ def prepare(
 
         tmp = _temp_file(dfd, name, fill, mode, owner, False, before_rename)
     except BaseException:
-        os.close(dfd)
+        if dirs is None:
+            os.close(dfd)
         raise
-    return Pending(dfd, tmp, name)
+    return Pending(dfd, tmp, name, dirs is None)
 
 
 def discard(p: Pending) -> None:
     """Give up a `prepare`d write that will not be committed: its temporary file
-    removed, its directory closed."""
+    removed, its directory closed (if it holds it)."""
     try:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(p.tmp, dir_fd=p.dfd)
     finally:
-        os.close(p.dfd)
+        if p.owns_dir:
+            os.close(p.dfd)
 
 
 #: a batch of at least this many writes is made durable by two syncfs(2) of each
@@ -312,7 +350,8 @@ def commit(batch: list[Pending]) -> list[BaseException | None]:
     every file's data is on disk before its rename, and its new name is on disk
     before this returns (so after a power cut each target is its old file or its
     complete new one). The error of each (None: placed and durable); the directories
-    are closed either way, and a file that was not placed is removed. A batch under
+    the Pendings hold are closed either way (an `OpenDirs`'s are its owner's to
+    close), and a file that was not placed is removed. A batch under
     SYNCFS_MIN renames each file right after its own fsync (the first one is in
     place after one fsync, not after the whole batch's), then fsyncs each directory
     once."""
@@ -320,7 +359,13 @@ def commit(batch: list[Pending]) -> list[BaseException | None]:
     many = len(batch) >= SYNCFS_MIN
     by_fs: dict[int, int] = {}  # st_dev -> one open directory on it
     if many:
-        devs = [os.fstat(p.dfd).st_dev for p in batch]
+        dev_of: dict[int, int] = {}  # (writes prepared together share a directory fd)
+        devs = []
+        for p in batch:
+            dev = dev_of.get(p.dfd)
+            if dev is None:
+                dev = dev_of[p.dfd] = os.fstat(p.dfd).st_dev
+            devs.append(dev)
         for dev, p in zip(devs, batch, strict=True):
             by_fs.setdefault(dev, p.dfd)
         failed = {}
@@ -367,7 +412,8 @@ def commit(batch: list[Pending]) -> list[BaseException | None]:
                     os.fsync(dfd)
     finally:
         for p in batch:
-            os.close(p.dfd)
+            if p.owns_dir:
+                os.close(p.dfd)
     return errors
 
 
