@@ -241,3 +241,21 @@ def test_a_vertex_that_does_not_run_inline_is_initialised_and_checked_as_usual(
     assert [w for n, w in out["log"] if n == "s"] == ["init", "check refresh=False value="]
     assert [w for n, w in out["log"] if n == "t"] == []
     assert engine.ahead_runs == 1
+
+
+def test_unobserved_vertices_found_ahead_are_clean_with_a_duration_of_their_own(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With no observer (the lane sets states itself), a vertex found ahead is
+    clean and its duration is its own step's, not the clock's whole reading."""
+    model = GraphModel(name="quiet")
+    for i in range(30):
+        model.add(Probe(name=f"p{i}", ahead=True))
+    model.check()
+    ahead_of(model)
+    out, engine = run(tmp_path, model, caplog, observe=False)
+    assert engine.ahead_runs == 30
+    assert out["log"] == []  # neither initialised nor checked
+    for s in engine.status():
+        assert s.state == "clean"
+        assert 0 <= s.duration < 60, s

@@ -186,72 +186,62 @@ class Scheduling(EngineState):
                 v.ahead = VERDICT_USED
                 v.pending = False
                 self.ahead_runs += 1
-                self.lane_runs += 1
                 v.ok = v.ever_ok = True
-                v.clean_count += 1
                 if observed:
                     self._observe(v, "running")
-                    self._observe(v, "clean")
                 else:
-                    v.state, v.since = "clean", clock.monotonic()
-                for c in v.children:  # _poke, inline
-                    if c.queued or not self._runnable(c):
-                        continue
-                    if c.res.meta.hidden:
-                        self._settle_hidden(c)
-                        continue
-                    c.queued = True
-                    self._queued += 1
-                    ready.append(c)
-                continue
-            if v.refresh_flag or not self._inline_ok(v):
-                self._start(v)  # (which initialises a deferred vertex first)
-                continue
-            if at != INITIALISED and not self._init_deferred(v):
-                continue  # (it is poked again once its init is done)
-            # _start, _check_apply_inline, _finish and _record_success fused, for a
-            # vertex that has nothing but its check to do (see the tail below)
-            res = v.res
-            v.running = True
-            v.pending = False
-            self._running += 1
-            apply = not (noop or res.meta.noop)
-            v.refresh_now = False  # (refresh_flag is False: checked above)
-            if observed:
-                self._observe(v, "running")
+                    v.since = clock.monotonic()  # (its duration: ~0)
             else:
-                v.state, v.since = "running", clock.monotonic()
-            if apply and v.notify_children:
-                self._intend(v, apply)
-            coro = res.check_apply(apply)
-            try:
-                yielded = coro.send(None)
-            except StopIteration as done:
-                result = bool(done.value)
-            except Exception as e:
-                self._finish(v, True, error_text(e, res), apply)
-                continue
-            else:
-                assert self._tg is not None
-                self._suspended += 1
-                v.apply_task = self._tg.create_task(self._finish_later(v, coro, yielded, apply))
-                continue
-            if not result or v.intent or v.unknown_why is not None or v.send_edges:
-                # changed (its log record, refreshes owed), a noop run that could not
-                # tell, or values to send: the general path records it
-                self._finish(v, result, None, apply)
-                continue
+                if v.refresh_flag or not self._inline_ok(v):
+                    self._start(v)  # (which initialises a deferred vertex first)
+                    continue
+                if at != INITIALISED and not self._init_deferred(v):
+                    continue  # (it is poked again once its init is done)
+                # _start, _check_apply_inline, _finish and _record_success fused, for
+                # a vertex that has nothing but its check to do (see the tail below)
+                res = v.res
+                v.running = True
+                v.pending = False
+                self._running += 1
+                apply = not (noop or res.meta.noop)
+                v.refresh_now = False  # (refresh_flag is False: checked above)
+                if observed:
+                    self._observe(v, "running")
+                else:
+                    v.state, v.since = "running", clock.monotonic()
+                if apply and v.notify_children:
+                    self._intend(v, apply)
+                coro = res.check_apply(apply)
+                try:
+                    yielded = coro.send(None)
+                except StopIteration as done:
+                    result = bool(done.value)
+                except Exception as e:
+                    self._finish(v, True, error_text(e, res), apply)
+                    continue
+                else:
+                    assert self._tg is not None
+                    self._suspended += 1
+                    task = self._finish_later(v, coro, yielded, apply)
+                    v.apply_task = self._tg.create_task(task)
+                    continue
+                if not result or v.intent or v.unknown_why is not None or v.send_edges:
+                    # changed (its log record, refreshes owed), a noop run that could
+                    # not tell, or values to send: the general path records it
+                    self._finish(v, result, None, apply)
+                    continue
+                v.running = False
+                self._running -= 1
+                v.ok = True
+                v.ever_ok = True
+                v.last_error = None
+                if res.meta.retryreset:
+                    v.retries_left = res.meta.retry
+                if v.repair_delay:
+                    v.repair_delay = 0.0
+                v.reported = None  # differences reported, yet all was well: none
+            # clean: recorded, and its children poked
             self.lane_runs += 1
-            v.running = False
-            self._running -= 1
-            v.ok = True
-            v.ever_ok = True
-            v.last_error = None
-            if res.meta.retryreset:
-                v.retries_left = res.meta.retry
-            if v.repair_delay:
-                v.repair_delay = 0.0
-            v.reported = None  # differences reported, yet all was well: none
             v.clean_count += 1
             if observed:
                 self._observe(v, "clean")
