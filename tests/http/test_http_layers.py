@@ -20,6 +20,7 @@ ALLOWED = {
     "evergraph.engine.model": "Edge, what GraphQuery.edges returns",
     "evergraph.engine.contract": "the types status and model name",
     "evergraph.engine.services": "the contract's Handle names it (typing only)",
+    "evergraph.engine.ahead": "the model names it (typing only: GraphModel.ahead)",
 }
 
 
