@@ -236,19 +236,23 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
     def _manages_content(self) -> bool:
         return self.content is not None or self.source is not None or bool(self.fragments)
 
+    def _is_plain(self, is_dir: bool) -> bool:
+        """The common case, checked first: a regular file of known content, no owner."""
+        return (
+            self.content is not None
+            and not is_dir
+            and self.state == "exists"
+            and not self.symlink
+            and self.owner is None
+            and self.group is None
+        )
+
     def ahead_check(self, seen: dict[str, Any]) -> bool | None:
-        # the plain case of check_apply (see `_plain` in init), from the parameters;
-        # a leftover of a killed write next to the file needs init's sweep: False
+        # check_apply's plain case, from the parameters; a leftover of a killed
+        # write next to the file needs init's sweep: False
         path = self.path or self.name
         content = self.content
-        if (
-            content is None
-            or path.endswith("/")
-            or self.state != "exists"
-            or self.symlink
-            or self.owner is not None
-            or self.group is not None
-        ):
+        if content is None or not self._is_plain(path.endswith("/")):
             return None
         path = _normpath(path)
         data = content.encode()
@@ -285,15 +289,7 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         self._data = None if content is None else content.encode()
         self._own = OwnInode()  # our last atomic write's inode, until its rename is seen
         is_dir = self._is_dir
-        #: the common case, checked first: a regular file of known content, no owner
-        self._plain = (
-            content is not None
-            and not is_dir
-            and self.state == "exists"
-            and not self.symlink
-            and self.owner is None
-            and self.group is None
-        )
+        self._plain = self._is_plain(is_dir)
         if not is_dir:
             for left in handle.services.get(Sweeps).sweep(self._path):
                 handle.logger.info("%s: removed %s (an interrupted write's)", self.ident, left)
