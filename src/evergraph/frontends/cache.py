@@ -286,20 +286,7 @@ class ParseCache:
     def _secret(self, dfd: int, make: bool = False) -> bytes | None:
         """The cache's secret (`KEY_NAME`), if it is ours and no one else may read it;
         with `make`, one is made if there is none to use."""
-        secret = None
-        try:
-            fd = os.open(KEY_NAME, _OPEN_ENTRY, dir_fd=dfd)
-        except OSError:
-            fd = -1
-        if fd >= 0:
-            try:
-                st = os.fstat(fd)
-                if stat.S_ISREG(st.st_mode) and _ours(st) and not st.st_mode & 0o077:
-                    secret = os.read(fd, KEY_SIZE + 1)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+        secret = self._read(dfd, KEY_NAME, secret=True)
         if secret is not None and len(secret) == KEY_SIZE:
             return secret
         if not make:
@@ -308,7 +295,8 @@ class ParseCache:
         atomic_write(KEY_NAME, secret, mode=0o600, dir_fd=dfd, durable=False)
         return secret
 
-    def _read(self, dfd: int, key: str) -> bytes | None:
+    def _read(self, dfd: int, key: str, secret: bool = False) -> bytes | None:
+        """File `key`'s bytes if it is ours (`secret`: and no one else may read it)."""
         try:
             fd = os.open(key, _OPEN_ENTRY, dir_fd=dfd)
         except OSError:
@@ -317,11 +305,14 @@ class ParseCache:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or not _ours(st) or st.st_size > MAX_ENTRY:
                 return None
+            if secret and st.st_mode & 0o077:
+                return None
             chunks = []
             while chunk := os.read(fd, 1 << 22):
                 chunks.append(chunk)
-            with contextlib.suppress(OSError):
-                os.utime(fd)  # recently used: pruned last
+            if not secret:
+                with contextlib.suppress(OSError):
+                    os.utime(fd)  # recently used: pruned last
             return b"".join(chunks)
         except OSError:
             return None
