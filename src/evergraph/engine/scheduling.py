@@ -12,9 +12,9 @@ A run that ends once converged (`lane`, state.py) drains through `_drain_lane`
 instead: the same batches in the same order, with a plain inline vertex's clean
 check and its outcome fused into one step (10k unchanged files: ~10 % of the
 engine's work was these layers); anything else it hands to the steps above. A
-vertex found in its state by the checks run ahead (ahead.py, `Vertex.deferred`)
+vertex found in its state by the checks run ahead (ahead.py, `Vertex.ahead`)
 is recorded clean there with no check, while nothing it depends on changed in
-the run; else it is initialised (`_init_late`, guard.py) and runs as usual.
+the run; else it is initialised (`_init_deferred`, guard.py) and runs as usual.
 """
 
 from __future__ import annotations
