@@ -1,25 +1,32 @@
-"""Checks run ahead (engine/ahead.py): a one-shot run forks a child that tells
-which resources are already in their state, and the engine records those clean
-with no init and no check. It may change what a run costs, never what it does:
-on random graphs (seeded) the run with verdicts ahead gives the same statuses,
-exit status, recap and observer events as the run without, every resource not
-found ahead is checked as before, a verdict is dropped where something upstream
-changed or a refresh, a value or a secret is due, and a child that dies or
-answers only in part leaves its resources to the usual checks."""
+"""Work run ahead (engine/ahead.py): a one-shot run forks children that tell
+which resources are already in their state, and make the missing ones they may;
+the engine records those clean, or changed, with no init and no check. It may
+change what a run costs, never what it does: on random graphs (seeded) the run
+with verdicts ahead gives the same statuses, exit status, recap and observer
+events as the run without, every resource not found ahead is checked as before,
+a verdict is dropped where something upstream changed or a refresh, a value or
+a secret is due, a resource is made ahead only after all it depends on and
+never where anything but an order ties it, and children that die, answer only
+in part, or are stopped early leave their resources to the usual checks and
+what they made reported."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import random
+import select
 import signal
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
+from evergraph._util.atomic import OpenDirs, Pending, prepare
 from evergraph.engine import Edge, GraphModel
-from evergraph.engine.ahead import Ahead
+from evergraph.engine import ahead as ahead_module
+from evergraph.engine.ahead import CREATED, OTHER, PENDING, Ahead
+from evergraph.engine.autoedge import automatic_edges
 from evergraph.engine.contract import Handle, Meta, Registry, Resource, register
 from evergraph.engine.engine import Engine
 from tests.kit.engine import run_observed
@@ -122,8 +129,9 @@ async def _all_verdicts(ahead: Ahead) -> None:
         await asyncio.sleep(0.001)
 
 
-def ahead_of(model: GraphModel, whole: bool = True) -> Ahead:
-    ahead = Ahead.start(model.resources.values(), at_least=1)
+def ahead_of(model: GraphModel, whole: bool = True, **kw: Any) -> Ahead:
+    model.auto = automatic_edges(model)  # (as a parse leaves them: frontends/cache.py)
+    ahead = Ahead.start(model, at_least=1, **kw)
     assert ahead is not None
     if whole:
         asyncio.run(_all_verdicts(ahead))
@@ -189,7 +197,7 @@ def test_a_child_that_dies_leaves_every_resource_to_its_check(
         model.add(Probe(name=f"p{i}", ahead=True))
     model.check()
     ahead = ahead_of(model, whole=False)
-    os.kill(ahead.pid, signal.SIGKILL)  # before (or while) it answers
+    os.kill(ahead.pids[0], signal.SIGKILL)  # before (or while) it answers
     out, engine = run(tmp_path, model, caplog)
     # whatever it said before dying was used; the rest was checked: all clean
     assert out["status"] == 0
@@ -197,20 +205,20 @@ def test_a_child_that_dies_leaves_every_resource_to_its_check(
     assert len(checked) + engine.ahead_runs == 50
     assert {s.state for s in engine.status()} == {"clean"}
     with pytest.raises(ChildProcessError):
-        os.waitpid(ahead.pid, os.WNOHANG)  # reaped: no zombie left
+        os.waitpid(ahead.pids[0], os.WNOHANG)  # reaped: no zombie left
 
 
 def test_a_child_that_answers_in_part_is_used_for_that_part(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The child answers from the last resource back; the lane takes what came:
-    with half the answers read, the second half is found ahead, the first checked."""
+    """A child that ended with no word on some resources (as if it died there):
+    those are initialised and checked, the others found ahead."""
     model = GraphModel(name="half")
     for i in range(40):
         model.add(Probe(name=f"p{i}", ahead=True))
     model.check()
     ahead = ahead_of(model)
-    ahead._got = ahead._got[:20]  # (as if the rest had not come yet)
+    ahead.verdicts[:20] = bytes([PENDING]) * 20  # (as if they had not come)
     out, engine = run(tmp_path, model, caplog)
     assert engine.ahead_runs == 20
     assert sorted(int(n[1:]) for n, w in out["log"] if w == "init") == list(range(20))
@@ -220,8 +228,10 @@ def test_no_child_for_a_graph_whose_kinds_cannot_tell(tmp_path: Path) -> None:
     model = GraphModel(name="none")
     for i in range(300):
         model.add(Plain(name=f"p{i}"))
-    assert Ahead.start(model.resources.values(), at_least=1) is None
-    few = [Probe(name=f"q{i}") for i in range(10)]
+    assert Ahead.start(model, at_least=1) is None
+    few = GraphModel(name="few")
+    for i in range(10):
+        few.add(Probe(name=f"q{i}"))
     assert Ahead.start(few) is None  # below MIN_RESOURCES: a fork costs more
 
 
@@ -259,3 +269,222 @@ def test_unobserved_vertices_found_ahead_are_clean_with_a_duration_of_their_own(
     for s in engine.status():
         assert s.state == "clean"
         assert 0 <= s.duration < 60, s
+
+
+@register("mark", registry=registry)
+class Mark(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
+    """A marker file, in its state when `path` exists; made ahead (`ahead_create`:
+    at once, or with `write` a `Pending` write the child commits) or by its check.
+    Each making appends `<name> <by>` to `journal` (O_APPEND: a line each, in the
+    order made, whichever process made it)."""
+
+    eager = True
+    path: str = ""
+    journal: str = ""
+    write: bool = False
+
+    def ahead_check(self, seen: dict[str, Any]) -> bool | None:
+        return os.path.exists(self.path)
+
+    def ahead_create(self, seen: dict[str, Any], dirs: OpenDirs) -> Pending | bool:
+        self._note("ahead")
+        if self.write:
+            return prepare(self.path, b"", mode=0o644, dirs=dirs)
+        Path(self.path).touch(exist_ok=False)
+        return True
+
+    def ahead_created(self, handle: Handle) -> None:
+        handle.changed("state", None, "made")
+
+    async def init(self, handle: Handle) -> None:
+        self.handle = handle
+        Probe.log.append((self.name, "init"))
+
+    async def check_apply(self, apply: bool) -> bool:
+        Probe.log.append((self.name, "check"))
+        if os.path.exists(self.path):
+            return True
+        self.handle.changed("state", None, "made")
+        if apply:
+            self._note("check")
+            Path(self.path).touch(exist_ok=False)
+        return False
+
+    def _note(self, by: str) -> None:
+        fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{self.name} {by}\n".encode())
+        finally:
+            os.close(fd)
+
+
+def marks_graph(seed: int, root: Path, n: int = 80) -> GraphModel:
+    """Mostly marks (some there already, some written through a Pending, a few with
+    a meta that keeps them from being made ahead), probes and kinds that cannot
+    tell; edges plain, notify or sending, always from an earlier resource."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    journal = str(root / "journal")
+    model = GraphModel(name=f"marks-{seed}")
+    res: list[Resource] = []
+    for i in range(n):
+        roll = rng.random() if i >= 3 else 1.0  # (the first ones: marks)
+        if roll < 0.1:
+            r: Resource = Plain(name=f"r{i}")
+        elif roll < 0.25:
+            clean = rng.random() < 0.8
+            r = Probe(name=f"r{i}", clean=clean, ahead=rng.choice((True, None)) if clean else False)
+        else:
+            path = root / f"m{i}"
+            if rng.random() < 0.3:
+                path.touch()
+            metas = (Meta(), Meta(), Meta(), Meta(), Meta(noop=True), Meta(sema=["s:2"]))
+            meta = rng.choice(metas) if i >= 3 else Meta()
+            r = Mark(
+                name=f"r{i}", path=str(path), journal=journal, write=rng.random() < 0.5, meta=meta
+            )
+        res.append(r)
+        model.add(r)
+    for b in range(1, n):
+        for _ in range(rng.choice((0, 1, 1, 1, 2))):
+            a = rng.randrange(max(0, b - 12), b)
+            roll = rng.random()
+            if roll < 0.08:
+                edge = Edge(res[a].ident, res[b].ident, notify=True)
+            elif roll < 0.12 and isinstance(res[a], Probe) and isinstance(res[b], Probe):
+                edge = Edge(res[a].ident, res[b].ident, send="out", recv="value")
+            else:
+                edge = Edge(res[a].ident, res[b].ident)
+            if all((e.from_id, e.to_id) != (edge.from_id, edge.to_id) for e in model.edges):
+                model.connect(edge)
+    model.check()
+    return model
+
+
+def journal(root: Path) -> list[tuple[str, str]]:
+    path = root / "journal"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(name, by) for name, by in (line.split() for line in lines)]
+
+
+def ancestors(model: GraphModel, ident: str) -> set[str]:
+    up: dict[str, list[str]] = {}
+    for e in model.edges:
+        up.setdefault(e.to_id, []).append(e.from_id)
+    seen: set[str] = set()
+    stack = [ident]
+    while stack:
+        for p in up.get(stack.pop(), []):
+            if p not in seen:
+                seen.add(p)
+                stack.append(p)
+    return seen
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_what_is_made_ahead_is_made_as_the_run_would_make_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, seed: int
+) -> None:
+    plain, p_engine = run(tmp_path / "p", marks_graph(seed, tmp_path / "pm"), caplog)
+    model = marks_graph(seed, tmp_path / "am")
+    ahead_of(model, whole=seed % 2 == 0, children=1 + seed % 2)  # (odd: the lane waits)
+    told, a_engine = run(tmp_path / "a", model, caplog)
+    assert p_engine.ahead_made == 0
+    assert a_engine.ahead_made > 0
+    for key in ("status", "views", "recap", "events"):
+        assert told[key] == plain[key], key
+    # the same marks exist, each made once, and after everything it depends on
+    made = journal(tmp_path / "am")
+    assert sorted(n for n, _ in made) == sorted(n for n, _ in journal(tmp_path / "pm"))
+    assert len({n for n, _ in made}) == len(made)
+    when = {f"mark[{n}]": k for k, (n, _) in enumerate(made)}
+    for ident, k in when.items():
+        assert all(when.get(p, -1) < k for p in ancestors(model, ident)), ident
+    # made ahead: neither initialised nor checked here; all it depends on could
+    # tell ahead, and only orders tie it
+    ahead = {n for n, by in made if by == "ahead"}
+    assert len(ahead) == a_engine.ahead_made
+    assert not ahead & {n for n, _ in told["log"]}
+    tied = {e.to_id for e in model.edges if e.notify or e.recv} | {
+        e.from_id for e in model.edges if e.notify or e.send
+    }
+    for name in ahead:
+        ident = f"mark[{name}]"
+        r = model.resources[ident]
+        assert ident not in tied
+        assert r.meta == Meta()
+        assert not any(p.startswith("plain[") for p in ancestors(model, ident))
+
+
+def test_nothing_is_made_ahead_without_creates(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under noop (or a global semaphore, or in a worker: cli/runner.py) the
+    children only check: what is missing is left to the run."""
+    model = marks_graph(3, tmp_path / "m")
+    ahead_of(model, creates=False)
+    _, engine = run(tmp_path / "a", model, caplog)
+    assert engine.ahead_made == 0
+    assert {by for _, by in journal(tmp_path / "m")} == {"check"}
+
+
+def test_stop_tells_what_was_made_and_leaves_no_half_write(tmp_path: Path) -> None:
+    """Stopped while it works, each child finishes the batch it commits, drops the
+    one it prepares (its temporary files removed), and tells what it made: every
+    mark on disk is told made (for the engine to log), none is half written."""
+    model = GraphModel(name="stop")
+    root = tmp_path / "m"
+    root.mkdir()
+    for i in range(3000):
+        model.add(
+            Mark(name=f"r{i}", path=str(root / f"m{i}"), journal=str(tmp_path / "j"), write=True)
+        )
+    model.check()
+    model.auto = automatic_edges(model)
+    ahead = Ahead.start(model, at_least=1)
+    assert ahead is not None
+    assert len(ahead.pids) == 2  # (SPLIT_MIN: two children)
+    while ahead._fd >= 0 and CREATED not in ahead.verdicts:
+        select.select([ahead._fd], [], [])
+        ahead.poll()
+    made = ahead.stop()
+    assert made  # (one came before the stop, at least)
+    on_disk = sorted(int(p.name[1:]) for p in root.iterdir() if p.name.startswith("m"))
+    assert sorted(made) == on_disk
+    assert [p.name for p in root.iterdir() if not p.name.startswith("m")] == []  # no temp
+    assert ahead.stop() == []  # (told once)
+    for pid in ahead.pids:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+@register("stuck", registry=registry)
+class Stuck(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
+    """Its check ahead waits for a writer on the FIFO `path` (never comes)."""
+
+    eager = True
+    path: str = ""
+
+    def ahead_check(self, seen: dict[str, Any]) -> bool | None:
+        with open(self.path, "rb"):
+            return True
+
+    async def check_apply(self, apply: bool) -> bool:
+        return True
+
+
+def test_a_child_stuck_in_a_check_is_killed_by_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ahead_module, "STOP_S", 0.1)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    model = GraphModel(name="stuck")
+    model.add(Stuck(name="s", path=str(fifo)))
+    model.check()
+    ahead = Ahead.start(model, at_least=1)
+    assert ahead is not None
+    assert ahead.stop() == []
+    assert ahead.take(0) == OTHER
+    with pytest.raises(ChildProcessError):
+        os.waitpid(ahead.pids[0], os.WNOHANG)

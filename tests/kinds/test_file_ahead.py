@@ -13,18 +13,23 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import select
+import signal
+import stat
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import evergraph.resources  # noqa: F401  (declares the built-in kinds)
-from evergraph._util.atomic import temp_name
+from evergraph._util.atomic import OpenDirs, commit, temp_name
+from evergraph.engine.ahead import BATCH_FIRST
 from evergraph.engine.build import build
 from evergraph.engine.contract import default_registry
 from evergraph.resources.file import File
-from evergraph.testing.kinds import Start, run_steps
-from tests.conftest import run_cli
+from evergraph.testing.kinds import Apply, FakeHandle, Start, run_steps
+from tests.conftest import EVERGRAPH, run_cli
 
 CONTENT = "key = value\n"
 SHAPES = (
@@ -119,7 +124,8 @@ def test_random_trees_never_told_in_state_where_they_are_not(tmp_path: Path) -> 
         {"owner": "root"},
         {"group": "root"},
         {"state": "absent", "content": None},
-        {"path": "/tmp/evergraph-ahead-dir/", "content": None},
+        {"path": "/tmp/evergraph-ahead-dir/", "content": None, "purge": True},
+        {"path": "/tmp/evergraph-ahead-dir/", "content": None, "owner": "root"},
         {"symlink": True, "source": "/etc/hostname", "content": None},
         {"source": "/etc/hostname", "content": None},
         {"content": None},
@@ -132,6 +138,84 @@ def test_files_that_are_not_plain_cannot_be_told_ahead(
     res = build(default_registry, "file", {k: v for k, v in base.items() if v is not None})
     assert isinstance(res, File)
     assert res.ahead_check({}) is None
+
+
+def made_ahead(path: str, params: dict[str, Any]) -> tuple[bool, list[Any]]:
+    """`params` at `path` made ahead as the child makes it (its check, then
+    `ahead_create`, then the commit of its write): (made, what `ahead_created`
+    reports)."""
+    res = build(default_registry, "file", {**params, "name": "x", "path": path})
+    seen: dict[str, Any] = {}
+    if res.ahead_check(seen) is not False:
+        return False, []
+    dirs = OpenDirs()
+    try:
+        made = res.ahead_create(seen, dirs)
+        if made is False:
+            return False, []
+        if made is not True:
+            assert commit([made]) == [None]
+    finally:
+        dirs.close()
+    handle = FakeHandle()
+    res.ahead_created(handle)  # type: ignore[arg-type]
+    return True, handle.changes
+
+
+def made_by_check(path: str, params: dict[str, Any], state: Path) -> list[Any]:
+    """What init + check_apply(apply=True) report making `params` at `path`."""
+    res = build(default_registry, "file", {**params, "name": "x", "path": path})
+    run_steps(res, [Start(), Apply()], state_dir=state)
+    return list(res.handle.changes)  # type: ignore[attr-defined]
+
+
+def on_disk(root: Path) -> list[tuple[str, str, int, bytes]]:
+    out = []
+    for p in sorted(root.rglob("*")):
+        st = p.lstat()
+        kind = "link" if p.is_symlink() else "dir" if p.is_dir() else "other"
+        data = p.read_bytes() if stat.S_ISREG(st.st_mode) else b""
+        out.append((str(p.relative_to(root)), kind, st.st_mode & 0o7777, data))
+    return out
+
+
+@pytest.mark.parametrize("what", [*SHAPES, "no directory"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"content": CONTENT, "mode": "0640"},
+        {"content": CONTENT},
+        {"content": "", "mode": "0600"},
+        {"dir": True, "mode": "0750"},
+        {"dir": True},
+    ],
+    ids=["file-0640", "file", "empty-0600", "dir-0750", "dir"],
+)
+def test_made_ahead_only_where_nothing_is_and_as_the_check_makes_it(
+    tmp_path: Path, what: str, params: dict[str, Any]
+) -> None:
+    """Made ahead exactly where nothing is at the path (with or without its
+    directory): the same file or directory, mode and content as init + the check
+    make, and the same changes reported. Anything else there: nothing touched."""
+    params = dict(params)
+    slash = "/" if params.pop("dir", False) else ""
+    sides = {}
+    for side in ("ahead", "check"):
+        path = tmp_path / side / "sub" / "f"
+        if what == "no directory":
+            path = tmp_path / side / "new" / "sub" / "f"
+            (tmp_path / side).mkdir()
+        else:
+            shape(path, what)
+        sides[side] = path
+    before = on_disk(tmp_path / "ahead")
+    made, reported = made_ahead(f"{sides['ahead']}{slash}", params)
+    assert made is (what in ("missing", "no directory"))
+    if not made:
+        assert on_disk(tmp_path / "ahead") == before
+        return
+    assert reported == made_by_check(f"{sides['check']}{slash}", params, tmp_path / "s")
+    assert on_disk(tmp_path / "ahead") == on_disk(tmp_path / "check")
 
 
 N = 300  # above engine.ahead.MIN_RESOURCES: the run forks its child
@@ -201,3 +285,126 @@ def test_a_file_an_upstream_resource_changed_is_checked_again(tmp_path: Path) ->
     assert target.read_text() == "5\n"
     assert "file[f5]" in log.split("recap")[-1]  # changed in this run: the recap says so
     assert found_ahead(log) <= N - 1
+
+
+def tree(tmp_path: Path, n: int, dirs: int = 3) -> Path:
+    """A graph of `dirs` directories (0750) and `n` files (0640) spread among them,
+    each file with an explicit edge from its directory, as mgmt graphs are written."""
+    lines = ["graph: tree", "resources:", "  file:"]
+    lines += [f'  - {{name: d{d}, path: "{tmp_path}/t/d{d}/", mode: "0750"}}' for d in range(dirs)]
+    lines += [
+        f'  - {{name: f{i}, path: "{tmp_path}/t/d{i % dirs}/f{i}", content: "{i}\\n",'
+        ' mode: "0640"}'
+        for i in range(n)
+    ]
+    lines.append("edges:")
+    for i in range(n):
+        lines += [
+            f"- name: e{i}",
+            f"  from: {{kind: file, name: d{i % dirs}}}",
+            f"  to: {{kind: file, name: f{i}}}",
+        ]
+    g = tmp_path / "g.yaml"
+    g.write_text("\n".join(lines) + "\n")
+    return g
+
+
+def tree_is_right(tmp_path: Path, n: int, dirs: int = 3) -> None:
+    """Every directory and file in its state, and nothing else there (no leftover)."""
+    t = tmp_path / "t"
+    assert sorted(p.name for p in t.iterdir()) == sorted(f"d{d}" for d in range(dirs))
+    for d in range(dirs):
+        assert (t / f"d{d}").stat().st_mode & 0o7777 == 0o750
+        names = sorted(p.name for p in (t / f"d{d}").iterdir())
+        assert names == sorted(f"f{i}" for i in range(d, n, dirs)), d
+    for i in range(n):
+        f = t / f"d{i % dirs}" / f"f{i}"
+        assert f.read_text() == f"{i}\n"
+        assert f.stat().st_mode & 0o7777 == 0o640
+
+
+def told(log: str) -> tuple[int, int]:
+    """(found in their state ahead, made ahead), from the run's debug line."""
+    line = next(x for x in log.splitlines() if "found in their state ahead" in x)
+    words = line.split("debug: ")[1].split()
+    return int(words[0]), int(words[7])
+
+
+def test_a_first_apply_is_made_ahead_and_logged_as_the_run_makes_it(tmp_path: Path) -> None:
+    g = tree(tmp_path, N)
+    log = run(tmp_path, g)
+    tree_is_right(tmp_path, N)
+    assert told(log) == (0, N + 3)
+    for d in range(3):
+        assert f"file[d{d}]: applied: state, mode" in log
+    for i in range(N):
+        assert f"file[f{i}]: applied: state, content, mode\n" in log
+    again = run(tmp_path, g)
+    assert told(again) == (N + 3, 0)
+    assert ": applied" not in again
+
+
+def spawn_run(tmp_path: Path, g: Path, crash: str) -> subprocess.Popen[str]:
+    """`run` in a session of its own, killed at the crash point `crash`."""
+    return subprocess.Popen(
+        [*EVERGRAPH, "run", str(g), "--state-dir", str(tmp_path / "s"), "--converged-exit"],
+        env={**os.environ, "EVERGRAPH_CRASH_AT": crash},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def session_members(sid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat_line = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat_line.rpartition(")")[2].split()
+            if int(fields[3]) == sid:  # (state, ppid, pgrp, session)
+                out.append(int(entry))
+    return out
+
+
+def test_the_children_die_with_a_killed_run_and_the_next_run_converges(tmp_path: Path) -> None:
+    """kill -9 of the run right after it forked its two children (3000 files: two
+    children, SPLIT_MIN): they are killed with it (PR_SET_PDEATHSIG), whatever
+    they were making; the next run sweeps what a cut write left and converges."""
+    n = 3000
+    g = tree(tmp_path, n)
+    p = spawn_run(tmp_path, g, "ahead-forked")
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == -signal.SIGKILL, err
+    for pid in session_members(p.pid):
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            assert select.select([fd], [], [], 30)[0], f"child {pid} outlived its run"
+        finally:
+            os.close(fd)
+    run(tmp_path, g)
+    tree_is_right(tmp_path, n)
+
+
+def test_a_child_killed_after_a_commit_leaves_the_rest_to_the_run(tmp_path: Path) -> None:
+    """The child killed after its second batch is durable but before it told it:
+    the run makes the rest itself (those made are found in their state)."""
+    g = tree(tmp_path, N)
+    r = subprocess.run(
+        [*EVERGRAPH, "run", str(g), "--state-dir", str(tmp_path / "s"), "--converged-exit"],
+        env={**os.environ, "EVERGRAPH_CRASH_AT": "ahead-committed:2"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    tree_is_right(tmp_path, N)
+    # what the child made after the directories and before its death went untold
+    applied = r.stderr.count(": applied: state")
+    assert N + 3 - applied == 2 * BATCH_FIRST  # (its second batch: the first was told)

@@ -52,10 +52,26 @@ TEMP_RE = re.compile(r"\A\.(.+)\.[0-9a-f]{12}\.tmp\Z", re.DOTALL)
 _LEGACY_RE = re.compile(r"\A\.(.+)\.evergraph-[0-9]+(?:-[0-9a-f]+)?\Z", re.DOTALL)
 
 
+#: random suffixes drawn ahead, 256 at a time: a getrandom(2) per name cost a first
+#: apply of 10k files ~50 ms. (list.pop is atomic: two threads never take the same
+#: one; a forked child draws its own, see below)
+_SUFFIXES: list[str] = []
+_DRAW = 256
+
+
 def _suffix() -> str:
     # os.urandom is the CSPRNG `secrets` wraps; `secrets` would import hmac and
     # hashlib into every command's start-up
-    return os.urandom(6).hex()
+    try:
+        return _SUFFIXES.pop()
+    except IndexError:
+        raw = os.urandom(6 * _DRAW).hex()
+        _SUFFIXES.extend(raw[k : k + 12] for k in range(0, len(raw), 12))
+        return _SUFFIXES.pop()
+
+
+# a child must not name its files with the suffixes its parent still holds
+os.register_at_fork(after_in_child=_SUFFIXES.clear)
 
 
 def _short(name: str) -> str:

@@ -389,8 +389,11 @@ def run_command(params: dict[str, Any]) -> NoReturn:
         if ends:
             frontend.one_shot()
         frontend.preload()
-        # a one-shot run checks its files in a child while it loads the agent
-        ahead = frontend.check_ahead() if ends else None
+        # a one-shot run checks its files (and makes the missing ones) in a child
+        # while it loads the agent; not under noop, nor with a global semaphore
+        # (no vertex runs inline), nor in a worker (a job adds to the graph)
+        creates = not (settings["noop"] or settings.get("sema", 0) > 0 or worker)
+        ahead = frontend.check_ahead(creates) if ends else None
         from evergraph.agent.api import run as run_graph
         from evergraph.cli.progress import service as progress_service
 

@@ -1,33 +1,47 @@
-"""Checks run ahead: a run that ends once converged checks its plain resources in a
-forked child while the parent loads the rest.
+"""Work run ahead: a run that ends once converged checks its plain resources, and
+makes the missing ones, in a forked child while the parent loads the rest.
 
-A one-shot run of a big graph of unchanged files spends most of its time on two
-things that do not depend on each other: loading (imports, the engine, 10k
-vertices) and reading the files. With two cores they overlap: right after the
-graph is parsed, `Ahead.start` forks a child that asks each resource whose kind
-can tell (`Resource.ahead_check`: a pure, read-only check from its parameters)
-whether it is already in its state, from the graph's last resource back, and
-writes a byte per resource to a pipe as it goes. The engine does not initialise
-those vertices when it starts them (swap.py, `Vertex.ahead`); the one-shot lane
-(scheduling.py), going from the first, takes the verdicts come so far: a vertex
-found in its state is recorded clean with no init and no check, unless
-something it depends on changed in the run; any other (not in its state, no
-verdict yet, upstream changed) is initialised then and checked as usual. Where
-the two meet, the child's work is left: no one waits for the other, and a busy
-core only moves the meeting point.
+A one-shot run of a big graph of files spends most of its time on two things
+that do not depend on each other: loading (imports, the engine, 10k vertices)
+and the files themselves (reading them; on a first apply, writing them). With
+two cores they overlap: right after the graph is parsed, `Ahead.start` forks a
+child that goes through the graph in an order where every resource comes after
+those it depends on, and asks each resource whose kind can tell
+(`Resource.ahead_check`: a pure check from its parameters) whether it is in its
+state. One that is not, and does not exist at all, the child makes itself
+(`Resource.ahead_create`) when everything it depends on, however far up, was
+found in its state or made by the child too, and nothing about it is more
+than an order: no notify, no value sent or received, no noop, semaphore,
+timeout, rate limit, reversal or grouping (`creatable`). The child writes a
+record per resource to a pipe as it goes: its place and its verdict, CLEAN,
+CREATED (made, durably: a batch of writes is committed, `atomic.commit`,
+before its records are sent) or OTHER.
+
+The engine does not initialise those vertices when it starts them (swap.py,
+`Vertex.ahead`); the one-shot lane (scheduling.py) waits for each one's
+verdict while the child runs (`take`, `wake`), then records a CREATED one
+changed, with what its kind says making it changed (`Resource.ahead_created`)
+and no init nor check; a CLEAN one clean, with no init nor check, unless
+something it depends on changed in the run; any other (OTHER, no verdict: a
+child that died) is initialised then and checked as usual.
 
 Why that is the same run: a run that ends once converged promises that each
-resource was found or put in its state after everything it depends on was. A
-verdict read before the run changed anything upstream of it is as good as one
-read later, while nothing upstream changed; once something did, the verdict is
-dropped. A change made meanwhile by someone else is one the run could as well
-have missed by checking a moment earlier.
+resource was found or put in its state after everything it depends on was.
+The child keeps that order among what it makes, and makes nothing below a
+resource it did not find or make itself. A verdict read before the run changed
+anything upstream of it is as good as one read later, while nothing upstream
+changed; once something did, a CLEAN verdict is dropped. A change made
+meanwhile by someone else is one the run could as well have missed by checking
+a moment earlier.
 
-The child only reads (lstat, open with O_NOFOLLOW|O_NONBLOCK, read, a listing):
-no write, no lock, no log, so a fork from the loading process is safe. It is
-killed once the run has no more use for it, and a verdict that never came (a
-child that died, a short pipe) is no verdict: that resource is checked as
-usual. Below
+The child takes no lock and logs nothing; its writes are the file kind's own
+(atomic, durable), its directories are made as the kind makes them. It is
+killed with its parent (PR_SET_PDEATHSIG), and on SIGTERM (`stop`: the run
+ends before it took every verdict) it drops the writes not yet committed
+(their temporary files removed) and tells what it made so far: the parent logs
+every change the child made, taken by the lane or not (`stop` returns the
+rest). Ctrl-C is its parent's to handle. With two cores and a big graph, two
+children share the work (`SPLIT_MIN`), each whole connected parts of it. Below
 `MIN_RESOURCES` candidates the fork costs more than it saves and none is made.
 """
 
@@ -35,62 +49,139 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
+import math
 import os
+import select
 import signal
+import struct
 import sys
-from collections.abc import Iterable
-from typing import Any
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
+from evergraph._util.crash import crash_point
 from evergraph.engine.contract import Resource
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from evergraph._util.atomic import Pending
+    from evergraph.engine.model import GraphModel
+
+log = logging.getLogger("evergraph.engine")
 
 #: fewer candidate resources than this: no child (a fork and its copy-on-write
 #: faults cost about a millisecond; a check about ten microseconds)
 MIN_RESOURCES = 256
-#: verdict bytes the child writes at a time (the parent takes them as they come)
+#: records the child writes at a time, at most (the parent takes them as they come)
 CHUNK = 128
-#: the bytes: found in its state; anything else (not, or the kind cannot tell)
-CLEAN = 1
+#: writes the child commits together: the first batch, and the most (each batch
+#: doubles: the first files reach the parent soon, then each syncfs(2) pays for many)
+BATCH_FIRST = 32
+BATCH_MAX = 1024
+#: capable resources from which the work is split between two children (with two
+#: cores or more): each takes whole parts of the graph (what depends on what stays in
+#: one child), and both write to one pipe
+SPLIT_MIN = 2048
+#: seconds `stop` waits for the children to tell what they made, then kills them
+STOP_S = 5.0
+#: the verdicts: not (or the kind cannot tell), found in its state, made by the child
 OTHER = 0
+CLEAN = 1
+CREATED = 2
+#: not known yet (the child may still answer), and a CREATED one the engine took
+PENDING = 255
+TAKEN = 254
+#: a record: the resource's place (little-endian uint32), its verdict
+RECORD = struct.Struct("<IB")
+
+
+def creatable(res: Resource) -> bool:
+    """Whether the child may make `res` (its kind can, `ahead_create`) as the
+    engine would run it: inline, with nothing but its check to do (as
+    scheduling's `_inline_ok`, from the resource alone; its edges are the
+    child's to look at)."""
+    meta = res.meta
+    return (
+        type(res).ahead_create is not Resource.ahead_create
+        and res.eager
+        and not type(res).groupable
+        and not (meta.noop or meta.hidden or meta.sema or meta.reverse)
+        and meta.timeout is None
+        and meta.limit == math.inf
+    )
 
 
 class Ahead:
-    """A child checking `resources` ahead (`start`), and its verdicts so far."""
+    """A child working on `resources` ahead (`start`), and its verdicts so far."""
 
-    def __init__(self, pid: int, fd: int, resources: list[Resource], asked: bytearray) -> None:
-        self.pid = pid
+    def __init__(
+        self, pids: list[int], fd: int, resources: list[Resource], asked: bytearray
+    ) -> None:
+        self.pids = pids
         self._fd = fd
-        #: in the graph's order; the child answers from the last one back
+        #: in the graph's order (a record names its resource by its place here)
         self.resources = resources
-        self._got = bytearray()
-        #: 1 where a verdict was taken (or none will be: a kind that cannot tell)
-        self._asked = asked
-        #: the first place not asked yet
-        self._low = 0
+        #: per resource: its verdict, PENDING until it comes (TAKEN: a CREATED one
+        #: the engine recorded)
+        self.verdicts = bytearray([PENDING]) * len(resources)
+        for i, nothing in enumerate(asked):
+            if nothing:  # (a kind that cannot tell: no verdict will come)
+                self.verdicts[i] = OTHER
+        self._rest = b""  # a record cut short by a read
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def start(cls, resources: Iterable[Resource], at_least: int = MIN_RESOURCES) -> Ahead | None:
-        """Fork the child for `resources`; None when fewer than `at_least` of their
-        kinds can tell, or the fork fails."""
-        listed = list(resources)
+    def start(
+        cls,
+        model: GraphModel,
+        *,
+        creates: bool = True,
+        at_least: int = MIN_RESOURCES,
+        children: int | None = None,
+    ) -> Ahead | None:
+        """Fork the children for `model`'s resources; None when fewer than
+        `at_least` of their kinds can tell, or no fork succeeds. `creates`: they may
+        make missing resources (not under noop, nor with a global semaphore).
+        `children`: how many (default: two from SPLIT_MIN capable resources on two
+        cores or more, else one)."""
+        listed = list(model.resources.values())
         nothing = Resource.ahead_check
         asked = bytearray(type(r).ahead_check is nothing for r in listed)
-        if len(listed) - sum(asked) < max(at_least, 1):
+        capable = len(listed) - sum(asked)
+        if capable < max(at_least, 1):
             return None
+        if children is None:
+            children = 2 if capable >= SPLIT_MIN and (os.cpu_count() or 1) >= 2 else 1
         read_end, write_end = os.pipe2(os.O_CLOEXEC)
         for stream in (sys.stdout, sys.stderr):  # (a child never writes them, nor flushes)
             with contextlib.suppress(Exception):
                 stream.flush()
-        try:
-            pid = os.fork()
-        except OSError:
-            os.close(read_end)
-            os.close(write_end)
-            return None
-        if pid == 0:  # pragma: no cover (the child: measured through its verdicts)
-            _child(read_end, write_end, listed)
+        parent = os.getpid()
+        pids: list[int] = []
+        for k in range(children):
+            try:
+                pid = os.fork()
+            except OSError:
+                break  # (the parts of the children not forked get no verdict)
+            if pid == 0:  # pragma: no cover (the child: measured through its verdicts)
+                _child(read_end, write_end, model, listed, creates, parent, (k, children))
+            pids.append(pid)
         os.close(write_end)
+        crash_point("ahead-forked")
+        if not pids:
+            os.close(read_end)
+            return None
         os.set_blocking(read_end, False)
-        return cls(pid, read_end, listed, asked)
+        log.debug(
+            "checking%s ahead: %d resources, %d children (pids %s)",
+            " and making" if creates else "",
+            capable,
+            len(pids),
+            " ".join(map(str, pids)),
+        )
+        return cls(pids, read_end, listed, asked)
 
     def poll(self) -> None:
         """Take the verdicts come so far, without waiting."""
@@ -103,75 +194,323 @@ class Ahead:
             except OSError:
                 chunk = b""
             if not chunk:
-                self.stop()  # all said (or the child died: no verdict for the rest)
+                self._end()  # all said (or the child died: no verdict for the rest)
                 return
-            self._got += chunk
+            self._take_records(chunk)
 
-    def take(self, i: int) -> bool:
-        """Whether `resources[i]` was found in its state (False: not, its kind
-        cannot tell, or no verdict yet as of the last `poll`), asked once per
-        resource. Once every resource not asked yet has its verdict, the child has
-        nothing left to do: it is stopped."""
-        got = self._got
-        back = len(self.resources) - 1 - i
-        asked = self._asked
-        asked[i] = 1
-        if i == self._low:  # (the lane goes mostly in order: the scan is short)
-            n = len(asked)
-            low = i + 1
-            while low < n and asked[low]:
-                low += 1
-            self._low = low
-            if low >= n - len(got):
-                self.stop()
-        return back < len(got) and got[back] == CLEAN
+    def _take_records(self, chunk: bytes) -> None:
+        data = self._rest + chunk if self._rest else chunk
+        whole = len(data) - len(data) % RECORD.size
+        self._rest = data[whole:]
+        verdicts = self.verdicts
+        n = len(verdicts)
+        for i, verdict in RECORD.iter_unpack(memoryview(data)[:whole]):
+            if i < n and verdicts[i] == PENDING and verdict in (OTHER, CLEAN, CREATED):
+                verdicts[i] = verdict
 
-    def stop(self) -> None:
-        """No more verdicts wanted (or all came): end the child and reap it."""
+    def take(self, i: int) -> int:
+        """`resources[i]`'s verdict: CLEAN, CREATED (taken: the engine records the
+        change), OTHER, or PENDING while the child may still answer (see `wake`)."""
+        verdict = self.verdicts[i]
+        if verdict == PENDING and self._fd < 0:
+            return OTHER  # (the child ended without a word on it)
+        if verdict == CREATED:
+            self.verdicts[i] = TAKEN
+        return verdict
+
+    def wake(self, then: Callable[[], None]) -> None:
+        """Call `then` once more verdicts came (or the child ended), in this loop."""
+        if self._fd < 0:
+            then()
+            return
+        import asyncio  # (loaded by then: we run in its loop)
+
+        loop = asyncio.get_running_loop()
+        if self._loop is not None:
+            loop.remove_reader(self._fd)
+        self._loop = loop
+
+        def readable() -> None:
+            self._quiet()
+            self.poll()
+            then()
+
+        loop.add_reader(self._fd, readable)
+
+    def _quiet(self) -> None:
+        if self._loop is not None and self._fd >= 0:
+            self._loop.remove_reader(self._fd)
+        self._loop = None
+
+    def stop(self) -> list[int]:
+        """No more verdicts wanted (or all came): end the child, take what it said
+        until then, reap it. The places of what it made that the engine did not
+        take (it logs them as changes all the same)."""
+        fd = self._fd
+        if fd >= 0:
+            self._quiet()
+            for pid in self.pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)  # (ended already, unless the run was quicker)
+            # to their end: they tell what they made, then exit; one that does not
+            # within STOP_S (stuck in a kind's check) is killed
+            deadline = time.monotonic() + STOP_S
+            while self._fd >= 0:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                    for pid in self.pids:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                    deadline = math.inf
+                    os.set_blocking(fd, True)
+                self.poll()
+        made = [i for i, verdict in enumerate(self.verdicts) if verdict == CREATED]
+        for i in made:
+            self.verdicts[i] = TAKEN
+        return made
+
+    def _end(self) -> None:
         fd, self._fd = self._fd, -1
         if fd < 0:
             return
+        self._quiet()
         os.close(fd)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)  # (ended already, unless the run was quicker)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, 0)
+        for pid in self.pids:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Ahead:
         return self  # (a copied graph's resources are other objects: none is matched)
 
 
-def _child(read_end: int, write_end: int, resources: list[Resource]) -> None:  # pragma: no cover
-    """The forked child: a verdict byte per resource to `write_end`, then exit at
-    once (no atexit, no flush: the parent's buffers are the parent's)."""
+_stopping = False
+
+
+def _on_term(signum: int, frame: Any) -> None:  # pragma: no cover (the child's)
+    global _stopping
+    _stopping = True
+
+
+def _child(  # pragma: no cover (the child: measured through its verdicts)
+    read_end: int,
+    write_end: int,
+    model: GraphModel,
+    resources: list[Resource],
+    creates: bool,
+    parent: int,
+    part: tuple[int, int],
+) -> None:
+    """The forked child: a record per resource of its `part` (k of n) that can
+    tell to `write_end`, then exit at once (no atexit, no flush: the parent's
+    buffers are the parent's)."""
     status = 0
     try:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the parent's to handle)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _on_term)
+        _die_with(parent)
         gc.disable()  # (a collection would touch every object: copies of shared pages)
         os.close(read_end)
-        nothing = Resource.ahead_check
-        seen: dict[str, Any] = {}
-        out = bytearray()
-        for res in reversed(resources):  # (the parent starts from the first)
-            verdict = OTHER
-            if type(res).ahead_check is not nothing:
-                try:
-                    verdict = CLEAN if res.ahead_check(seen) is True else OTHER
-                except Exception:
-                    verdict = OTHER
-            out.append(verdict)
-            if len(out) >= CHUNK:
-                _write_all(write_end, out)
-                out.clear()
-        _write_all(write_end, out)
+        _work(write_end, model, resources, creates, part)
     except BaseException:
         status = 1  # (the parent sees a short answer: no verdict for the rest)
     finally:
         os._exit(status)
 
 
+def _die_with(parent: int) -> None:  # pragma: no cover (the child's)
+    """SIGKILL when the parent dies: a kill -9 of the run ends its children too, as
+    it would end a run doing the same work in one process (a write cut short leaves
+    its temporary file: the next run's init sweeps it)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # (it died before the prctl)
+        os._exit(1)
+
+
+def _work(  # pragma: no cover (the child's)
+    out_fd: int,
+    model: GraphModel,
+    resources: list[Resource],
+    creates: bool,
+    part: tuple[int, int],
+) -> None:
+    from evergraph._util.atomic import OpenDirs, commit, discard
+
+    n = len(resources)
+    parents: list[list[int]] | None
+    parents, edged, planned = _plan(model, resources, creates)
+    order: Iterable[int] = range(n) if planned is None else planned
+    if planned is None:  # (no order known: check only, in the graph's)
+        parents = None
+    mine = _share(parents, n, *part)
+    nothing = Resource.ahead_check
+    seen: dict[str, Any] = {}
+    #: per resource: found or made by the child, and all it depends on too
+    sound = bytearray(n)
+    #: 1 while its write waits in the batch (what depends on it waits for the commit)
+    in_batch = bytearray(n)
+    out = bytearray()
+    batch: list[tuple[int, Pending]] = []
+    dirs = OpenDirs()
+    limit = BATCH_FIRST
+
+    def flush() -> None:
+        _write_all(out_fd, out)
+        out.clear()
+
+    def land() -> None:
+        nonlocal dirs, limit
+        errors = commit([p for _, p in batch])
+        crash_point("ahead-committed")  # (made, durably; not told yet)
+        dirs.close()
+        dirs = OpenDirs()
+        for (i, _), error in zip(batch, errors, strict=True):
+            in_batch[i] = 0
+            if error is None:
+                sound[i] = 1
+                out.extend(RECORD.pack(i, CREATED))
+            else:
+                out.extend(RECORD.pack(i, OTHER))
+        batch.clear()
+        limit = min(limit * 2, BATCH_MAX)
+        flush()
+
+    try:
+        for i in order:
+            if _stopping:
+                break
+            res = resources[i]
+            if not mine[i] or type(res).ahead_check is nothing:
+                continue
+            if batch and parents is not None and any(in_batch[p] for p in parents[i]):
+                land()  # (in its state once that batch is committed, not before)
+            verdict = OTHER
+            try:
+                told = res.ahead_check(seen)
+            except Exception:
+                told = None
+            if told is True:
+                verdict = CLEAN
+                sound[i] = parents is None or all(sound[p] for p in parents[i])
+            elif (
+                told is False
+                and parents is not None
+                and not edged[i]
+                and all(sound[p] for p in parents[i])
+                and creatable(res)
+            ):
+                try:
+                    made = res.ahead_create(seen, dirs)
+                except Exception:
+                    made = False
+                if made is True:
+                    verdict = CREATED
+                    sound[i] = 1
+                elif made is not False:
+                    batch.append((i, made))
+                    in_batch[i] = 1
+                    if len(batch) >= limit:
+                        land()
+                    continue
+            out.extend(RECORD.pack(i, verdict))
+            if len(out) >= CHUNK * RECORD.size:
+                flush()
+        if batch and not _stopping:
+            land()
+    finally:
+        for _, p in batch:  # (stopped: not made; their temporary files removed)
+            with contextlib.suppress(OSError):
+                discard(p)
+        dirs.close()
+        flush()
+
+
+def _plan(  # pragma: no cover (the child's)
+    model: GraphModel, resources: list[Resource], creates: bool
+) -> tuple[list[list[int]], bytearray, list[int] | None]:
+    """(each resource's parents by place, 1 where an edge other than an order
+    touches it, an order where parents come first). With `creates` off, or where
+    the automatic edges are not known (`GraphModel.auto`: none where they depend
+    on the machine, a package's files), no order: nothing is made."""
+    n = len(resources)
+    parents: list[list[int]] = [[] for _ in range(n)]
+    edged = bytearray(n)
+    if not creates:
+        return parents, edged, None
+    auto = model.auto  # (found with the parse: frontends/cache.py)
+    if auto is None or not auto.fits(model):
+        return parents, edged, None
+    place = {r.ident: i for i, r in enumerate(resources)}
+    children: list[list[int]] = [[] for _ in range(n)]
+    for from_id, to_id, notify, send, recv, _name in (*model.edges, *auto.edges):
+        a, b = place[from_id], place[to_id]
+        parents[b].append(a)
+        children[a].append(b)
+        if notify or send is not None or recv is not None:
+            edged[a] = edged[b] = 1
+    # Kahn's, taking the ready ones in the graph's order (the lane's, roughly)
+    waiting = [len(p) for p in parents]
+    order = [i for i in range(n) if not waiting[i]]
+    for i in order:  # (grows as it goes)
+        for c in children[i]:
+            waiting[c] -= 1
+            if not waiting[c]:
+                order.append(c)
+    if len(order) != n:
+        return parents, edged, None  # a cycle (the run reports it): make nothing
+    return parents, edged, order
+
+
+def _share(  # pragma: no cover (the child's)
+    parents: list[list[int]] | None, n: int, k: int, of: int
+) -> bytearray:
+    """1 for each resource child `k` of `of` works on. Whole connected parts of the
+    graph, so that all a resource depends on is in one child: each part, by its
+    first resource, goes to the child with the least so far. With no edges known (a
+    check only: verdicts in any order), a slice."""
+    if of == 1:
+        return bytearray([1]) * n
+    if parents is None:
+        return bytearray(i * of // n == k for i in range(n))
+    root = list(range(n))  # union-find, halving paths
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    for b, ps in enumerate(parents):
+        for a in ps:
+            ra, rb = find(a), find(b)
+            if ra != rb:
+                root[max(ra, rb)] = min(ra, rb)
+    size: dict[int, int] = {}
+    for i in range(n):
+        r = find(i)
+        size[r] = size.get(r, 0) + 1
+    load = [0] * of
+    owner: dict[int, int] = {}
+    for r, count in size.items():  # (by first resource: dicts keep that order)
+        child = load.index(min(load))
+        owner[r] = child
+        load[child] += count
+    return bytearray(owner[find(i)] == k for i in range(n))
+
+
+#: bytes written to the pipe at once, at most: whole records, and no more than
+#: PIPE_BUF, so that the children's writes never interleave within a record
+_PIPE_WRITE = 4096 // RECORD.size * RECORD.size
+
+
 def _write_all(fd: int, data: bytearray) -> None:  # pragma: no cover (the child's)
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view) :]
+        piece = view[:_PIPE_WRITE]
+        while piece:
+            piece = piece[os.write(fd, piece) :]
+        view = view[_PIPE_WRITE:]

@@ -33,6 +33,7 @@ from evergraph.errors import InputError
 from evergraph.world.names import hostname_problem
 
 if TYPE_CHECKING:
+    from evergraph._util.atomic import OpenDirs, Pending
     from evergraph.cluster.hostkeys import HostKeys
     from evergraph.engine.services import Services
     from evergraph.world.kv import KV
@@ -336,6 +337,25 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
         usual init and check. Local reads only: no writes, no logging, no handle.
         `seen`: scratch shared by every resource of that process (listings)."""
         return None
+
+    def ahead_create(self, seen: dict[str, Any], dirs: OpenDirs) -> Pending | bool:
+        """Optional, with `ahead_check`: make this resource, which `ahead_check`
+        just found not in its state, in that same process, when it does not exist
+        at all and its kind can make it from its parameters alone (no owner to look
+        up, nothing to read). Called only where the engine would have run its check
+        next (everything it depends on is in its state) and nothing but that check
+        is asked of it (engine/ahead.py, `creatable`). False: not made (the usual
+        init and check). True: made, in its state now. A `Pending` write
+        (`atomic.prepare`, in `dirs`): the caller commits it with others before it
+        tells the engine. The engine then records the resource changed with what
+        `ahead_created` reports, and neither initialises nor checks it."""
+        return False
+
+    def ahead_created(self, handle: Handle) -> None:
+        """What making it from nothing (`ahead_create`) changed, reported through
+        `handle.changed` as check_apply would have reported it, in the engine's
+        process (which never initialised this resource)."""
+        raise NotImplementedError
 
     # -- optional abilities (override to take part) -------------------------
     def autoedge_provides(self) -> list[str]:

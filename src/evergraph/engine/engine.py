@@ -232,8 +232,20 @@ class Engine(Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
         self._draining = True
         self.converger.close()
         if self._ahead is not None:
-            self._ahead.stop()  # (a child still checking: no use for it now)
-            log.debug("%d vertices found in their state ahead: no init, no check", self.ahead_runs)
+            # (a child still at work: no use for it now) what it made that was not
+            # taken (below a failure, or a run stopped early) is a change all the same
+            for i in self._ahead.stop():
+                res = self._ahead.resources[i]
+                v = self.vertices.get(res.ident)
+                if v is not None and v.res is res:
+                    self._made_ahead(v, observed=True)
+                else:  # pragma: no cover (every resource of the first graph has one)
+                    log.info("%s: applied (made ahead)", res.ident)
+            log.debug(
+                "%d vertices found in their state ahead, %d made: no init, no check",
+                self.ahead_runs,
+                self.ahead_made,
+            )
         for t in [*aux, *self._timers, *self._repairs.values()]:
             t.cancel()
         # by slices of YIELD_EVERY, a turn of the loop after each full one (a 1M graph:

@@ -76,11 +76,9 @@ class Guard(EngineState):
 
     def _init_deferred(self, v: Vertex) -> bool:
         """Initialise now a vertex whose init waited for a verdict from ahead
-        (swap.py) that has to run: inline (the kinds that check ahead do not wait
-        in init). True if it may run now; False if it failed, or if its init
+        (swap.py) that has to run, its verdict taken: inline (the kinds that check
+        ahead do not wait in init). True if it may run now; False if it failed, or if its init
         waited after all: a task ends it, then pokes `v` again."""
-        if v.ahead >= 0 and self._ahead is not None:
-            self._ahead.take(v.ahead)  # (its verdict is not wanted now)
         coro = self._start_vertex(v)
         try:
             yielded = coro.send(None)

@@ -24,6 +24,7 @@ import logging
 import math
 
 from evergraph._util.crash import crash_point
+from evergraph.engine.ahead import CLEAN, CREATED, PENDING
 from evergraph.engine.state import DRAIN_BATCH, SUSPENDED_MAX, EngineState, error_text
 from evergraph.engine.vertex import INITIALISED, VERDICT_USED, Vertex
 
@@ -161,6 +162,7 @@ class Scheduling(EngineState):
             ahead.poll()  # the verdicts come since the last batch
         clock = self.clock
         noop = self.settings.noop
+        waiting = False
         for _ in range(DRAIN_BATCH):
             if not ready or self._suspended >= SUSPENDED_MAX:
                 break
@@ -170,20 +172,39 @@ class Scheduling(EngineState):
             if not self._runnable(v):
                 continue  # a parent may have turned dirty since
             at = v.ahead
-            if (
-                at >= 0
-                and ahead is not None
-                and not (v.refresh_flag or v.inbox or v.secret_fields or v.send_edges)
-                and ahead.take(at)
-                and not (
-                    self._upstream_changed(v) if v.upstream_changed is None else v.upstream_changed
+            clean_ahead = False
+            if at >= 0 and ahead is not None:
+                verdict = ahead.take(at)
+                if verdict == PENDING:
+                    ahead.poll()
+                    verdict = ahead.take(at)
+                if verdict == PENDING:
+                    # the child may be making it: first in line again once more
+                    # verdicts came (ahead.wake), and nothing runs meanwhile
+                    ready.appendleft(v)
+                    v.queued = True
+                    self._queued += 1
+                    waiting = True
+                    ahead.wake(self._drain)
+                    break
+                v.ahead = VERDICT_USED  # (not initialised; its verdict taken)
+                if verdict == CREATED:
+                    self._made_ahead(v, observed)
+                    continue
+                clean_ahead = (
+                    verdict == CLEAN
+                    and not (v.refresh_flag or v.inbox or v.secret_fields or v.send_edges)
+                    and not (
+                        self._upstream_changed(v)
+                        if v.upstream_changed is None
+                        else v.upstream_changed
+                    )
                 )
-            ):
+            if clean_ahead:
                 # found in its state by the check run ahead (swap.py deferred only
                 # vertices that run inline), and nothing it depends on changed since:
                 # clean, with no init (VERDICT_USED) and no check. Its first run: the
                 # outcome's fields (last_error, retries...) are as they started.
-                v.ahead = VERDICT_USED
                 v.pending = False
                 self.ahead_runs += 1
                 v.ok = v.ever_ok = True
@@ -260,10 +281,30 @@ class Scheduling(EngineState):
                 ready.append(c)
             if v.pending:
                 self._poke(v)
-        if ready and not self._drain_scheduled and self._suspended < SUSPENDED_MAX:
+        if ready and not (waiting or self._drain_scheduled) and self._suspended < SUSPENDED_MAX:
             self._drain_scheduled = True
             asyncio.get_running_loop().call_soon(self._drain)  # a loop turn, no time
         self._check_idle()
+
+    def _made_ahead(self, v: Vertex, observed: bool) -> None:
+        """`v` was made by the child ahead (CREATED): recorded changed, with what its
+        kind says making it changed, and neither initialised nor checked. A refresh
+        owed to it (a record of an earlier run) keeps it pending: it runs once more,
+        initialised then, and serves it."""
+        res = v.res
+        v.pending = v.refresh_flag
+        self.ahead_made += 1
+        if observed:
+            self._observe(v, "running")
+        else:
+            v.state, v.since = "running", self.clock.monotonic()
+        try:
+            res.ahead_created(v)
+        except Exception as e:
+            v.reported = None
+            self._record_failure(v, error_text(e, res))
+            return
+        self._record_success(v, False, True)
 
     def _upstream_changed(self, v: Vertex) -> bool:
         """Whether anything `v` depends on, however far up, changed something in

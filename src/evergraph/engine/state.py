@@ -188,6 +188,8 @@ class EngineState:
         self.lane_runs = 0
         #: of which found in their state by the checks run ahead, with no check here
         self.ahead_runs = 0
+        #: vertices the child ahead made (recorded changed, with no init and no check)
+        self.ahead_made = 0
         #: the checks run ahead for the first graph (ahead.py), once it is swapped in
         self._ahead: Ahead | None = None
         #: passive subscriptions and poll timers set up, for tests and benchmarks

@@ -131,13 +131,20 @@ class Swap(EngineState):
             elif not old[ident].res.meta.reverse:
                 self.store.reversal_done(old[ident].res.kind, old[ident].res.name)
         refresh = owed.refresh
-        # resources checked ahead in a child (a one-shot run's first graph, in the
-        # same order): their init waits for the verdict (ahead.py, Vertex.ahead)
+        # resources checked (and made) ahead in a child (a one-shot run's first
+        # graph): their init waits for the verdict (ahead.py, Vertex.ahead). Every
+        # one the child may make is among them: it makes only what runs inline.
         ahead = model.ahead if self.lane and self._ahead is None else None
         checked: list[Resource] = []
+        place: dict[int, int] | None = None
         if ahead is not None:
             self._ahead = ahead
             checked = ahead.resources
+            if len(checked) != len(new_vs) or not all(
+                v.res is r
+                for v, r in zip(new_vs, checked, strict=True)  # (the common case)
+            ):
+                place = {id(r): i for i, r in enumerate(checked)}
         nothing = Resource.ahead_check
         for i, v in enumerate(new_vs, 1):
             if refresh and v.ident in refresh:
@@ -147,16 +154,16 @@ class Swap(EngineState):
             # meanwhile pokes its children. Each is released as it starts.
             v.watch_ready = True
             self._unready -= 1
-            if ahead is not None and i <= len(checked) and checked[i - 1] is v.res:
+            if ahead is not None:
+                at = i - 1 if place is None else place.get(id(v.res), -1)
                 res = v.res
                 if (
-                    not (v.refresh_flag or res.meta.hidden)
+                    at >= 0
+                    and not res.meta.hidden
                     and type(res).ahead_check is not nothing
                     and self._inline_ok(v)  # (what the lane takes a verdict for)
                 ):
-                    v.ahead = i - 1
-                else:
-                    ahead.take(i - 1)  # (no verdict wanted)
+                    v.ahead = at  # (a refresh owed: the lane starts it after its verdict)
             if v.ahead < 0:
                 await self._start_vertex(v)
             if i % YIELD_EVERY == 0:

@@ -82,10 +82,11 @@ class Frontend(abc.ABC):
     def preload(self) -> None:  # noqa: B027  (optional hook)
         """Check the input before anything is started (a syntax error exits at once)."""
 
-    def check_ahead(self) -> Ahead | None:
+    def check_ahead(self, creates: bool) -> Ahead | None:
         """After `preload`, in a run that ends once converged: start checking the
-        preloaded graph's resources in a child (engine/ahead.py), if this frontend
-        keeps one; the first graph carries it (`GraphModel.ahead`)."""
+        preloaded graph's resources in a child (engine/ahead.py; `creates`: making
+        the missing ones too), if this frontend keeps one; the first graph carries
+        it (`GraphModel.ahead`)."""
         return None
 
     @abc.abstractmethod

@@ -709,13 +709,13 @@ class YamlFrontend(Frontend):
         if self._raw is None:
             self._raw = self.load()
 
-    def check_ahead(self) -> Ahead | None:
+    def check_ahead(self, creates: bool) -> Ahead | None:
         raw = self._raw
         if raw is None or raw.ahead is not None:
             return None
         from evergraph.engine.ahead import Ahead
 
-        raw.ahead = Ahead.start(raw.resources.values())
+        raw.ahead = Ahead.start(raw, creates=creates and not raw.collect)
         return raw.ahead
 
     async def first(self, ctx: Context) -> GraphModel:

@@ -51,7 +51,7 @@ import stat
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, ClassVar, Literal
 
-from evergraph._util.atomic import leftovers_named, make_dirs
+from evergraph._util.atomic import OpenDirs, Pending, leftovers_named, make_dirs, prepare
 from evergraph.engine.contract import (
     Handle,
     PathSubscription,
@@ -247,18 +247,41 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
             and self.group is None
         )
 
+    def _is_plain_dir(self, is_dir: bool) -> bool:
+        """A directory with no more than a mode to manage (no tree, no owner)."""
+        return (
+            is_dir
+            and self.state == "exists"
+            and not (self.symlink or self.recurse or self.purge or self.fragments)
+            and self.content is None
+            and self.source is None
+            and self.owner is None
+            and self.group is None
+        )
+
     def ahead_check(self, seen: dict[str, Any]) -> bool | None:
-        # check_apply's plain case, from the parameters; a leftover of a killed
+        # check_apply's plain cases, from the parameters; a leftover of a killed
         # write next to the file needs init's sweep: False
         path = self.path or self.name
         content = self.content
-        if content is None or not self._is_plain(path.endswith("/")):
+        is_dir = path.endswith("/")
+        if self._is_plain_dir(is_dir):
+            mode = _parsed_mode(self.mode) if self.mode is not None else None
+            try:
+                st = os.lstat(_normpath(path))
+            except OSError:
+                return False
+            return stat.S_ISDIR(st.st_mode) and attrs_match(st, mode, -1, -1)
+        if content is None or not self._is_plain(is_dir):
             return None
         path = _normpath(path)
         data = content.encode()
         mode = _parsed_mode(self.mode) if self.mode is not None else None
         try:
             st = os.lstat(path)
+        except FileNotFoundError:
+            seen["file:absent"] = path  # (ahead_create, next, need not look again)
+            return False
         except OSError:
             return False
         listed = seen.setdefault("leftovers", {})
@@ -275,6 +298,41 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
             return os.read(fd, len(data) + 1) == data  # (a short read: False, checked later)
         finally:
             os.close(fd)
+
+    def ahead_create(self, seen: dict[str, Any], dirs: OpenDirs) -> Pending | bool:
+        # check_apply's plain cases where nothing is there: a directory made as
+        # _directory makes it; a file's write prepared as _write prepares it
+        path = self.path or self.name
+        is_dir = path.endswith("/")
+        norm = _normpath(path)
+        mode = _parsed_mode(self.mode) if self.mode is not None else None
+        if seen.pop("file:absent", None) != norm and os.path.lexists(norm):
+            return False
+        if self._is_plain_dir(is_dir):
+            try:
+                os.makedirs(norm, mode=0o755)
+            except OSError:
+                return False
+            set_attrs(norm, mode, -1, -1)
+            return True
+        if self.content is None or not self._is_plain(is_dir):
+            return False
+        if leftovers_named(norm, seen.setdefault("leftovers", {})):
+            return False  # (init's sweep first)
+        # (prepare makes the missing directories above it, 0755, as _write does)
+        return prepare(norm, self.content.encode(), mode=_new_mode(mode, None), dirs=dirs)
+
+    def ahead_created(self, handle: Handle) -> None:
+        self.handle = handle
+        path = self.path or self.name
+        self._path = _normpath(path)
+        self._mode = _parsed_mode(self.mode) if self.mode is not None else None
+        if path.endswith("/"):
+            handle.changed("state", None, "directory")
+            self._attr_changes("", None, self._mode, -1, -1)
+            return
+        assert self.content is not None  # (plain: ahead_create makes no other file)
+        self._regular_changes(None, True, self.content.encode(), None, False, False, -1, -1)
 
     async def init(self, handle: Handle) -> None:
         self.handle = handle  # (Resource.init's one line, without its coroutine: 10k inits)
@@ -493,25 +551,16 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
             os.close(fd)
 
     async def _write(self, st: os.stat_result | None, data: bytes, uid: int, gid: int) -> None:
-        parent = self._path.rpartition("/")[0]
-        parent = parent or "/"
         if self._watch is not None:
             # the parent may exist by now (made by us or a sibling resource):
             # watch it before our file appears, so its rename is seen as ours
             self._watch.settle()
-        if self._mode is not None:
-            mode = self._mode
-        elif st is not None:
-            mode = stat.S_IMODE(st.st_mode)
-        else:
-            mode = 0o666 & ~UMASK
+        mode = _new_mode(self._mode, st)
         if st is not None:  # keep the old file's owner unless told otherwise
             uid = st.st_uid if uid < 0 else uid
             gid = st.st_gid if gid < 0 else gid
-        if not os.path.isdir(parent):
-            make_dirs(parent, 0o755)  # as `install -D` does
-            if self._watch is not None:
-                self._watch.settle()
+        if _parent_ready(self._path) and self._watch is not None:
+            self._watch.settle()
         # a random O_EXCL|O_NOFOLLOW temporary name: nothing planted there is followed
         owner = None if (uid, gid) == (-1, -1) else (uid, gid)
         # (the inode is noted before the rename, in whichever thread writes: our
@@ -541,6 +590,23 @@ def _parsed_mode(text: str) -> int:
         if len(_MODES) < 256:
             _MODES[text] = mode
     return mode
+
+
+def _new_mode(mode: int | None, st: os.stat_result | None) -> int:
+    """A new content's mode: the one managed, else the old file's, else the default."""
+    if mode is not None:
+        return mode
+    return 0o666 & ~UMASK if st is None else stat.S_IMODE(st.st_mode)
+
+
+def _parent_ready(path: str) -> bool:
+    """Make the missing directories above `path` (0755, as `install -D` does):
+    True if any was made."""
+    parent = path.rpartition("/")[0] or "/"
+    if os.path.isdir(parent):
+        return False
+    make_dirs(parent, 0o755)
+    return True
 
 
 def _looks_in_state(st: os.stat_result, data: bytes, mode: int | None) -> bool:
