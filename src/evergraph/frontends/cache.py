@@ -221,6 +221,7 @@ class ParseCache:
         self.within = within
         #: an entry `put` made before `within` existed: (key, its bytes), for `flush`
         self._pending: tuple[str, bytes] | None = None
+        self._later: tuple[str, GraphModel, list[str], Registry] | None = None
 
     def _open_dir(self) -> int | None:
         """The directory, open, if it is ours (else None: not used)."""
@@ -319,11 +320,23 @@ class ParseCache:
         finally:
             os.close(fd)
 
-    def put(self, key: str, model: GraphModel, notes: list[str], registry: Registry) -> None:
+    def put(
+        self,
+        key: str,
+        model: GraphModel,
+        notes: list[str],
+        registry: Registry,
+        later: bool = False,
+    ) -> None:
         """Keep `model` (as its parse returned it, checked) as entry `key`; quietly
         nothing if it cannot be encoded exactly or written. Before `within` exists
         (a run's first parse, before the agent makes its state dir) the entry is
-        encoded now (the model is changed once it runs) and written by `flush`."""
+        encoded now (the model is changed once it runs) and written by `flush`.
+        `later`: encoded by `flush` too (which the caller calls before anything
+        changes the model: a one-shot run's parse, whose work ahead starts first)."""
+        if later:
+            self._later = (key, model, notes, registry)
+            return
         if self.within is not None and not self.within.is_dir():
             data = self._encoded(key, model, notes, registry)
             self._pending = (key, data) if data is not None else None
@@ -333,8 +346,12 @@ class ParseCache:
             self._write(key, data)
 
     def flush(self) -> None:
-        """Write the entry `put` held back because `within` did not exist yet (the
-        agent calls this once it has made its state dir; nothing if still absent)."""
+        """Encode the entry `put` was told to keep `later`, and write the entry held
+        back because `within` did not exist yet (the agent calls this once it has
+        made its state dir; nothing if still absent)."""
+        later, self._later = self._later, None
+        if later is not None:
+            self.put(*later)
         pending, self._pending = self._pending, None
         if pending is not None and (self.within is None or self.within.is_dir()):
             self._write(*pending)

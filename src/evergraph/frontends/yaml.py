@@ -659,6 +659,7 @@ class YamlFrontend(Frontend):
         self._built = Built()
         #: where parsed models are kept for the next run (`cache_parses`), if anywhere
         self._cache: ParseCache | None = None
+        self._preloading = False
         #: False after `one_shot`: no later graph is asked for, so the text, the
         #: entries and the validated resources a live edit reuses are not kept
         self._follow = True
@@ -699,7 +700,7 @@ class YamlFrontend(Frontend):
         if follow:
             self._text, self._valid = text, model.validated()
         if cache is not None:
-            cache.put(key, model, notes, self.registry)
+            cache.put(key, model, notes, self.registry, later=self._preloading)
         return model
 
     def graph_file(self) -> Path:
@@ -707,15 +708,22 @@ class YamlFrontend(Frontend):
 
     def preload(self) -> None:
         if self._raw is None:
-            self._raw = self.load()
+            # (a first parse's cache entry is encoded by `first`: the work ahead
+            # starts before it, see check_ahead)
+            self._preloading = True
+            try:
+                self._raw = self.load()
+            finally:
+                self._preloading = False
 
     def check_ahead(self, creates: bool) -> Ahead | None:
         raw = self._raw
         if raw is None or raw.ahead is not None:
             return None
         from evergraph.engine.ahead import Ahead
+        from evergraph.engine.autoedge import automatic_edges
 
-        raw.ahead = Ahead.start(raw, creates=creates and not raw.collect)
+        raw.ahead = Ahead.start(raw, creates=creates and not raw.collect, edges=automatic_edges)
         return raw.ahead
 
     async def first(self, ctx: Context) -> GraphModel:
