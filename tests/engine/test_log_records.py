@@ -207,3 +207,25 @@ def test_a_first_apply_logs_the_same_data_and_the_text_never_builds_it(
         want = changes.record_data(v.ident, False, v.changes, [], [])
         assert {k: rec[k] for k in want} == want
         assert rec["msg"] == f"{v.ident}: applied: state, content"
+
+
+@pytest.mark.usefixtures("cli_logging")
+def test_an_effect_is_written_through_and_other_lines_wait_for_a_flush() -> None:
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(io.BufferedWriter(raw, 1 << 16), encoding="utf-8")
+    buffered = logs.BufferedHandler(stream)
+    buffered.setFormatter(logs.TextFormatter())
+    _use(buffered)
+    log = logging.getLogger("evergraph.engine")
+    log.info("graph g loaded: 2 vertices")
+    assert raw.getvalue() == b"", "a plain line waits for the flusher"
+    log_data(log, "%s: %s", ("file[a]", "applied"), dict, effect=True)
+    lines = raw.getvalue().decode().splitlines()
+    assert [line.split(" ", 1)[1] for line in lines] == [
+        "graph g loaded: 2 vertices",
+        "file[a]: applied",
+    ], "an effect is written through, after what came before it"
+    log_data(log, "%s", ("recap: 1 changed, 0 failed, 0 clean",), dict)
+    assert len(raw.getvalue().decode().splitlines()) == 2
+    buffered.flush_now()
+    assert raw.getvalue().decode().endswith(" recap: 1 changed, 0 failed, 0 clean\n")

@@ -126,9 +126,20 @@ class BufferedHandler(logging.StreamHandler):  # type: ignore[type-arg]
     _pending = False
 
     def emit(self, record: logging.LogRecord) -> None:
-        super().emit(record)
+        # StreamHandler.emit without its flush() (a no-op here), and a write-through
+        # under the lock `handle` holds: one a changed vertex (10k at a first apply)
+        try:
+            self.stream.write(self.format(record) + self.terminator)
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(record)
         if record.__dict__.get("effect"):
-            self.flush_now()
+            self._pending = False
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass
             crash_point("effect-logged")
             return
         if not self._pending:
