@@ -229,3 +229,24 @@ def test_an_effect_is_written_through_and_other_lines_wait_for_a_flush() -> None
     assert len(raw.getvalue().decode().splitlines()) == 2
     buffered.flush_now()
     assert raw.getvalue().decode().endswith(" recap: 1 changed, 0 failed, 0 clean\n")
+
+
+@pytest.mark.usefixtures("cli_logging")
+def test_a_terminal_colours_the_recap_without_making_its_data() -> None:
+    from rich.console import Console
+
+    made: list[int] = []
+
+    def data() -> dict[str, Any]:
+        made.append(1)
+        return {"event": "recap"}
+
+    terminal = logs.TerminalHandler(Console(file=io.StringIO(), force_terminal=True))
+    _use(terminal)
+    terminal.hold()
+    text = "recap: 1 changed, 1 failed, 0 clean\n  changed file[a]: content\n  failed exec[b]: boom"
+    log_data(logging.getLogger("evergraph.engine"), "%s", (text,), data, event="recap")
+    held = terminal.take()
+    assert held is not None
+    assert [style for _, style in held.lines] == ["", "yellow", "red"]
+    assert made == []

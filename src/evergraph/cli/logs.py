@@ -67,6 +67,17 @@ def _data(record: logging.LogRecord) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _event(record: logging.LogRecord) -> object:
+    """The `event` of a record's structured data (None: it has none). A record that
+    makes its data when read (engine/changes.py, `DataRecord`) says it without
+    making it: a first apply's recap data names 10k vertices."""
+    event = getattr(record, "data_event", None)
+    if event is not None:
+        return event
+    data = _data(record)
+    return None if data is None else data.get("event")
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         import json  # (`--log-format json` only)
@@ -213,8 +224,7 @@ class TerminalHandler(logging.Handler):
             return [(text, _style(record, text))]
         first, _, rest = text.partition("\n")
         style = _style(record, first)
-        data = _data(record)
-        recap = data is not None and data.get("event") == "recap"
+        recap = _event(record) == "recap"
         out = [(first, style)]
         for line in rest.split("\n"):
             word = line.split(None, 1)[0] if recap and line.strip() else ""

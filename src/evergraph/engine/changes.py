@@ -248,6 +248,13 @@ class DataRecord(logging.LogRecord):
             made = self.__dict__["_data"] = self.__dict__["_make_data"]()
         return made
 
+    @property
+    def data_event(self) -> str | None:
+        """The data's `event` ("changed", "recap"), said without making the data (a
+        terminal colours a recap's lines by it)."""
+        event: str | None = self.__dict__.get("_event")
+        return event
+
 
 #: what every record made by `log_data` holds alike (`LogRecord.__init__` without a
 #: caller looked up, thread and process names: as `setup_logging` asks)
@@ -286,10 +293,12 @@ def log_data(
     args: tuple[object, ...],
     data: Callable[[], dict[str, Any]],
     effect: bool | None = None,
+    event: str | None = None,
 ) -> None:
     """`logger.info(msg, *args, extra={"data": data(), "effect": effect})` (no
-    `effect` key when None), the record made directly (`DataRecord`) when the
-    logging set-up allows, its `data()` called only if a handler reads it: a
+    `effect` key when None), the record made directly (`DataRecord`, whose
+    `data_event` is `event`, the data's own) when the logging set-up allows, its
+    `data()` called only if a handler reads it: a
     changed vertex logs one such record, and `Logger.info` made up a sixth of the
     CPU of a first apply of 10k files. Level, filters, handlers and propagation are
     `Logger.handle`'s, as for any record."""
@@ -314,6 +323,7 @@ def log_data(
     d["msecs"] = int((created - int(created)) * 1000) + 0.0
     d["relativeCreated"] = (created - logging._startTime) * 1000  # type: ignore[attr-defined]
     d["_make_data"] = data
+    d["_event"] = event
     if effect is not None:
         d["effect"] = effect
     logger.handle(record)

@@ -177,7 +177,7 @@ class Engine(Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
                 took,
             )
         text, data = self.recaps.take_text(named, "converged", self.settings.noop, others)
-        log_data(log, "%s", (text,), data)  # (data: made if a handler reads it)
+        log_data(log, "%s", (text,), data, event="recap")  # (data: made if a handler reads it)
         if self.settings.converged_exit or not self.settings.watch:
             self.stop.raise_to(GRACEFUL)  # without watches, nothing would ever run again
 
@@ -209,7 +209,7 @@ class Engine(Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
         named, others = self._recap_statuses()
         if self.recaps.news(named):
             text, data = self.recaps.take_text(named, "exit", self.settings.noop, others)
-            log_data(log, "%s", (text,), data)
+            log_data(log, "%s", (text,), data, event="recap")
 
     async def _max_runtime(self, seconds: float) -> None:
         """A hard bound: in-flight applies are cancelled (their commands get SIGTERM,

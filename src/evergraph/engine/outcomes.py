@@ -100,17 +100,17 @@ class Outcomes(EngineState):
         data = partial(changes.record_data, v.ident, noop, done, notify, send)
         # an applied change is an effect: the log writes it through (cli/logs.py)
         if not done and not (diffs and (notify or send)):
-            changes.log_data(log, "%s: %s", (v.ident, what), data, effect=not noop)
+            changes.log_data(log, "%s: %s", (v.ident, what), data, effect=not noop, event="changed")
             return
         head = f"{v.ident}: {what}: {changes.summary(done)}" if done else f"{v.ident}: {what}"
         if not diffs:
-            changes.log_data(log, "%s", (head,), data, effect=not noop)
+            changes.log_data(log, "%s", (head,), data, effect=not noop, event="changed")
             return
         out = [head, *changes.lines(done, diffs=True)]
         notifies, sends = ("would notify", "would send") if noop else ("notifies", "sends")
         out.extend(f"  {notifies} {ident}" for ident in notify)
         out.extend(f"  {sends} {line}" for line in send)
-        changes.log_data(log, "%s", ("\n".join(out),), data, effect=not noop)
+        changes.log_data(log, "%s", ("\n".join(out),), data, effect=not noop, event="changed")
 
     def _record_failure(self, v: Vertex, error: str) -> None:
         error = v.mask(error)
