@@ -67,6 +67,17 @@ def _data(record: logging.LogRecord) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _event(record: logging.LogRecord) -> object:
+    """The `event` of a record's structured data (None: it has none). A record that
+    makes its data when read (engine/changes.py, `DataRecord`) says it without
+    making it: a first apply's recap data names 10k vertices."""
+    event = getattr(record, "data_event", None)
+    if event is not None:
+        return event
+    data = _data(record)
+    return None if data is None else data.get("event")
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         import json  # (`--log-format json` only)
@@ -126,9 +137,20 @@ class BufferedHandler(logging.StreamHandler):  # type: ignore[type-arg]
     _pending = False
 
     def emit(self, record: logging.LogRecord) -> None:
-        super().emit(record)
+        # StreamHandler.emit without its flush() (a no-op here), and a write-through
+        # under the lock `handle` holds: one a changed vertex (10k at a first apply)
+        try:
+            self.stream.write(self.format(record) + self.terminator)
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(record)
         if record.__dict__.get("effect"):
-            self.flush_now()
+            self._pending = False
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass
             crash_point("effect-logged")
             return
         if not self._pending:
@@ -202,8 +224,7 @@ class TerminalHandler(logging.Handler):
             return [(text, _style(record, text))]
         first, _, rest = text.partition("\n")
         style = _style(record, first)
-        data = _data(record)
-        recap = data is not None and data.get("event") == "recap"
+        recap = _event(record) == "recap"
         out = [(first, style)]
         for line in rest.split("\n"):
             word = line.split(None, 1)[0] if recap and line.strip() else ""

@@ -29,6 +29,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from evergraph.engine.changes import log_data
 from evergraph.engine.contract import Resource
 from evergraph.engine.guard import Guard
 from evergraph.engine.model import Edge, GraphModel
@@ -175,8 +176,8 @@ class Engine(Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
                 changed,
                 took,
             )
-        text, data = self.recaps.take(named, "converged", self.settings.noop, others)
-        log.info("%s", text, extra={"data": data})
+        text, data = self.recaps.take_text(named, "converged", self.settings.noop, others)
+        log_data(log, "%s", (text,), data, event="recap")  # (data: made if a handler reads it)
         if self.settings.converged_exit or not self.settings.watch:
             self.stop.raise_to(GRACEFUL)  # without watches, nothing would ever run again
 
@@ -207,8 +208,8 @@ class Engine(Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
             return
         named, others = self._recap_statuses()
         if self.recaps.news(named):
-            text, data = self.recaps.take(named, "exit", self.settings.noop, others)
-            log.info("%s", text, extra={"data": data})
+            text, data = self.recaps.take_text(named, "exit", self.settings.noop, others)
+            log_data(log, "%s", (text,), data, event="recap")
 
     async def _max_runtime(self, seconds: float) -> None:
         """A hard bound: in-flight applies are cancelled (their commands get SIGTERM,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 
 from evergraph._util.crash import crash_point
 from evergraph.engine import changes
@@ -90,25 +91,26 @@ class Outcomes(EngineState):
         """One log record for a run that changed something (or would): the fields
         changed; with `diffs` (noop, `--diff`) a line per change with its diff, and
         whom a change notifies or sends values to. Structured logs get them all from
-        the record's `data` (`changes.record_data`)."""
+        the record's `data` (`changes.record_data`), made only for a handler that
+        reads it (`changes.log_data`: a text log does not)."""
         done = v.changes
-        notify = [c.ident for c in v.notify_children]
+        noop = what != "applied"
+        notify = [c.ident for c in v.notify_children] if v.notify_children else []
         send = [f"{value} → {c.ident}.{field}" for value, c, field in v.send_edges]
-        data = changes.record_data(v.ident, what != "applied", done, notify, send)
+        data = partial(changes.record_data, v.ident, noop, done, notify, send)
         # an applied change is an effect: the log writes it through (cli/logs.py)
-        extra = {"data": data, "effect": what == "applied"}
         if not done and not (diffs and (notify or send)):
-            log.info("%s: %s", v.ident, what, extra=extra)
+            changes.log_data(log, "%s: %s", (v.ident, what), data, effect=not noop, event="changed")
             return
         head = f"{v.ident}: {what}: {changes.summary(done)}" if done else f"{v.ident}: {what}"
         if not diffs:
-            log.info("%s", head, extra=extra)
+            changes.log_data(log, "%s", (head,), data, effect=not noop, event="changed")
             return
         out = [head, *changes.lines(done, diffs=True)]
-        notifies, sends = ("would notify", "would send") if data["noop"] else ("notifies", "sends")
+        notifies, sends = ("would notify", "would send") if noop else ("notifies", "sends")
         out.extend(f"  {notifies} {ident}" for ident in notify)
         out.extend(f"  {sends} {line}" for line in send)
-        log.info("%s", "\n".join(out), extra=extra)
+        changes.log_data(log, "%s", ("\n".join(out),), data, effect=not noop, event="changed")
 
     def _record_failure(self, v: Vertex, error: str) -> None:
         error = v.mask(error)

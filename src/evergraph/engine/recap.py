@@ -12,7 +12,7 @@ more; the structured form (the log record's `data`, one JSON object with
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from evergraph.engine.status import Change, VertexStatus
@@ -77,6 +77,18 @@ class Recaps:
         (how many vertices were left out of `statuses`, how many of those are clean)
         — the engine passes only those that ever changed or fail, so that a recap
         of a million clean vertices does not build a million snapshots."""
+        text, data = self.take_text(statuses, at, noop, others)
+        return text, data()
+
+    def take_text(
+        self,
+        statuses: Iterable[VertexStatus],
+        at: str,
+        noop: bool = False,
+        others: tuple[int, int] = (0, 0),
+    ) -> tuple[str, Callable[[], dict[str, Any]]]:
+        """`take`, its data made when called (anew each call): a text log never reads
+        it, and a first apply's recap names 10k vertices."""
         changed: list[VertexStatus] = []
         failed: list[VertexStatus] = []
         unknown: list[VertexStatus] = []
@@ -98,17 +110,21 @@ class Recaps:
         self._failed = frozenset(st.ident for st in failed)
         self._unknown = frozenset(st.ident for st in unknown)
         self.count += 1
-        data: dict[str, Any] = {
-            "event": "recap",
-            "at": at,
-            "noop": noop,
-            "vertices": total,
-            "clean": clean,
-            "changed": _changed_list(changed),
-            "failed": [_failed_data(st) for st in failed],
-        }
-        if unknown:
-            data["unknown"] = [{"resource": st.ident, "why": st.error} for st in unknown]
+
+        def data() -> dict[str, Any]:
+            out: dict[str, Any] = {
+                "event": "recap",
+                "at": at,
+                "noop": noop,
+                "vertices": total,
+                "clean": clean,
+                "changed": _changed_list(changed),
+                "failed": [_failed_data(st) for st in failed],
+            }
+            if unknown:
+                out["unknown"] = [{"resource": st.ident, "why": st.error} for st in unknown]
+            return out
+
         verb = "would change" if noop else "changed"
         head = f"recap{' at exit' if at == 'exit' else ''}: " + (
             f"{len(changed)} {verb}, {len(failed)} failed, {clean} clean"
