@@ -256,22 +256,18 @@ class DataRecord(logging.LogRecord):
         return event
 
 
-#: what every record made by `log_data` holds alike (`LogRecord.__init__` without a
-#: caller looked up, thread and process names: as `setup_logging` asks)
-_ALIKE: dict[str, Any] = {
-    "pathname": "(unknown file)",
-    "filename": "(unknown file)",
-    "module": "(unknown file)",
-    "exc_info": None,
-    "exc_text": None,
-    "stack_info": None,
-    "lineno": 0,
-    "funcName": "(unknown function)",
-    "thread": None,
-    "threadName": None,
-    "processName": None,
-    "process": None,
-}
+_alike: dict[str, Any] | None = None
+
+
+def _record_alike() -> dict[str, Any]:
+    """What every record made by `log_data` holds alike: a record `LogRecord` made
+    once, with no caller, thread nor process looked up (as `setup_logging` asks),
+    so that every attribute this Python's records have is there."""
+    global _alike
+    if _alike is None:
+        made = logging.LogRecord("", logging.INFO, "(unknown file)", 0, "", (), None)
+        _alike = {**made.__dict__, "funcName": "(unknown function)"}  # (as Logger.info's)
+    return _alike
 
 
 def _plain_records() -> bool:
@@ -313,7 +309,7 @@ def log_data(
     created = time.time()
     record = DataRecord.__new__(DataRecord)
     d = record.__dict__
-    d.update(_ALIKE)
+    d.update(_record_alike())
     d["name"] = logger.name
     d["msg"] = msg
     d["args"] = args
