@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     import asyncio
 
     from evergraph._util.atomic import Pending
-    from evergraph.engine.model import AutoEdges, GraphModel
+    from evergraph.engine.model import GraphModel
 
 log = logging.getLogger("evergraph.engine")
 
@@ -140,15 +140,13 @@ class Ahead:
         creates: bool = True,
         at_least: int = MIN_RESOURCES,
         children: int | None = None,
-        edges: Callable[[GraphModel], AutoEdges | None] | None = None,
     ) -> Ahead | None:
         """Fork the children for `model`'s resources; None when fewer than
         `at_least` of their kinds can tell, or no fork succeeds. `creates`: they may
         make missing resources (not under noop, nor with a global semaphore).
         `children`: how many (default: two from SPLIT_MIN capable resources on two
-        cores or more, else one). `edges`: what finds the automatic edges of
-        `model` (`autoedge.automatic_edges`) where `model.auto` does not say them:
-        called by the children (none known: nothing is made)."""
+        cores or more, else one). Nothing is made unless `model.auto` says its
+        automatic edges (frontends/cache.py finds them with the parse)."""
         listed = list(model.resources.values())
         nothing = Resource.ahead_check
         asked = bytearray(type(r).ahead_check is nothing for r in listed)
@@ -169,7 +167,7 @@ class Ahead:
             except OSError:
                 break  # (the parts of the children not forked get no verdict)
             if pid == 0:  # pragma: no cover (the child: measured through its verdicts)
-                _child(read_end, write_end, model, listed, creates, edges, parent, (k, children))
+                _child(read_end, write_end, model, listed, creates, parent, (k, children))
             pids.append(pid)
         os.close(write_end)
         crash_point("ahead-forked")
@@ -300,7 +298,6 @@ def _child(  # pragma: no cover (the child: measured through its verdicts)
     model: GraphModel,
     resources: list[Resource],
     creates: bool,
-    edges: Callable[[GraphModel], AutoEdges | None] | None,
     parent: int,
     part: tuple[int, int],
 ) -> None:
@@ -315,7 +312,7 @@ def _child(  # pragma: no cover (the child: measured through its verdicts)
         _die_with(parent)
         gc.disable()  # (a collection would touch every object: copies of shared pages)
         os.close(read_end)
-        _work(write_end, model, resources, creates, edges, part)
+        _work(write_end, model, resources, creates, part)
     except BaseException:
         status = 1  # (the parent sees a short answer: no verdict for the rest)
     finally:
@@ -340,14 +337,13 @@ def _work(  # pragma: no cover (the child's)
     model: GraphModel,
     resources: list[Resource],
     creates: bool,
-    edges: Callable[[GraphModel], AutoEdges | None] | None,
     part: tuple[int, int],
 ) -> None:
     from evergraph._util.atomic import OpenDirs, commit, discard
 
     n = len(resources)
     parents: list[list[int]] | None
-    parents, edged, planned = _plan(model, resources, creates, edges)
+    parents, edged, planned = _plan(model, resources, creates)
     order: Iterable[int] = range(n) if planned is None else planned
     if planned is None:  # (no order known: check only, in the graph's)
         parents = None
@@ -438,20 +434,17 @@ def _plan(  # pragma: no cover (the child's)
     model: GraphModel,
     resources: list[Resource],
     creates: bool,
-    edges: Callable[[GraphModel], AutoEdges | None] | None,
 ) -> tuple[list[list[int]], bytearray, list[int] | None]:
     """(each resource's parents by place, 1 where an edge other than an order
     touches it, an order where parents come first). With `creates` off, or where
-    the automatic edges are not known (`GraphModel.auto` or `edges`: none where
-    they depend on the machine, a package's files), no order: nothing is made."""
+    the automatic edges are not known (`GraphModel.auto`: none where they depend
+    on the machine, a package's files), no order: nothing is made."""
     n = len(resources)
     parents: list[list[int]] = [[] for _ in range(n)]
     edged = bytearray(n)
     if not creates:
         return parents, edged, None
     auto = model.auto  # (found with the parse: frontends/cache.py)
-    if (auto is None or not auto.fits(model)) and edges is not None:
-        auto = edges(model)
     if auto is None or not auto.fits(model):
         return parents, edged, None
     place = {r.ident: i for i, r in enumerate(resources)}

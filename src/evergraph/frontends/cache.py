@@ -335,6 +335,8 @@ class ParseCache:
         `later`: encoded by `flush` too (which the caller calls before anything
         changes the model: a one-shot run's parse, whose work ahead starts first)."""
         if later:
+            with gc_paused():
+                model.auto = _auto_of(model)  # (now: the work ahead reads them)
             self._later = (key, model, notes, registry)
             return
         if self.within is not None and not self.within.is_dir():
@@ -364,7 +366,7 @@ class ParseCache:
         takes them instead of finding them again)."""
         try:
             with gc_paused():
-                auto = model.auto = automatic_edges(model)
+                auto = model.auto = _auto_of(model)
                 data = encode(key, model, notes, auto)
                 entry, back = decode(data, registry)
             if not same_model(back, model) or entry.auto != auto:
@@ -435,6 +437,12 @@ def _now() -> float:
     import time
 
     return time.time()
+
+
+def _auto_of(model: GraphModel) -> AutoEdges | None:
+    """`model.auto` if found already for it as it is (`put(later=True)`), else found."""
+    auto = model.auto
+    return auto if auto is not None and auto.fits(model) else automatic_edges(model)
 
 
 def _plain_auto(auto: AutoEdges, model: GraphModel) -> bool:

@@ -709,7 +709,7 @@ class YamlFrontend(Frontend):
     def preload(self) -> None:
         if self._raw is None:
             # (a first parse's cache entry is encoded by `first`: the work ahead
-            # starts before it, see check_ahead)
+            # starts before it, see check_ahead; its automatic edges are found now)
             self._preloading = True
             try:
                 self._raw = self.load()
@@ -721,9 +721,8 @@ class YamlFrontend(Frontend):
         if raw is None or raw.ahead is not None:
             return None
         from evergraph.engine.ahead import Ahead
-        from evergraph.engine.autoedge import automatic_edges
 
-        raw.ahead = Ahead.start(raw, creates=creates and not raw.collect, edges=automatic_edges)
+        raw.ahead = Ahead.start(raw, creates=creates and not raw.collect)
         return raw.ahead
 
     async def first(self, ctx: Context) -> GraphModel:
