@@ -13,6 +13,7 @@ what they made reported."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import select
@@ -25,7 +26,7 @@ import pytest
 from evergraph._util.atomic import OpenDirs, Pending, prepare
 from evergraph.engine import Edge, GraphModel
 from evergraph.engine import ahead as ahead_module
-from evergraph.engine.ahead import CREATED, OTHER, PENDING, Ahead
+from evergraph.engine.ahead import CREATED, OTHER, PENDING, Ahead, report_made
 from evergraph.engine.autoedge import automatic_edges
 from evergraph.engine.contract import Handle, Meta, Registry, Resource, register
 from evergraph.engine.engine import Engine
@@ -387,7 +388,9 @@ def test_what_is_made_ahead_is_made_as_the_run_would_make_it(
 ) -> None:
     plain, p_engine = run(tmp_path / "p", marks_graph(seed, tmp_path / "pm"), caplog)
     model = marks_graph(seed, tmp_path / "am")
-    ahead_of(model, whole=seed % 2 == 0, children=1 + seed % 2)  # (odd: the lane waits)
+    told_to = tmp_path / "made-ahead"
+    # (odd seeds: the lane waits for the verdicts as they come, from two children)
+    ahead_of(model, whole=seed % 2 == 0, children=1 + seed % 2, journal=told_to)
     told, a_engine = run(tmp_path / "a", model, caplog)
     assert p_engine.ahead_made == 0
     assert a_engine.ahead_made > 0
@@ -404,6 +407,9 @@ def test_what_is_made_ahead_is_made_as_the_run_would_make_it(
     # tell ahead, and only orders tie it
     ahead = {n for n, by in made if by == "ahead"}
     assert len(ahead) == a_engine.ahead_made
+    # each said in the journal before the next was made: all of them, once
+    said = told_to.read_text().splitlines()
+    assert sorted(said) == sorted(f"mark[{n}]" for n in ahead)
     assert not ahead & {n for n, _ in told["log"]}
     tied = {e.to_id for e in model.edges if e.notify or e.recv} | {
         e.from_id for e in model.edges if e.notify or e.send
@@ -416,13 +422,15 @@ def test_what_is_made_ahead_is_made_as_the_run_would_make_it(
         assert not any(p.startswith("plain[") for p in ancestors(model, ident))
 
 
-def test_nothing_is_made_ahead_without_creates(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("creates", [False, True])
+def test_nothing_is_made_ahead_without_creates_or_a_journal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, creates: bool
 ) -> None:
-    """Under noop (or a global semaphore, or in a worker: cli/runner.py) the
-    children only check: what is missing is left to the run."""
+    """Under noop (or a global semaphore, or in a worker: cli/runner.py), or with
+    no journal to say it in, the children only check: what is missing is left to
+    the run."""
     model = marks_graph(3, tmp_path / "m")
-    ahead_of(model, creates=False)
+    ahead_of(model, creates=creates, journal=None if creates else tmp_path / "made-ahead")
     _, engine = run(tmp_path / "a", model, caplog)
     assert engine.ahead_made == 0
     assert {by for _, by in journal(tmp_path / "m")} == {"check"}
@@ -441,7 +449,7 @@ def test_stop_tells_what_was_made_and_leaves_no_half_write(tmp_path: Path) -> No
         )
     model.check()
     model.auto = automatic_edges(model)
-    ahead = Ahead.start(model, at_least=1)
+    ahead = Ahead.start(model, at_least=1, journal=tmp_path / "made-ahead")
     assert ahead is not None
     assert len(ahead.pids) == 2  # (SPLIT_MIN: two children)
     while ahead._fd >= 0 and CREATED not in ahead.verdicts:
@@ -453,6 +461,10 @@ def test_stop_tells_what_was_made_and_leaves_no_half_write(tmp_path: Path) -> No
     assert sorted(made) == on_disk
     assert [p.name for p in root.iterdir() if not p.name.startswith("m")] == []  # no temp
     assert ahead.stop() == []  # (told once)
+    said = (tmp_path / "made-ahead").read_text().splitlines()
+    assert sorted(said) == sorted(f"mark[r{i}]" for i in made)  # (the journal too)
+    ahead.forget()
+    assert not (tmp_path / "made-ahead").exists()
     for pid in ahead.pids:
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
@@ -488,3 +500,19 @@ def test_a_child_stuck_in_a_check_is_killed_by_stop(
     assert ahead.take(0) == OTHER
     with pytest.raises(ChildProcessError):
         os.waitpid(ahead.pids[0], os.WNOHANG)
+
+
+def test_what_a_killed_run_made_is_logged_by_the_next_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The journal of a run killed before it logged what its children made: the
+    next run logs each as applied (an effect: written through), then removes it."""
+    told_to = tmp_path / "made-ahead"
+    told_to.write_text("file[a]\nfile[b]\n")
+    with caplog.at_level(logging.INFO, logger="evergraph.engine"):
+        assert report_made(told_to) == 2
+    lines = [r for r in caplog.records if "killed before it logged" in r.getMessage()]
+    assert [r.getMessage().split(":")[0] for r in lines] == ["file[a]", "file[b]"]
+    assert all(r.__dict__.get("effect") for r in lines)
+    assert not told_to.exists()
+    assert report_made(told_to) == 0  # (none: nothing to say)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import select
 import signal
 import stat
@@ -24,7 +25,7 @@ import pytest
 
 import evergraph.resources  # noqa: F401  (declares the built-in kinds)
 from evergraph._util.atomic import OpenDirs, commit, temp_name
-from evergraph.engine.ahead import BATCH_FIRST
+from evergraph.engine.ahead import BATCH_FIRST, BATCH_MAX, JOURNAL
 from evergraph.engine.build import build
 from evergraph.engine.contract import default_registry
 from evergraph.resources.file import File
@@ -408,3 +409,26 @@ def test_a_child_killed_after_a_commit_leaves_the_rest_to_the_run(tmp_path: Path
     # what the child made after the directories and before its death went untold
     applied = r.stderr.count(": applied: state")
     assert N + 3 - applied == 2 * BATCH_FIRST  # (its second batch: the first was told)
+
+
+def test_what_the_children_made_is_logged_after_a_kill_9(tmp_path: Path) -> None:
+    """kill -9 of the run while it logs what its children made (at its 50th
+    change): each child said what it made in the journal before it made more, and
+    the next run logs it. Logged by either run: all made but a batch being made
+    when the children were killed (as the engine's own committer, a batch)."""
+    n = 3000
+    g = tree(tmp_path, n)
+    p = spawn_run(tmp_path, g, "parent-changed:50")
+    _, first = p.communicate(timeout=120)
+    assert p.returncode == -signal.SIGKILL, first
+    t = tmp_path / "t"
+    made = {f"file[d{d}]" for d in range(3) if (t / f"d{d}").is_dir()}
+    made |= {f"file[{f.name}]" for d in t.iterdir() for f in d.iterdir() if f.name[0] == "f"}
+    log = run(tmp_path, g)
+    late = set(re.findall(r"(file\[\w+\]): applied \(made by an earlier run", log))
+    assert late <= made
+    logged = set(re.findall(r"(file\[\w+\]): applied", first))
+    assert len(made - late - logged) <= 2 * BATCH_MAX
+    assert len(late) >= 50  # (the children had made more than the run logged)
+    assert not (tmp_path / "s" / JOURNAL).exists()
+    tree_is_right(tmp_path, n)

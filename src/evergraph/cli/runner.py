@@ -364,7 +364,8 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     world = {k: params[k] for k in WORLD_PARAMS}
     # (the agent's modules, asyncio's too, load after the checks run ahead have started)
     from evergraph.cli.logs import flush_logs, flusher, setup_logging, terminal_handler
-    from evergraph.engine.settings import check_times, one_shot
+    from evergraph.engine.ahead import JOURNAL, report_made
+    from evergraph.engine.settings import check_times, one_shot, prepare_state_dir
     from evergraph.frontends.open import frontend_for, trust_deployers
 
     setup_logging(log_format, verbose)
@@ -389,11 +390,14 @@ def run_command(params: dict[str, Any]) -> NoReturn:
         if ends:
             frontend.one_shot()
         frontend.preload()
+        # what a killed run made ahead and never logged: logged now
+        journal = prepare_state_dir(state_dir) / JOURNAL
+        report_made(journal)
         # a one-shot run checks its files (and makes the missing ones) in a child
         # while it loads the agent; not under noop, nor with a global semaphore
         # (no vertex runs inline), nor in a worker (a job adds to the graph)
         creates = not (settings["noop"] or settings.get("sema", 0) > 0 or worker)
-        ahead = frontend.check_ahead(creates) if ends else None
+        ahead = frontend.check_ahead(creates, journal) if ends else None
         from evergraph.agent.api import run as run_graph
         from evergraph.cli.progress import service as progress_service
 
@@ -437,6 +441,8 @@ def run_command(params: dict[str, Any]) -> NoReturn:
         if ahead is not None:
             ahead.stop()  # (if the run ended before it took the verdicts)
         flush_logs()
+        if ahead is not None:
+            ahead.forget()  # (all it made is in the log now)
     # The agent has stopped: its World is closed, its children are gone, its writes
     # are on disk. Skip the interpreter's teardown, which would free a big graph
     # object by object (0.6 s for 50k vertices) after SIGTERM asked us to go.

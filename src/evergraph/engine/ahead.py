@@ -58,6 +58,7 @@ import struct
 import sys
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from evergraph._util.crash import crash_point
@@ -86,6 +87,11 @@ BATCH_MAX = 1024
 SPLIT_MIN = 2048
 #: seconds `stop` waits for the children to tell what they made, then kills them
 STOP_S = 5.0
+#: the journal of what the children made (`report_made`): its name in the state dir,
+#: how it is opened, and how much of it a later run reads at most
+JOURNAL = "made-ahead"
+_JOURNAL_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+JOURNAL_MAX = 64 << 20
 #: the verdicts: not (or the kind cannot tell), found in its state, made by the child
 OTHER = 0
 CLEAN = 1
@@ -117,10 +123,17 @@ class Ahead:
     """A child working on `resources` ahead (`start`), and its verdicts so far."""
 
     def __init__(
-        self, pids: list[int], fd: int, resources: list[Resource], asked: bytearray
+        self,
+        pids: list[int],
+        fd: int,
+        resources: list[Resource],
+        asked: bytearray,
+        journal: Path | None = None,
     ) -> None:
         self.pids = pids
         self._fd = fd
+        #: what the children made, said before their next effect (`report_made`)
+        self.journal = journal
         #: in the graph's order (a record names its resource by its place here)
         self.resources = resources
         #: per resource: its verdict, PENDING until it comes (TAKEN: a CREATED one
@@ -140,13 +153,15 @@ class Ahead:
         creates: bool = True,
         at_least: int = MIN_RESOURCES,
         children: int | None = None,
+        journal: Path | None = None,
     ) -> Ahead | None:
         """Fork the children for `model`'s resources; None when fewer than
         `at_least` of their kinds can tell, or no fork succeeds. `creates`: they may
         make missing resources (not under noop, nor with a global semaphore).
         `children`: how many (default: two from SPLIT_MIN capable resources on two
         cores or more, else one). Nothing is made unless `model.auto` says its
-        automatic edges (frontends/cache.py finds them with the parse)."""
+        automatic edges (frontends/cache.py finds them with the parse), nor
+        without a `journal` (see `report_made`)."""
         listed = list(model.resources.values())
         nothing = Resource.ahead_check
         asked = bytearray(type(r).ahead_check is nothing for r in listed)
@@ -155,6 +170,10 @@ class Ahead:
             return None
         if children is None:
             children = 2 if capable >= SPLIT_MIN and (os.cpu_count() or 1) >= 2 else 1
+        told = -1  # the journal, if anything is made
+        if creates and journal is not None:
+            with contextlib.suppress(OSError):
+                told = os.open(journal, _JOURNAL_FLAGS, 0o600)
         read_end, write_end = os.pipe2(os.O_CLOEXEC)
         for stream in (sys.stdout, sys.stderr):  # (a child never writes them, nor flushes)
             with contextlib.suppress(Exception):
@@ -167,9 +186,11 @@ class Ahead:
             except OSError:
                 break  # (the parts of the children not forked get no verdict)
             if pid == 0:  # pragma: no cover (the child: measured through its verdicts)
-                _child(read_end, write_end, model, listed, creates, parent, (k, children))
+                _child(read_end, write_end, told, model, listed, parent, (k, children))
             pids.append(pid)
         os.close(write_end)
+        if told >= 0:
+            os.close(told)
         crash_point("ahead-forked")
         if not pids:
             os.close(read_end)
@@ -177,12 +198,12 @@ class Ahead:
         os.set_blocking(read_end, False)
         log.debug(
             "checking%s ahead: %d resources, %d children (pids %s)",
-            " and making" if creates else "",
+            " and making" if told >= 0 else "",
             capable,
             len(pids),
             " ".join(map(str, pids)),
         )
-        return cls(pids, read_end, listed, asked)
+        return cls(pids, read_end, listed, asked, journal if told >= 0 else None)
 
     def poll(self) -> None:
         """Take the verdicts come so far, without waiting."""
@@ -270,6 +291,13 @@ class Ahead:
             self.verdicts[i] = TAKEN
         return made
 
+    def forget(self) -> None:
+        """The engine logged all the children made (its lines are flushed): their
+        journal has nothing left to tell."""
+        if self.journal is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.journal)
+
     def _end(self) -> None:
         fd, self._fd = self._fd, -1
         if fd < 0:
@@ -295,9 +323,9 @@ def _on_term(signum: int, frame: Any) -> None:  # pragma: no cover (the child's)
 def _child(  # pragma: no cover (the child: measured through its verdicts)
     read_end: int,
     write_end: int,
+    journal: int,
     model: GraphModel,
     resources: list[Resource],
-    creates: bool,
     parent: int,
     part: tuple[int, int],
 ) -> None:
@@ -312,7 +340,7 @@ def _child(  # pragma: no cover (the child: measured through its verdicts)
         _die_with(parent)
         gc.disable()  # (a collection would touch every object: copies of shared pages)
         os.close(read_end)
-        _work(write_end, model, resources, creates, part)
+        _work(write_end, journal, model, resources, part)
     except BaseException:
         status = 1  # (the parent sees a short answer: no verdict for the rest)
     finally:
@@ -334,16 +362,18 @@ def _die_with(parent: int) -> None:  # pragma: no cover (the child's)
 
 def _work(  # pragma: no cover (the child's)
     out_fd: int,
+    journal: int,
     model: GraphModel,
     resources: list[Resource],
-    creates: bool,
     part: tuple[int, int],
 ) -> None:
+    """Check (and, with a `journal`, make) the resources of `part` in order; what is
+    made is told to the journal before the next thing is made, then to the parent."""
     from evergraph._util.atomic import OpenDirs, commit, discard
 
     n = len(resources)
     parents: list[list[int]] | None
-    parents, edged, planned = _plan(model, resources, creates)
+    parents, edged, planned = _plan(model, resources, journal >= 0)
     order: Iterable[int] = range(n) if planned is None else planned
     if planned is None:  # (no order known: check only, in the graph's)
         parents = None
@@ -369,13 +399,16 @@ def _work(  # pragma: no cover (the child's)
         crash_point("ahead-committed")  # (made, durably; not told yet)
         dirs.close()
         dirs = OpenDirs()
+        made = []
         for (i, _), error in zip(batch, errors, strict=True):
             in_batch[i] = 0
             if error is None:
                 sound[i] = 1
+                made.append(i)
                 out.extend(RECORD.pack(i, CREATED))
             else:
                 out.extend(RECORD.pack(i, OTHER))
+        _journal(journal, resources, made)
         batch.clear()
         limit = min(limit * 2, BATCH_MAX)
         flush()
@@ -411,6 +444,7 @@ def _work(  # pragma: no cover (the child's)
                 if made is True:
                     verdict = CREATED
                     sound[i] = 1
+                    _journal(journal, resources, [i])
                 elif made is not False:
                     batch.append((i, made))
                     in_batch[i] = 1
@@ -466,6 +500,40 @@ def _plan(  # pragma: no cover (the child's)
     if len(order) != n:
         return parents, edged, None  # a cycle (the run reports it): make nothing
     return parents, edged, order
+
+
+def _journal(  # pragma: no cover (the child's)
+    fd: int, resources: list[Resource], made: list[int]
+) -> None:
+    """Say what was made, in the journal, before anything else is made."""
+    if made:
+        _write_all(fd, bytearray("".join(f"{resources[i].ident}\n" for i in made).encode()))
+
+
+def report_made(journal: Path) -> int:
+    """Log as applied what a killed run's children made and that run never logged
+    (its journal: `Ahead.forget` removes it once the run's log has all), then remove
+    it; how many. A kill -9 leaves every change the children made in the log, or in
+    the journal until the next run logs it."""
+    try:
+        fd = os.open(journal, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return 0
+    except OSError as e:
+        log.warning("%s: cannot read what an earlier run made: %s", journal, e.strerror)
+        return 0
+    with os.fdopen(fd, "rb") as f:
+        text = f.read(JOURNAL_MAX).decode("utf-8", "replace")
+    idents = [line for line in text.splitlines() if line]
+    for ident in idents:
+        log.info(
+            "%s: applied (made by an earlier run that was killed before it logged it)",
+            ident,
+            extra={"effect": True},
+        )
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(journal)
+    return len(idents)
 
 
 def _share(  # pragma: no cover (the child's)

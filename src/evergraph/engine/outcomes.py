@@ -19,7 +19,7 @@ from evergraph._util.crash import crash_point
 from evergraph.engine import changes
 from evergraph.engine.recap import took as _took
 from evergraph.engine.state import EngineState
-from evergraph.engine.vertex import Vertex
+from evergraph.engine.vertex import MADE_AHEAD, Vertex
 
 log = logging.getLogger("evergraph.engine")
 
@@ -68,7 +68,9 @@ class Outcomes(EngineState):
             reported, v.reported = v.reported, None
             v.changes = changes.build(reported, v.secret_fields, v.mask, diffs) if reported else ()
             if applied:
-                self._log_changes(v, "applied", diffs)
+                # (a change a child made ahead is in its journal already: the line
+                # need not be written through, see ahead.py)
+                self._log_changes(v, "applied", diffs, through=v.ahead != MADE_AHEAD)
                 crash_point("parent-changed")
                 for c in v.notify_children:
                     # Persist before anything else can happen: a crash between
@@ -87,30 +89,32 @@ class Outcomes(EngineState):
         if v.pending:
             self._poke(v)
 
-    def _log_changes(self, v: Vertex, what: str, diffs: bool) -> None:
+    def _log_changes(self, v: Vertex, what: str, diffs: bool, through: bool = True) -> None:
         """One log record for a run that changed something (or would): the fields
         changed; with `diffs` (noop, `--diff`) a line per change with its diff, and
         whom a change notifies or sends values to. Structured logs get them all from
         the record's `data` (`changes.record_data`), made only for a handler that
-        reads it (`changes.log_data`: a text log does not)."""
+        reads it (`changes.log_data`: a text log does not). An applied change's
+        line is written through (`through`) unless it is held elsewhere already."""
         done = v.changes
         noop = what != "applied"
+        effect = through and not noop
         notify = [c.ident for c in v.notify_children] if v.notify_children else []
         send = [f"{value} → {c.ident}.{field}" for value, c, field in v.send_edges]
         data = partial(changes.record_data, v.ident, noop, done, notify, send)
         # an applied change is an effect: the log writes it through (cli/logs.py)
         if not done and not (diffs and (notify or send)):
-            changes.log_data(log, "%s: %s", (v.ident, what), data, effect=not noop, event="changed")
+            changes.log_data(log, "%s: %s", (v.ident, what), data, effect=effect, event="changed")
             return
         head = f"{v.ident}: {what}: {changes.summary(done)}" if done else f"{v.ident}: {what}"
         if not diffs:
-            changes.log_data(log, "%s", (head,), data, effect=not noop, event="changed")
+            changes.log_data(log, "%s", (head,), data, effect=effect, event="changed")
             return
         out = [head, *changes.lines(done, diffs=True)]
         notifies, sends = ("would notify", "would send") if noop else ("notifies", "sends")
         out.extend(f"  {notifies} {ident}" for ident in notify)
         out.extend(f"  {sends} {line}" for line in send)
-        changes.log_data(log, "%s", ("\n".join(out),), data, effect=not noop, event="changed")
+        changes.log_data(log, "%s", ("\n".join(out),), data, effect=effect, event="changed")
 
     def _record_failure(self, v: Vertex, error: str) -> None:
         error = v.mask(error)

@@ -26,7 +26,7 @@ import math
 from evergraph._util.crash import crash_point
 from evergraph.engine.ahead import CLEAN, CREATED, PENDING
 from evergraph.engine.state import DRAIN_BATCH, SUSPENDED_MAX, EngineState, error_text
-from evergraph.engine.vertex import INITIALISED, VERDICT_USED, Vertex
+from evergraph.engine.vertex import INITIALISED, MADE_AHEAD, VERDICT_USED, Vertex
 
 log = logging.getLogger("evergraph.engine")
 
@@ -288,10 +288,12 @@ class Scheduling(EngineState):
 
     def _made_ahead(self, v: Vertex, observed: bool) -> None:
         """`v` was made by the child ahead (CREATED): recorded changed, with what its
-        kind says making it changed, and neither initialised nor checked. A refresh
+        kind says making it changed (its line not written through: the child's
+        journal said it already), and neither initialised nor checked. A refresh
         owed to it (a record of an earlier run) keeps it pending: it runs once more,
         initialised then, and serves it."""
         res = v.res
+        v.ahead = MADE_AHEAD
         v.pending = v.refresh_flag
         self.ahead_made += 1
         if observed:

@@ -36,9 +36,12 @@ _NONE: frozenset[str] = frozenset()
 NO_VALUES: Mapping[str, object] = MappingProxyType({})
 
 #: `Vertex.ahead` besides a place among the resources checked ahead (ahead.py):
-#: initialised as usual; recorded clean on the verdict, never initialised
+#: initialised as usual; its verdict taken, not initialised; made by a child ahead
+#: (recorded changed, not initialised; its log line is not written through: the
+#: child's journal holds it)
 INITIALISED = -1
 VERDICT_USED = -2
+MADE_AHEAD = -3
 
 
 class VertexHost(Protocol):
@@ -180,8 +183,8 @@ class Vertex:
         self.bucket_at: float | None = None
         #: its resource's place among those checked ahead (ahead.py) while its
         #: init waits for the verdict (guard.py `_init_deferred` initialises it if
-        #: it has to run); VERDICT_USED: recorded clean on it, not initialised;
-        #: INITIALISED: as usual
+        #: it has to run); VERDICT_USED: its verdict taken, not initialised;
+        #: MADE_AHEAD: made by a child, not initialised; INITIALISED: as usual
         self.ahead = INITIALISED
         #: something this vertex depends on (transitively) changed in this run: a
         #: verdict from ahead no longer holds (None: not worked out yet)

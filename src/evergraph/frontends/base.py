@@ -82,11 +82,11 @@ class Frontend(abc.ABC):
     def preload(self) -> None:  # noqa: B027  (optional hook)
         """Check the input before anything is started (a syntax error exits at once)."""
 
-    def check_ahead(self, creates: bool) -> Ahead | None:
+    def check_ahead(self, creates: bool, journal: Path | None = None) -> Ahead | None:
         """After `preload`, in a run that ends once converged: start checking the
         preloaded graph's resources in a child (engine/ahead.py; `creates`: making
-        the missing ones too), if this frontend keeps one; the first graph carries
-        it (`GraphModel.ahead`)."""
+        the missing ones too, said in `journal`), if this frontend keeps one; the
+        first graph carries it (`GraphModel.ahead`)."""
         return None
 
     @abc.abstractmethod

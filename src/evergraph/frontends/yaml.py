@@ -716,13 +716,13 @@ class YamlFrontend(Frontend):
             finally:
                 self._preloading = False
 
-    def check_ahead(self, creates: bool) -> Ahead | None:
+    def check_ahead(self, creates: bool, journal: Path | None = None) -> Ahead | None:
         raw = self._raw
         if raw is None or raw.ahead is not None:
             return None
         from evergraph.engine.ahead import Ahead
 
-        raw.ahead = Ahead.start(raw, creates=creates and not raw.collect)
+        raw.ahead = Ahead.start(raw, creates=creates and not raw.collect, journal=journal)
         return raw.ahead
 
     async def first(self, ctx: Context) -> GraphModel:
