@@ -35,12 +35,17 @@ meanwhile by someone else is one the run could as well have missed by checking
 a moment earlier.
 
 The child takes no lock and logs nothing; its writes are the file kind's own
-(atomic, durable), its directories are made as the kind makes them. It is
-killed with its parent (PR_SET_PDEATHSIG), and on SIGTERM (`stop`: the run
-ends before it took every verdict) it drops the writes not yet committed
-(their temporary files removed) and tells what it made so far: the parent logs
-every change the child made, taken by the lane or not (`stop` returns the
-rest). Ctrl-C is its parent's to handle. With two cores and a big graph, two
+(atomic, durable), its directories are made as the kind makes them. What it
+made it says in a journal in the state dir before it makes more (a batch at a
+time, as the engine's own committer logs a batch): the engine's line for it
+need not be written through, and a run killed before it logged them leaves
+them in the journal for the next run to log (`report_made`); a run that ends
+removes it (`forget`). The child is killed with its parent
+(PR_SET_PDEATHSIG), and on SIGTERM (`stop`: the run ends before it took every
+verdict) it drops the writes not yet committed (their temporary files
+removed) and tells what it made so far: the parent logs every change the child
+made, taken by the lane or not (`stop` returns the rest). Ctrl-C is its
+parent's to handle. With two cores and a big graph, two
 children share the work (`SPLIT_MIN`), each whole connected parts of it. Below
 `MIN_RESOURCES` candidates the fork costs more than it saves and none is made.
 """
@@ -279,13 +284,14 @@ class Ahead:
             deadline = time.monotonic() + STOP_S
             while self._fd >= 0:
                 left = deadline - time.monotonic()
-                if left <= 0 or not select.select([fd], [], [], left)[0]:
-                    for pid in self.pids:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(pid, signal.SIGKILL)
-                    deadline = math.inf
-                    os.set_blocking(fd, True)
-                self.poll()
+                if left > 0 and select.select([fd], [], [], left)[0]:
+                    self.poll()
+                    continue
+                for pid in self.pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                os.set_blocking(fd, True)
+                self.poll()  # (to the end: a killed child's end of the pipe is closed)
         made = [i for i, verdict in enumerate(self.verdicts) if verdict == CREATED]
         for i in made:
             self.verdicts[i] = TAKEN
