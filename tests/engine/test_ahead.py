@@ -135,6 +135,7 @@ def ahead_of(model: GraphModel, whole: bool = True, **kw: Any) -> Ahead:
     ahead = Ahead.start(model, at_least=1, **kw)
     assert ahead is not None
     if whole:
+        ahead.go()  # (the engine's swap says it too: once is enough)
         asyncio.run(_all_verdicts(ahead))
     model.ahead = ahead
     return ahead
@@ -452,6 +453,7 @@ def test_stop_tells_what_was_made_and_leaves_no_half_write(tmp_path: Path) -> No
     ahead = Ahead.start(model, at_least=1, journal=tmp_path / "made-ahead")
     assert ahead is not None
     assert len(ahead.pids) == 2  # (SPLIT_MIN: two children)
+    ahead.go()
     while ahead._fd >= 0 and CREATED not in ahead.verdicts:
         select.select([ahead._fd], [], [])
         ahead.poll()
@@ -516,3 +518,21 @@ def test_what_a_killed_run_made_is_logged_by_the_next_one(
     assert all(r.__dict__.get("effect") for r in lines)
     assert not told_to.exists()
     assert report_made(told_to) == 0  # (none: nothing to say)
+
+
+def test_nothing_is_made_before_the_engine_runs_the_graph(tmp_path: Path) -> None:
+    """The children check at once, but make nothing until the engine runs the graph
+    (`go`): a run refused before that (bad input) leaves the machine as it was."""
+    model = GraphModel(name="refused")
+    root = tmp_path / "m"
+    root.mkdir()
+    for i in range(300):
+        model.add(Mark(name=f"r{i}", path=str(root / f"m{i}"), journal=str(tmp_path / "j")))
+    model.check()
+    model.auto = automatic_edges(model)
+    ahead = Ahead.start(model, at_least=1, journal=tmp_path / "made-ahead")
+    assert ahead is not None
+    assert ahead.stop() == []  # (no go: told all it found, made nothing)
+    assert list(root.iterdir()) == []
+    assert not (tmp_path / "made-ahead").exists()
+    assert {ahead.take(i) for i in range(300)} == {OTHER}

@@ -432,3 +432,16 @@ def test_what_the_children_made_is_logged_after_a_kill_9(tmp_path: Path) -> None
     assert len(late) >= 50  # (the children had made more than the run logged)
     assert not (tmp_path / "s" / JOURNAL).exists()
     tree_is_right(tmp_path, n)
+
+
+def test_a_run_refused_for_bad_input_makes_nothing_ahead(tmp_path: Path) -> None:
+    """The graph parses and the children start, then the agent refuses a flag: exit
+    2, and no file, directory nor state dir made (the children wait for the engine
+    to run the graph before they make anything)."""
+    g = tree(tmp_path, N)
+    state = tmp_path / "s"
+    r = run_cli("run", g, "--state-dir", state, "--converged-exit", "--hostname", "under_score")
+    assert r.returncode == 2, r.stderr
+    assert "under_score" in r.stderr
+    assert not (tmp_path / "t").exists()
+    assert not state.exists()

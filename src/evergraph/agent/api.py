@@ -73,8 +73,8 @@ def run(
     flag of `evergraph run` that sets it; another keyword is a TypeError naming it.
     Runs its own event loop: call it from synchronous code.
     """
-    from evergraph.agent.run import run_agent
-    from evergraph.engine.settings import Settings, prepare_state_dir, run_keywords
+    from evergraph.agent.run import prepare_state_dir, run_agent
+    from evergraph.engine.settings import Settings, run_keywords
     from evergraph.world.names import hostname_problem
 
     known = run_keywords()

@@ -73,6 +73,15 @@ Service = Callable[["Agent"], Coroutine[Any, Any, None]]
 T = TypeVar("T")
 
 
+def prepare_state_dir(state_dir: Path | None) -> Path:
+    d = state_dir or default_state_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise InputError(f"cannot create the state directory: {e.strerror}", str(d)) from None
+    return d
+
+
 def existing_state_dir(state_dir: Path | None) -> Path:
     """The state dir of a read-only command: it must exist (else it would read, or
     create, an empty World and answer with nothing)."""

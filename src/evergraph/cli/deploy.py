@@ -203,9 +203,9 @@ def _signing_key(key_file: Path | None, state_dir: Path | None) -> nacl.signing.
         except dp.DeployError as e:
             click.echo(f"evergraph: deploy: --key: {e}", err=True)
             sys.exit(2)
+    from evergraph.agent.run import prepare_state_dir
     from evergraph.cli.main import _die
     from evergraph.cluster.hostkeys import HostKeys, KeyError_
-    from evergraph.engine.settings import prepare_state_dir
     from evergraph.errors import InputError
 
     try:

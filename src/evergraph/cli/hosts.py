@@ -18,10 +18,9 @@ if TYPE_CHECKING:
 
 
 def _pins(state_dir: Path | None, create: bool = False) -> Pins:
-    from evergraph.agent.run import existing_state_dir
+    from evergraph.agent.run import existing_state_dir, prepare_state_dir
     from evergraph.cli.main import _die
     from evergraph.cluster.pins import Pins, PinsError
-    from evergraph.engine.settings import prepare_state_dir
 
     try:
         sd = prepare_state_dir(state_dir) if create else existing_state_dir(state_dir)
@@ -101,10 +100,10 @@ def register(cli: click.Group, world_options: Callable[..., Callable[..., None]]
     @state_dir_option
     def key(state_dir: Path | None) -> None:
         """Print this host's key (`PUBLIC:VERIFY`) and its fingerprint."""
+        from evergraph.agent.run import prepare_state_dir
         from evergraph.cli.main import _die
         from evergraph.cluster.hostkeys import HostKeys, KeyError_, identity
         from evergraph.cluster.pins import fingerprint_of
-        from evergraph.engine.settings import prepare_state_dir
 
         try:
             keys = HostKeys(prepare_state_dir(state_dir))

@@ -365,7 +365,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     # (the agent's modules, asyncio's too, load after the checks run ahead have started)
     from evergraph.cli.logs import flush_logs, flusher, setup_logging, terminal_handler
     from evergraph.engine.ahead import JOURNAL, report_made
-    from evergraph.engine.settings import check_times, one_shot, prepare_state_dir
+    from evergraph.engine.settings import check_times, default_state_dir, one_shot
     from evergraph.frontends.open import frontend_for, trust_deployers
 
     setup_logging(log_format, verbose)
@@ -391,7 +391,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
             frontend.one_shot()
         frontend.preload()
         # what a killed run made ahead and never logged: logged now
-        journal = prepare_state_dir(state_dir) / JOURNAL
+        journal = (state_dir or default_state_dir()) / JOURNAL
         report_made(journal)
         # a one-shot run checks its files (and makes the missing ones) in a child
         # while it loads the agent; not under noop, nor with a global semaphore

@@ -33,9 +33,9 @@ def with_world(
 ) -> T:
     """Open the World the options name, run `body(kv)`, close it; errors exit 1 or 2.
     `read_only`: a sqlite World must exist already (never create an empty one)."""
-    from evergraph.agent.run import existing_state_dir
+    from evergraph.agent.run import existing_state_dir, prepare_state_dir
     from evergraph.cli.main import _die, _world_opts
-    from evergraph.engine.settings import default_state_dir, prepare_state_dir
+    from evergraph.engine.settings import default_state_dir
     from evergraph.world.open import open_world
 
     try:

@@ -131,12 +131,16 @@ class Ahead:
         self,
         pids: list[int],
         fd: int,
+        go: int,
         resources: list[Resource],
         asked: bytearray,
         journal: Path | None = None,
     ) -> None:
         self.pids = pids
         self._fd = fd
+        #: written to (a byte a child) once the engine runs the graph (`go`); closed
+        #: unwritten, the children make nothing
+        self._go = go
         #: what the children made, said before their next effect (`report_made`)
         self.journal = journal
         #: in the graph's order (a record names its resource by its place here)
@@ -175,11 +179,9 @@ class Ahead:
             return None
         if children is None:
             children = 2 if capable >= SPLIT_MIN and (os.cpu_count() or 1) >= 2 else 1
-        told = -1  # the journal, if anything is made
-        if creates and journal is not None:
-            with contextlib.suppress(OSError):
-                told = os.open(journal, _JOURNAL_FLAGS, 0o600)
+        journal = journal if creates else None
         read_end, write_end = os.pipe2(os.O_CLOEXEC)
+        go = os.pipe2(os.O_CLOEXEC)  # the engine runs the graph: the children may make
         for stream in (sys.stdout, sys.stderr):  # (a child never writes them, nor flushes)
             with contextlib.suppress(Exception):
                 stream.flush()
@@ -191,24 +193,37 @@ class Ahead:
             except OSError:
                 break  # (the parts of the children not forked get no verdict)
             if pid == 0:  # pragma: no cover (the child: measured through its verdicts)
-                _child(read_end, write_end, told, model, listed, parent, (k, children))
+                _child(read_end, write_end, go, journal, model, listed, parent, (k, children))
             pids.append(pid)
         os.close(write_end)
-        if told >= 0:
-            os.close(told)
+        os.close(go[0])
         crash_point("ahead-forked")
         if not pids:
             os.close(read_end)
+            os.close(go[1])
             return None
         os.set_blocking(read_end, False)
         log.debug(
             "checking%s ahead: %d resources, %d children (pids %s)",
-            " and making" if told >= 0 else "",
+            " and making" if journal is not None else "",
             capable,
             len(pids),
             " ".join(map(str, pids)),
         )
-        return cls(pids, read_end, listed, asked, journal if told >= 0 else None)
+        return cls(pids, read_end, go[1], listed, asked, journal)
+
+    def go(self) -> None:
+        """The engine runs the graph: the children may make what they found missing
+        (not before: a run refused for bad input changes nothing)."""
+        if self._go >= 0:
+            with contextlib.suppress(OSError):
+                os.write(self._go, b"g" * len(self.pids))
+            self._no_go()
+
+    def _no_go(self) -> None:
+        go, self._go = self._go, -1
+        if go >= 0:
+            os.close(go)
 
     def poll(self) -> None:
         """Take the verdicts come so far, without waiting."""
@@ -273,6 +288,7 @@ class Ahead:
         """No more verdicts wanted (or all came): end the child, take what it said
         until then, reap it. The places of what it made that the engine did not
         take (it logs them as changes all the same)."""
+        self._no_go()
         fd = self._fd
         if fd >= 0:
             self._quiet()
@@ -305,6 +321,7 @@ class Ahead:
                 os.unlink(self.journal)
 
     def _end(self) -> None:
+        self._no_go()
         fd, self._fd = self._fd, -1
         if fd < 0:
             return
@@ -329,7 +346,8 @@ def _on_term(signum: int, frame: Any) -> None:  # pragma: no cover (the child's)
 def _child(  # pragma: no cover (the child: measured through its verdicts)
     read_end: int,
     write_end: int,
-    journal: int,
+    go: tuple[int, int],
+    journal: Path | None,
     model: GraphModel,
     resources: list[Resource],
     parent: int,
@@ -346,7 +364,8 @@ def _child(  # pragma: no cover (the child: measured through its verdicts)
         _die_with(parent)
         gc.disable()  # (a collection would touch every object: copies of shared pages)
         os.close(read_end)
-        _work(write_end, journal, model, resources, part)
+        os.close(go[1])  # (the parent's: the go, or its end, comes from there)
+        _work(write_end, go[0], journal, model, resources, part)
     except BaseException:
         status = 1  # (the parent sees a short answer: no verdict for the rest)
     finally:
@@ -368,36 +387,85 @@ def _die_with(parent: int) -> None:  # pragma: no cover (the child's)
 
 def _work(  # pragma: no cover (the child's)
     out_fd: int,
-    journal: int,
+    go_fd: int,
+    journal: Path | None,
     model: GraphModel,
     resources: list[Resource],
     part: tuple[int, int],
 ) -> None:
-    """Check (and, with a `journal`, make) the resources of `part` in order; what is
-    made is told to the journal before the next thing is made, then to the parent."""
-    from evergraph._util.atomic import OpenDirs, commit, discard
-
+    """Check the resources of `part` in order; then, once the engine runs the graph
+    (`Ahead.go`) and with a `journal`, make those found missing that may be (in
+    order again). What is made is said in the journal before more is made, then
+    to the parent."""
     n = len(resources)
     parents: list[list[int]] | None
-    parents, edged, planned = _plan(model, resources, journal >= 0)
+    parents, edged, planned = _plan(model, resources, journal is not None)
     order: Iterable[int] = range(n) if planned is None else planned
     if planned is None:  # (no order known: check only, in the graph's)
         parents = None
     mine = _share(parents, n, *part)
     nothing = Resource.ahead_check
     seen: dict[str, Any] = {}
-    #: per resource: found or made by the child, and all it depends on too
+    #: per resource: found in its state (or to be made, then made) by this child,
+    #: and all it depends on too
     sound = bytearray(n)
-    #: 1 while its write waits in the batch (what depends on it waits for the commit)
-    in_batch = bytearray(n)
     out = bytearray()
-    batch: list[tuple[int, Pending]] = []
-    dirs = OpenDirs()
-    limit = BATCH_FIRST
-
-    def flush() -> None:
+    missing: list[int] = []  # to be made, in order
+    try:
+        for i in order:
+            if _stopping:
+                break
+            res = resources[i]
+            if not mine[i] or type(res).ahead_check is nothing:
+                continue
+            try:
+                told = res.ahead_check(seen)
+            except Exception:
+                told = None
+            ok = parents is None or all(sound[p] for p in parents[i])
+            if told is False and ok and parents is not None and not edged[i] and creatable(res):
+                sound[i] = 1  # (if made: see _make)
+                missing.append(i)
+                continue
+            sound[i] = told is True and ok
+            out += RECORD.pack(i, CLEAN if told is True else OTHER)
+            if len(out) >= CHUNK * RECORD.size:
+                _write_all(out_fd, out)
+                out.clear()
         _write_all(out_fd, out)
         out.clear()
+        if missing and not _stopping and os.read(go_fd, 1) and journal is not None:
+            assert parents is not None
+            _make(out_fd, journal, resources, parents, missing, sound, seen)
+    finally:
+        _write_all(out_fd, out)
+
+
+def _make(  # pragma: no cover (the child's)
+    out_fd: int,
+    journal: Path,
+    resources: list[Resource],
+    parents: list[list[int]],
+    missing: list[int],
+    sound: bytearray,
+    seen: dict[str, Any],
+) -> None:
+    """Make `missing` (in order), each only if all it depends on is in its state:
+    writes in batches (`atomic.commit`), each said in the `journal` before the next
+    is made, then to the parent; what is not made is told OTHER (the engine checks
+    it)."""
+    from evergraph._util.atomic import OpenDirs, commit, discard
+
+    try:
+        told = os.open(journal, _JOURNAL_FLAGS, 0o600)
+    except OSError:
+        told = -1  # (nothing is made that would not be said)
+    out = bytearray()
+    batch: list[tuple[int, Pending]] = []
+    #: 1 while its write waits in the batch (what depends on it waits for the commit)
+    in_batch = bytearray(len(resources))
+    dirs = OpenDirs()
+    limit = BATCH_FIRST
 
     def land() -> None:
         nonlocal dirs, limit
@@ -408,66 +476,51 @@ def _work(  # pragma: no cover (the child's)
         made = []
         for (i, _), error in zip(batch, errors, strict=True):
             in_batch[i] = 0
+            sound[i] = error is None
             if error is None:
-                sound[i] = 1
                 made.append(i)
-                out.extend(RECORD.pack(i, CREATED))
-            else:
-                out.extend(RECORD.pack(i, OTHER))
-        _journal(journal, resources, made)
+            out.extend(RECORD.pack(i, CREATED if error is None else OTHER))
+        _journal(told, resources, made)
         batch.clear()
         limit = min(limit * 2, BATCH_MAX)
-        flush()
+        _write_all(out_fd, out)
+        out.clear()
 
     try:
-        for i in order:
-            if _stopping:
-                break
-            res = resources[i]
-            if not mine[i] or type(res).ahead_check is nothing:
+        for i in missing:
+            if _stopping or told < 0:
+                out += RECORD.pack(i, OTHER)
                 continue
-            if batch and parents is not None and any(in_batch[p] for p in parents[i]):
+            if batch and any(in_batch[p] for p in parents[i]):
                 land()  # (in its state once that batch is committed, not before)
-            verdict = OTHER
-            try:
-                told = res.ahead_check(seen)
-            except Exception:
-                told = None
-            if told is True:
-                verdict = CLEAN
-                sound[i] = parents is None or all(sound[p] for p in parents[i])
-            elif (
-                told is False
-                and parents is not None
-                and not edged[i]
-                and all(sound[p] for p in parents[i])
-                and creatable(res)
-            ):
+            made: Pending | bool = False
+            if all(sound[p] for p in parents[i]):
                 try:
-                    made = res.ahead_create(seen, dirs)
+                    made = resources[i].ahead_create(seen, dirs)
                 except Exception:
                     made = False
-                if made is True:
-                    verdict = CREATED
-                    sound[i] = 1
-                    _journal(journal, resources, [i])
-                elif made is not False:
-                    batch.append((i, made))
-                    in_batch[i] = 1
-                    if len(batch) >= limit:
-                        land()
-                    continue
-            out.extend(RECORD.pack(i, verdict))
-            if len(out) >= CHUNK * RECORD.size:
-                flush()
+            if made is True:
+                _journal(told, resources, [i])
+                out += RECORD.pack(i, CREATED)
+            elif made is False:
+                sound[i] = 0
+                out += RECORD.pack(i, OTHER)
+            else:
+                batch.append((i, made))
+                in_batch[i] = 1
+                if len(batch) >= limit:
+                    land()
         if batch and not _stopping:
             land()
     finally:
-        for _, p in batch:  # (stopped: not made; their temporary files removed)
+        for i, p in batch:  # (stopped: not made; their temporary files removed)
             with contextlib.suppress(OSError):
                 discard(p)
+            out += RECORD.pack(i, OTHER)
         dirs.close()
-        flush()
+        if told >= 0:
+            os.close(told)
+        _write_all(out_fd, out)
 
 
 def _plan(  # pragma: no cover (the child's)

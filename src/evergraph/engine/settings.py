@@ -23,16 +23,6 @@ def default_state_dir() -> Path:
     return Path(base) / "evergraph"
 
 
-def prepare_state_dir(state_dir: Path | None) -> Path:
-    """The state dir (default: `default_state_dir`), made if missing (0700)."""
-    d = state_dir or default_state_dir()
-    try:
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as e:
-        raise InputError(f"cannot create the state directory: {e.strerror}", str(d)) from None
-    return d
-
-
 class Flag:
     """What one run setting is on the command line: its flags, `--help` text, the
     click type it is read with (`kind`: flag, count, text, int, float, path (a file),

@@ -39,6 +39,11 @@ class Swap(EngineState):
     async def _swap(self, model: GraphModel) -> None:
         # A swap is activity: the converged status drops and rises again.
         self.converger.busy()
+        # resources checked (and made) ahead in a child (a one-shot run's first
+        # graph): it may make them now that the graph runs (ahead.py)
+        ahead = model.ahead if self.lane and self._ahead is None else None
+        if ahead is not None:
+            ahead.go()
         old = self.vertices
         resources = model.resources
         removed: list[str]
@@ -131,10 +136,8 @@ class Swap(EngineState):
             elif not old[ident].res.meta.reverse:
                 self.store.reversal_done(old[ident].res.kind, old[ident].res.name)
         refresh = owed.refresh
-        # resources checked (and made) ahead in a child (a one-shot run's first
-        # graph): their init waits for the verdict (ahead.py, Vertex.ahead). Every
-        # one the child may make is among them: it makes only what runs inline.
-        ahead = model.ahead if self.lane and self._ahead is None else None
+        # their init waits for the verdict (Vertex.ahead). Every one the child may
+        # make is among them: it makes only what runs inline.
         checked: list[Resource] = []
         place: dict[int, int] | None = None
         if ahead is not None:

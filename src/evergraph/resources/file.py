@@ -279,9 +279,6 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         mode = _parsed_mode(self.mode) if self.mode is not None else None
         try:
             st = os.lstat(path)
-        except FileNotFoundError:
-            seen["file:absent"] = path  # (ahead_create, next, need not look again)
-            return False
         except OSError:
             return False
         listed = seen.setdefault("leftovers", {})
@@ -306,7 +303,7 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         is_dir = path.endswith("/")
         norm = _normpath(path)
         mode = _parsed_mode(self.mode) if self.mode is not None else None
-        if seen.pop("file:absent", None) != norm and os.path.lexists(norm):
+        if os.path.lexists(norm):
             return False
         if self._is_plain_dir(is_dir):
             try:
