@@ -284,11 +284,15 @@ class Mark(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     path: str = ""
     journal: str = ""
     write: bool = False
+    #: its making ahead fails (after its check said it is missing)
+    fails_ahead: bool = False
 
     def ahead_check(self, seen: dict[str, Any]) -> bool | None:
         return os.path.exists(self.path)
 
     def ahead_create(self, seen: dict[str, Any], dirs: OpenDirs) -> Pending | bool:
+        if self.fails_ahead:
+            raise OSError("no room")
         self._note("ahead")
         if self.write:
             return prepare(self.path, b"", mode=0o644, dirs=dirs)
@@ -536,3 +540,28 @@ def test_nothing_is_made_before_the_engine_runs_the_graph(tmp_path: Path) -> Non
     assert list(root.iterdir()) == []
     assert not (tmp_path / "made-ahead").exists()
     assert {ahead.take(i) for i in range(300)} == {OTHER}
+
+
+def test_nothing_is_made_below_a_making_that_failed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """a (its making ahead fails) -> b (found in its state ahead) -> c (missing):
+    c is not made ahead (all above it is not in its state), and b's verdict is
+    dropped; the run makes a, then checks b and makes c, in order."""
+    root = tmp_path / "m"
+    root.mkdir()
+    model = GraphModel(name="failed")
+    j = str(root / "journal")
+    model.add(Mark(name="a", path=str(root / "a"), journal=j, fails_ahead=True))
+    model.add(Probe(name="b", ahead=True))
+    model.add(Mark(name="c", path=str(root / "c"), journal=j))
+    model.add(Mark(name="d", path=str(root / "d"), journal=j))  # (on its own: made ahead)
+    model.connect(Edge("mark[a]", "probe[b]"))
+    model.connect(Edge("probe[b]", "mark[c]"))
+    model.check()
+    ahead_of(model, journal=tmp_path / "made-ahead")
+    out, engine = run(tmp_path / "e", model, caplog)
+    assert out["status"] == 0
+    assert journal(root) == [("d", "ahead"), ("a", "check"), ("c", "check")]
+    assert engine.ahead_made == 1
+    assert [n for n, w in out["log"] if w.startswith("check")] == ["a", "b", "c"]

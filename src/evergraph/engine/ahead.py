@@ -407,10 +407,10 @@ def _work(  # pragma: no cover (the child's)
     nothing = Resource.ahead_check
     seen: dict[str, Any] = {}
     #: per resource: found in its state (or to be made, then made) by this child,
-    #: and all it depends on too
+    #: and all it depends on too (until the making: as far as the checks tell)
     sound = bytearray(n)
     out = bytearray()
-    missing: list[int] = []  # to be made, in order
+    missing = bytearray(n)  # 1: to be made
     try:
         for i in order:
             if _stopping:
@@ -424,8 +424,7 @@ def _work(  # pragma: no cover (the child's)
                 told = None
             ok = parents is None or all(sound[p] for p in parents[i])
             if told is False and ok and parents is not None and not edged[i] and creatable(res):
-                sound[i] = 1  # (if made: see _make)
-                missing.append(i)
+                sound[i] = missing[i] = 1  # (if made: see _make)
                 continue
             sound[i] = told is True and ok
             out += RECORD.pack(i, CLEAN if told is True else OTHER)
@@ -434,9 +433,10 @@ def _work(  # pragma: no cover (the child's)
                 out.clear()
         _write_all(out_fd, out)
         out.clear()
-        if missing and not _stopping and os.read(go_fd, 1) and journal is not None:
+        if any(missing) and not _stopping and os.read(go_fd, 1) and journal is not None:
             assert parents is not None
-            _make(out_fd, journal, resources, parents, missing, sound, seen)
+            mine_in_order = [i for i in order if mine[i]]
+            _make(out_fd, journal, resources, parents, mine_in_order, missing, sound, seen)
     finally:
         _write_all(out_fd, out)
 
@@ -446,14 +446,16 @@ def _make(  # pragma: no cover (the child's)
     journal: Path,
     resources: list[Resource],
     parents: list[list[int]],
-    missing: list[int],
+    order: list[int],
+    missing: bytearray,
     sound: bytearray,
     seen: dict[str, Any],
 ) -> None:
-    """Make `missing` (in order), each only if all it depends on is in its state:
-    writes in batches (`atomic.commit`), each said in the `journal` before the next
-    is made, then to the parent; what is not made is told OTHER (the engine checks
-    it)."""
+    """Make the `missing` ones (in `order`), each only if all it depends on is in
+    its state, found so or made (a making that failed makes what is below it
+    unsound: `sound` is worked out again in order): writes in batches
+    (`atomic.commit`), each said in the `journal` before the next is made, then to
+    the parent; what is not made is told OTHER (the engine checks it)."""
     from evergraph._util.atomic import OpenDirs, commit, discard
 
     try:
@@ -487,12 +489,17 @@ def _make(  # pragma: no cover (the child's)
         out.clear()
 
     try:
-        for i in missing:
-            if _stopping or told < 0:
-                out += RECORD.pack(i, OTHER)
+        for i in order:
+            if not (missing[i] or sound[i]):
                 continue
             if batch and any(in_batch[p] for p in parents[i]):
                 land()  # (in its state once that batch is committed, not before)
+            if not missing[i]:  # (found in its state: sound if all above it still is)
+                sound[i] = all(sound[p] for p in parents[i])
+                continue
+            if _stopping or told < 0:
+                out += RECORD.pack(i, OTHER)
+                continue
             made: Pending | bool = False
             if all(sound[p] for p in parents[i]):
                 try:
