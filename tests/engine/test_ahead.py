@@ -98,20 +98,36 @@ def random_graph(seed: int, n: int = 90) -> GraphModel:
             r = Probe(name=f"r{i}", clean=clean, fail_times=fails, ahead=told, meta=meta)
         res.append(r)
         model.add(r)
-    for b in range(1, n):
-        for _ in range(rng.choice((0, 1, 1, 2))):
-            a = rng.randrange(b)
+    random_edges(model, res, rng, counts=(0, 1, 1, 2), notify=0.12, send=0.2)
+    model.check()
+    return model
+
+
+def random_edges(
+    model: GraphModel,
+    res: list[Resource],
+    rng: random.Random,
+    *,
+    counts: tuple[int, ...],
+    notify: float,
+    send: float,
+    near: int | None = None,
+) -> None:
+    """Random edges, each from an earlier resource (within `near` places, if
+    given): `counts` edges into each (chosen among), a share `notify` of them
+    notifying, up to `send` sending a value between probes, the rest orders."""
+    for b in range(1, len(res)):
+        for _ in range(rng.choice(counts)):
+            a = rng.randrange(b) if near is None else rng.randrange(max(0, b - near), b)
             roll = rng.random()
-            if roll < 0.12:
+            if roll < notify:
                 edge = Edge(res[a].ident, res[b].ident, notify=True)
-            elif roll < 0.2 and isinstance(res[a], Probe) and isinstance(res[b], Probe):
+            elif roll < send and isinstance(res[a], Probe) and isinstance(res[b], Probe):
                 edge = Edge(res[a].ident, res[b].ident, send="out", recv="value")
             else:
                 edge = Edge(res[a].ident, res[b].ident)
             if all((e.from_id, e.to_id) != (edge.from_id, edge.to_id) for e in model.edges):
                 model.connect(edge)
-    model.check()
-    return model
 
 
 def run(
@@ -351,18 +367,7 @@ def marks_graph(seed: int, root: Path, n: int = 80) -> GraphModel:
             )
         res.append(r)
         model.add(r)
-    for b in range(1, n):
-        for _ in range(rng.choice((0, 1, 1, 1, 2))):
-            a = rng.randrange(max(0, b - 12), b)
-            roll = rng.random()
-            if roll < 0.08:
-                edge = Edge(res[a].ident, res[b].ident, notify=True)
-            elif roll < 0.12 and isinstance(res[a], Probe) and isinstance(res[b], Probe):
-                edge = Edge(res[a].ident, res[b].ident, send="out", recv="value")
-            else:
-                edge = Edge(res[a].ident, res[b].ident)
-            if all((e.from_id, e.to_id) != (edge.from_id, edge.to_id) for e in model.edges):
-                model.connect(edge)
+    random_edges(model, res, rng, counts=(0, 1, 1, 1, 2), notify=0.08, send=0.12, near=12)
     model.check()
     return model
 
