@@ -77,11 +77,43 @@ class ServerTLS:
     client_cert_auth: bool = False
 
 
+#: where `free_port` looks first: below the kernel's ephemeral ports (Linux's default
+#: 32768-60999), which outgoing connections take at any moment
+PICK_LOW, PICK_HIGH = 20000, 32768
+#: ports tried there before asking the kernel for one (bind to port 0)
+PICK_TRIES = 64
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (bind to port 0, release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port nothing listens on right now, for a server started next (etcd's
+    client and peer ports). Picked at random below the ephemeral ports, and free
+    when tried: one from port 0 (the ephemeral range) could be taken by any
+    outgoing connection before the server binds it, and two processes picking at
+    once get the same one less often from a random pick than from the kernel's
+    sequence. Falls back to port 0 when none of PICK_TRIES is free."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low, high = PICK_LOW, min(PICK_HIGH, _ephemeral_low())
+    draw = int.from_bytes(os.urandom(4), "big")
+    for k in range(PICK_TRIES if high > low else 0):
+        port = low + (draw + k * 7919) % (high - low)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first of the kernel's ephemeral ports (32768 if it cannot say)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _url_host(host: str) -> str:
