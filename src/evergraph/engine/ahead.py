@@ -469,6 +469,16 @@ def _make(  # pragma: no cover (the child's)
     dirs = OpenDirs()
     limit = BATCH_FIRST
 
+    def say(made: list[int]) -> None:
+        nonlocal told
+        if told < 0 or not made:
+            return
+        try:
+            _journal(told, resources, made)
+        except OSError:  # (a full disk) told to the parent all the same; no more made
+            os.close(told)
+            told = -1
+
     def land() -> None:
         nonlocal dirs, limit
         errors = commit([p for _, p in batch])
@@ -482,7 +492,7 @@ def _make(  # pragma: no cover (the child's)
             if error is None:
                 made.append(i)
             out.extend(RECORD.pack(i, CREATED if error is None else OTHER))
-        _journal(told, resources, made)
+        say(made)
         batch.clear()
         limit = min(limit * 2, BATCH_MAX)
         _write_all(out_fd, out)
@@ -507,8 +517,8 @@ def _make(  # pragma: no cover (the child's)
                 except Exception:
                     made = False
             if made is True:
-                _journal(told, resources, [i])
                 out += RECORD.pack(i, CREATED)
+                say([i])
             elif made is False:
                 sound[i] = 0
                 out += RECORD.pack(i, OTHER)
@@ -572,8 +582,7 @@ def _journal(  # pragma: no cover (the child's)
     fd: int, resources: list[Resource], made: list[int]
 ) -> None:
     """Say what was made, in the journal, before anything else is made."""
-    if made:
-        _write_all(fd, bytearray("".join(f"{resources[i].ident}\n" for i in made).encode()))
+    _write_all(fd, bytearray("".join(f"{resources[i].ident}\n" for i in made).encode()))
 
 
 def report_made(journal: Path) -> int:
