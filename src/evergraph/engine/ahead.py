@@ -163,6 +163,7 @@ class Ahead:
         at_least: int = MIN_RESOURCES,
         children: int | None = None,
         journal: Path | None = None,
+        chore: Callable[[], None] | None = None,
     ) -> Ahead | None:
         """Fork the children for `model`'s resources; None when fewer than
         `at_least` of their kinds can tell, or no fork succeeds. `creates`: they may
@@ -170,7 +171,11 @@ class Ahead:
         `children`: how many (default: two from SPLIT_MIN capable resources on two
         cores or more, else one). Nothing is made unless `model.auto` says its
         automatic edges (frontends/cache.py finds them with the parse), nor
-        without a `journal` (see `report_made`)."""
+        without a `journal` (see `report_made`). `chore`: work taken off the
+        parent's way to the engine, for the first child (a parse cache entry,
+        `ParseCache.flush`): called once it has checked, and again after the go
+        (never without it: a refused run writes nothing); None if the fork failed
+        (the caller does it then)."""
         listed = list(model.resources.values())
         nothing = Resource.ahead_check
         asked = bytearray(type(r).ahead_check is nothing for r in listed)
@@ -193,7 +198,10 @@ class Ahead:
             except OSError:
                 break  # (the parts of the children not forked get no verdict)
             if pid == 0:  # pragma: no cover (the child: measured through its verdicts)
-                _child(read_end, write_end, go, journal, model, listed, parent, (k, children))
+                chores = chore if k == 0 else None
+                _child(
+                    read_end, write_end, go, journal, chores, model, listed, parent, (k, children)
+                )
             pids.append(pid)
         os.close(write_end)
         os.close(go[0])
@@ -348,6 +356,7 @@ def _child(  # pragma: no cover (the child: measured through its verdicts)
     write_end: int,
     go: tuple[int, int],
     journal: Path | None,
+    chore: Callable[[], None] | None,
     model: GraphModel,
     resources: list[Resource],
     parent: int,
@@ -365,7 +374,7 @@ def _child(  # pragma: no cover (the child: measured through its verdicts)
         gc.disable()  # (a collection would touch every object: copies of shared pages)
         os.close(read_end)
         os.close(go[1])  # (the parent's: the go, or its end, comes from there)
-        _work(write_end, go[0], journal, model, resources, part)
+        _work(write_end, go[0], journal, chore, model, resources, part)
     except BaseException:
         status = 1  # (the parent sees a short answer: no verdict for the rest)
     finally:
@@ -389,6 +398,7 @@ def _work(  # pragma: no cover (the child's)
     out_fd: int,
     go_fd: int,
     journal: Path | None,
+    chore: Callable[[], None] | None,
     model: GraphModel,
     resources: list[Resource],
     part: tuple[int, int],
@@ -433,10 +443,19 @@ def _work(  # pragma: no cover (the child's)
                 out.clear()
         _write_all(out_fd, out)
         out.clear()
-        if any(missing) and not _stopping and os.read(go_fd, 1) and journal is not None:
-            assert parents is not None
-            mine_in_order = [i for i in order if mine[i]]
-            _make(out_fd, journal, resources, parents, mine_in_order, missing, sound, seen)
+        making = any(missing) and journal is not None
+        if chore is not None:
+            with contextlib.suppress(Exception):
+                chore()
+        if (making or chore is not None) and not _stopping and os.read(go_fd, 1):
+            if chore is not None:
+                with contextlib.suppress(Exception):
+                    chore()
+            if making:
+                assert parents is not None
+                assert journal is not None
+                mine_in_order = [i for i in order if mine[i]]
+                _make(out_fd, journal, resources, parents, mine_in_order, missing, sound, seen)
     finally:
         _write_all(out_fd, out)
 

@@ -347,6 +347,15 @@ class ParseCache:
         if data is not None:
             self._write(key, data)
 
+    def holds_later(self) -> bool:
+        """An entry `put` was told to keep `later` waits for `flush`."""
+        return self._later is not None
+
+    def drop_later(self) -> None:
+        """Forget that entry: another process (a child forked with the same model
+        and cache, engine/ahead.py) flushes it."""
+        self._later = None
+
     def flush(self) -> None:
         """Encode the entry `put` was told to keep `later`, and write the entry held
         back because `within` did not exist yet (the agent calls this once it has

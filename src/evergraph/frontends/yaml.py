@@ -722,7 +722,13 @@ class YamlFrontend(Frontend):
             return None
         from evergraph.engine.ahead import Ahead
 
-        raw.ahead = Ahead.start(raw, creates=creates and not raw.collect, journal=journal)
+        cache = self._cache
+        chore = cache.flush if cache is not None and cache.holds_later() else None
+        raw.ahead = Ahead.start(
+            raw, creates=creates and not raw.collect, journal=journal, chore=chore
+        )
+        if raw.ahead is not None and cache is not None and chore is not None:
+            cache.drop_later()  # (the first child encodes and writes the entry)
         return raw.ahead
 
     async def first(self, ctx: Context) -> GraphModel:
