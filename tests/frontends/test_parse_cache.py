@@ -700,3 +700,26 @@ def test_a_one_shot_load_keeps_nothing_for_a_live_edit(
     assert not once._valid
     assert model_once._claims is None
     assert once._entries.reuse(GRAPH) is None  # nothing a first edit could reuse
+
+
+def test_an_entry_kept_for_later_is_written_once_the_state_dir_exists(tmp_path: Path) -> None:
+    """A one-shot preload keeps its entry for later (`put(later=True)`); a flush
+    before the state dir exists encodes it and keeps it, a flush after writes it
+    (the first child of the work ahead flushes twice: before and after the go)."""
+    g = tmp_path / "g.yaml"
+    g.write_text(GRAPH)
+    state = tmp_path / "s"
+    f = YamlFrontend(g, REG)
+    f.cache_parses(state)
+    f.one_shot()
+    f.preload()
+    cache = f._cache
+    assert cache is not None
+    assert cache.holds_later()
+    cache.flush()
+    assert not state.exists()  # (nothing made before the run is accepted)
+    assert not cache.holds_later()
+    state.mkdir()
+    cache.flush()
+    (entry,) = entries_in(state / parse_cache.SUBDIR)
+    assert entry.stat().st_size > 0

@@ -359,12 +359,13 @@ class ParseCache:
     def flush(self) -> None:
         """Encode the entry `put` was told to keep `later`, and write the entry held
         back because `within` did not exist yet (the agent calls this once it has
-        made its state dir; nothing if still absent)."""
+        made its state dir; kept for a later call if still absent)."""
         later, self._later = self._later, None
         if later is not None:
             self.put(*later)
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is not None and (self.within is None or self.within.is_dir()):
+            self._pending = None
             self._write(*pending)
 
     def _encoded(
