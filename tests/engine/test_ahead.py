@@ -570,3 +570,16 @@ def test_nothing_is_made_below_a_making_that_failed(
     assert journal(root) == [("d", "ahead"), ("a", "check"), ("c", "check")]
     assert engine.ahead_made == 1
     assert [n for n, w in out["log"] if w.startswith("check")] == ["a", "b", "c"]
+
+
+def test_a_journal_that_is_not_a_regular_file_is_not_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A FIFO (or anything but a regular file) where the journal should be: one
+    warning, no wait for a writer, nothing logged as applied, left as it is."""
+    told_to = tmp_path / "made-ahead"
+    os.mkfifo(told_to)
+    with caplog.at_level(logging.INFO, logger="evergraph.engine"):
+        assert report_made(told_to) == 0
+    assert any("not a regular file" in r.getMessage() for r in caplog.records)
+    assert told_to.exists()

@@ -448,3 +448,18 @@ def test_a_run_refused_for_bad_input_makes_nothing_ahead(tmp_path: Path) -> None
     assert "under_score" in r.stderr
     assert not (tmp_path / "t").exists()
     assert not state.exists()
+
+
+def test_a_hostile_journal_line_is_logged_escaped(tmp_path: Path) -> None:
+    """A journal left in the state dir is logged by the next run, a line each: a
+    terminal escape in it is written escaped, never raw; the journal is removed."""
+    g = tree(tmp_path, 5)
+    state = tmp_path / "s"
+    state.mkdir(mode=0o700)
+    (state / JOURNAL).write_text("file[x\x1b]0;pwned\x07]\nfile[d0]\n")
+    log = run(tmp_path, g)
+    assert "\x1b" not in log
+    assert "\x07" not in log
+    assert "file[x\\x1b]0;pwned\\x07]: applied (made by an earlier run" in log
+    assert "file[d0]: applied (made by an earlier run" in log
+    assert not (state / JOURNAL).exists()

@@ -59,6 +59,7 @@ import math
 import os
 import select
 import signal
+import stat
 import struct
 import sys
 import time
@@ -97,6 +98,8 @@ STOP_S = 5.0
 JOURNAL = "made-ahead"
 _JOURNAL_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 JOURNAL_MAX = 64 << 20
+#: characters of a journal line logged at most
+IDENT_MAX = 4096
 #: the verdicts: not (or the kind cannot tell), found in its state, made by the child
 OTHER = 0
 CLEAN = 1
@@ -610,15 +613,19 @@ def report_made(journal: Path) -> int:
     it; how many. A kill -9 leaves every change the children made in the log, or in
     the journal until the next run logs it."""
     try:
-        fd = os.open(journal, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(journal, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return 0
     except OSError as e:
         log.warning("%s: cannot read what an earlier run made: %s", journal, e.strerror)
         return 0
     with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # (not ours: never read, left there)
+            log.warning("%s: not a regular file: not read", journal)
+            return 0
         text = f.read(JOURNAL_MAX).decode("utf-8", "replace")
-    idents = [line for line in text.splitlines() if line]
+    # (each line an ident; the log escapes what is not printable)
+    idents = [line[:IDENT_MAX] for line in text.splitlines() if line]
     for ident in idents:
         log.info(
             "%s: applied (made by an earlier run that was killed before it logged it)",
