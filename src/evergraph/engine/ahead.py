@@ -55,7 +55,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import math
 import os
 import select
 import signal
@@ -68,7 +67,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from evergraph._util.crash import crash_point
-from evergraph.engine.contract import Resource
+from evergraph.engine.contract import Resource, runs_inline
 
 if TYPE_CHECKING:
     import asyncio
@@ -113,17 +112,13 @@ RECORD = struct.Struct("<IB")
 
 def creatable(res: Resource) -> bool:
     """Whether the child may make `res` (its kind can, `ahead_create`) as the
-    engine would run it: inline, with nothing but its check to do (as
-    scheduling's `_inline_ok`, from the resource alone; its edges are the
-    child's to look at)."""
-    meta = res.meta
+    engine would run it: inline (`runs_inline`; its edges, the inbox among them,
+    are the child's to look at), not grouped, with nothing but its check to do."""
     return (
         type(res).ahead_create is not Resource.ahead_create
-        and res.eager
+        and runs_inline(res)
         and not type(res).groupable
-        and not (meta.noop or meta.hidden or meta.sema or meta.reverse)
-        and meta.timeout is None
-        and meta.limit == math.inf
+        and not (res.meta.noop or res.meta.hidden)
     )
 
 

@@ -156,6 +156,22 @@ def parse_sema(spec: str) -> tuple[str, int] | None:
     return sid, int(n) if colon else 1
 
 
+def runs_inline(res: Resource) -> bool:
+    """What of running inline (no task of its own) the resource alone decides: an
+    eager kind (its check_apply is local syscalls) that waits for nothing (no
+    token, semaphore nor timeout) and has no reversal to capture. The engine adds
+    its own conditions (scheduling's `_inline_ok`); so does a child that makes
+    resources ahead (ahead.py's `creatable`): what it makes must run inline."""
+    meta = res.meta
+    return (
+        res.eager
+        and not meta.sema
+        and meta.timeout is None
+        and meta.limit == math.inf
+        and not meta.reverse
+    )
+
+
 def semaphores(specs: Iterable[str]) -> list[tuple[str, int]]:
     """Semaphore specs normalised (`a` is `a:1`), one per id, in the order they are
     taken: by id, so that any two holders take the ids they share in the same order

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 
 from evergraph._util.crash import crash_point
 from evergraph.engine.ahead import CLEAN, CREATED, PENDING
+from evergraph.engine.contract import runs_inline
 from evergraph.engine.state import DRAIN_BATCH, SUSPENDED_MAX, EngineState, error_text
 from evergraph.engine.vertex import INITIALISED, MADE_AHEAD, VERDICT_USED, Vertex
 
@@ -131,15 +131,10 @@ class Scheduling(EngineState):
         local syscalls) that waits for nothing (no token, semaphore or timeout), with
         no values to take first, no reversal to capture and no group."""
         res = v.res
-        meta = res.meta
         return (
-            res.eager
-            and not meta.sema
-            and meta.timeout is None
-            and meta.limit == math.inf
+            runs_inline(res)
             and self._global_sema is None
             and not v.inbox
-            and not meta.reverse
             and not getattr(res, "_group_members", None)
         )
 

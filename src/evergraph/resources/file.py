@@ -236,6 +236,10 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
     def _manages_content(self) -> bool:
         return self.content is not None or self.source is not None or bool(self.fragments)
 
+    def _mode_wanted(self) -> int | None:
+        """`mode` parsed (None: not managed)."""
+        return None if self.mode is None else _parsed_mode(self.mode)
+
     def _is_plain(self, is_dir: bool) -> bool:
         """The common case, checked first: a regular file of known content, no owner."""
         return (
@@ -266,7 +270,7 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         content = self.content
         is_dir = path.endswith("/")
         if self._is_plain_dir(is_dir):
-            mode = _parsed_mode(self.mode) if self.mode is not None else None
+            mode = self._mode_wanted()
             try:
                 st = os.lstat(_normpath(path))
             except OSError:
@@ -276,7 +280,7 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
             return None
         path = _normpath(path)
         data = content.encode()
-        mode = _parsed_mode(self.mode) if self.mode is not None else None
+        mode = self._mode_wanted()
         try:
             st = os.lstat(path)
         except OSError:
@@ -302,7 +306,7 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         path = self.path or self.name
         is_dir = path.endswith("/")
         norm = _normpath(path)
-        mode = _parsed_mode(self.mode) if self.mode is not None else None
+        mode = self._mode_wanted()
         if os.path.lexists(norm):
             return False
         if self._is_plain_dir(is_dir):
@@ -323,7 +327,7 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         self.handle = handle
         path = self.path or self.name
         self._path = _normpath(path)
-        self._mode = _parsed_mode(self.mode) if self.mode is not None else None
+        self._mode = self._mode_wanted()
         if path.endswith("/"):
             handle.changed("state", None, "directory")
             self._attr_changes("", None, self._mode, -1, -1)
@@ -336,7 +340,7 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         path = self.path or self.name
         self._is_dir = path.endswith("/")
         self._path = _normpath(path)
-        mode = _parsed_mode(self.mode) if self.mode is not None else None
+        mode = self._mode_wanted()
         if mode is None and handle.is_secret("content"):
             mode = 0o600  # a secret (a received password) is not for every reader
         self._mode = mode
