@@ -572,14 +572,20 @@ def test_nothing_is_made_below_a_making_that_failed(
     assert [n for n, w in out["log"] if w.startswith("check")] == ["a", "b", "c"]
 
 
+@pytest.mark.parametrize("planted", ["fifo", "symlink"])
 def test_a_journal_that_is_not_a_regular_file_is_not_read(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, planted: str
 ) -> None:
-    """A FIFO (or anything but a regular file) where the journal should be: one
+    """A FIFO, or a symlink to a file of idents, where the journal should be: one
     warning, no wait for a writer, nothing logged as applied, left as it is."""
     told_to = tmp_path / "made-ahead"
-    os.mkfifo(told_to)
+    if planted == "fifo":
+        os.mkfifo(told_to)
+    else:
+        (tmp_path / "elsewhere").write_text("file[forged]\n")
+        told_to.symlink_to(tmp_path / "elsewhere")
     with caplog.at_level(logging.INFO, logger="evergraph.engine"):
         assert report_made(told_to) == 0
-    assert any("not a regular file" in r.getMessage() for r in caplog.records)
-    assert told_to.exists()
+    assert any("made-ahead" in r.getMessage() for r in caplog.records)  # (the warning)
+    assert not any("forged" in r.getMessage() for r in caplog.records)
+    assert told_to.is_symlink() or told_to.exists()
