@@ -481,6 +481,51 @@ def test_stop_tells_what_was_made_and_leaves_no_half_write(tmp_path: Path) -> No
             os.waitpid(pid, os.WNOHANG)
 
 
+@pytest.mark.parametrize("go", [True, False])
+def test_the_chore_is_done_by_one_child_after_its_making_and_never_after_no_go(
+    tmp_path: Path, go: bool
+) -> None:
+    """The chore (the parse cache entry: frontends/cache.py) is done by one child
+    alone, whichever takes it first: after the go, once that child's making is
+    done (the engine waits for the making, not for the chore); a run that never
+    gives the go gets no call after it (at most the one while waiting for it)."""
+    model = GraphModel(name="chore")
+    root = tmp_path / "m"
+    root.mkdir()
+    for i in range(3000):  # (independent: 1,500 for each child)
+        model.add(
+            Mark(name=f"r{i}", path=str(root / f"m{i}"), journal=str(tmp_path / "j"), write=True)
+        )
+    model.check()
+    model.auto = automatic_edges(model)
+    calls = tmp_path / "calls"
+
+    def chore() -> None:
+        on_disk = sum(1 for p in root.iterdir() if p.name.startswith("m"))
+        with open(calls, "a") as f:
+            f.write(f"{os.getpid()} {on_disk}\n")
+
+    ahead = Ahead.start(model, at_least=1, journal=tmp_path / "made-ahead", chore=chore)
+    assert ahead is not None
+    assert len(ahead.pids) == 2
+    if go:
+        ahead.go()
+        while ahead._fd >= 0:  # (to the end: the children exit once all is done)
+            select.select([ahead._fd], [], [])
+            ahead.poll()
+    ahead.stop()  # (no go: it closes the pipe they wait on)
+    lines = [line.split() for line in calls.read_text().splitlines()] if calls.exists() else []
+    assert len({pid for pid, _ in lines}) <= 1
+    assert {int(pid) for pid, _ in lines} <= set(ahead.pids)
+    if not go:
+        assert len(lines) <= 1
+        assert not any(root.iterdir())
+        return
+    assert lines  # (done)
+    assert int(lines[-1][1]) >= 1500  # (its own part, at least, made by then)
+    assert sum(1 for _ in root.iterdir()) == 3000
+
+
 @register("stuck", registry=registry)
 class Stuck(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     """Its check ahead waits for a writer on the FIFO `path` (never comes)."""

@@ -219,6 +219,53 @@ def test_made_ahead_only_where_nothing_is_and_as_the_check_makes_it(
     assert on_disk(tmp_path / "ahead") == on_disk(tmp_path / "check")
 
 
+def file(path: str) -> File:
+    res = build(default_registry, "file", {"name": "f", "path": path, "content": CONTENT})
+    assert isinstance(res, File)
+    return res
+
+
+def test_below_a_directory_found_missing_nothing_that_appeared_since_is_replaced(
+    tmp_path: Path,
+) -> None:
+    """A file below a directory found missing is told missing without a look of its
+    own (whatever is there now); it is made without looking only below a directory
+    this very child made: one that appeared since, with a file in it, is left as
+    it is (its directory is not made, and the file is looked at)."""
+    d = tmp_path / "d"
+    directory = build(default_registry, "file", {"name": "d", "path": f"{d}/"})
+    f = file(f"{d}/f")
+    seen: dict[str, Any] = {}
+    assert directory.ahead_check(seen) is False
+    d.mkdir()  # (someone else's, since)
+    (d / "f").write_text("theirs\n")
+    assert f.ahead_check(seen) is False
+    dirs = OpenDirs()
+    try:
+        assert directory.ahead_create(seen, dirs) is False
+        assert f.ahead_create(seen, dirs) is False
+    finally:
+        dirs.close()
+    assert (d / "f").read_text() == "theirs\n"
+    assert sorted(p.name for p in d.iterdir()) == ["f"]
+    # below a directory it made, a file is made (with no look: nothing was there)
+    e = tmp_path / "e"
+    directory = build(default_registry, "file", {"name": "e", "path": f"{e}/"})
+    f = file(f"{e}/f")
+    seen = {}
+    assert directory.ahead_check(seen) is False
+    assert f.ahead_check(seen) is False
+    dirs = OpenDirs()
+    try:
+        assert directory.ahead_create(seen, dirs) is True
+        pending = f.ahead_create(seen, dirs)
+        assert not isinstance(pending, bool)
+        assert commit([pending]) == [None]
+    finally:
+        dirs.close()
+    assert (e / "f").read_text() == CONTENT
+
+
 N = 300  # above engine.ahead.MIN_RESOURCES: the run forks its child
 
 

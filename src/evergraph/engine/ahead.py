@@ -62,9 +62,9 @@ import stat
 import struct
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from evergraph._util.crash import crash_point
 from evergraph.engine.contract import Resource, runs_inline
@@ -171,9 +171,10 @@ class Ahead:
         automatic edges (frontends/cache.py finds them with the parse), nor
         without a `journal` (see `report_made`). `chore`: work taken off the
         parent's way to the engine, for the first child (a parse cache entry,
-        `ParseCache.flush`): called once it has checked, and again after the go
-        (never without it: a refused run writes nothing); None if the fork failed
-        (the caller does it then)."""
+        `ParseCache.flush`), done by the child that takes it first: once it has
+        checked if the go has not come yet (the wait is idle time), and after the
+        go once its making is done (never without the go: a refused run writes
+        nothing); None if the fork failed (the caller does it then)."""
         listed = list(model.resources.values())
         nothing = Resource.ahead_check
         asked = bytearray(type(r).ahead_check is nothing for r in listed)
@@ -183,12 +184,20 @@ class Ahead:
         if children is None:
             children = 2 if capable >= SPLIT_MIN and (os.cpu_count() or 1) >= 2 else 1
         journal = journal if creates else None
+        # the order and each child's part, worked out once here (in each child it
+        # costs more: its first writes to the model's pages copy them)
+        plan = _planned(model, listed, journal is not None, children)
         read_end, write_end = os.pipe2(os.O_CLOEXEC)
         go = os.pipe2(os.O_CLOEXEC)  # the engine runs the graph: the children may make
         for stream in (sys.stdout, sys.stderr):  # (a child never writes them, nor flushes)
             with contextlib.suppress(Exception):
                 stream.flush()
         parent = os.getpid()
+        # the chore's token: one byte, for the child that reads it first
+        token = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK) if chore is not None else (-1, -1)
+        if chore is not None:
+            os.write(token[1], b"c")
+            os.close(token[1])
         pids: list[int] = []
         for k in range(children):
             try:
@@ -196,13 +205,13 @@ class Ahead:
             except OSError:
                 break  # (the parts of the children not forked get no verdict)
             if pid == 0:  # pragma: no cover (the child: measured through its verdicts)
-                chores = chore if k == 0 else None
-                _child(
-                    read_end, write_end, go, journal, chores, model, listed, parent, (k, children)
-                )
+                chores = (chore, token[0]) if chore is not None else None
+                _child(read_end, write_end, go, journal, chores, plan, listed, parent, k)
             pids.append(pid)
         os.close(write_end)
         os.close(go[0])
+        if token[0] >= 0:
+            os.close(token[0])
         crash_point("ahead-forked")
         if not pids:
             os.close(read_end)
@@ -354,14 +363,14 @@ def _child(  # pragma: no cover (the child: measured through its verdicts)
     write_end: int,
     go: tuple[int, int],
     journal: Path | None,
-    chore: Callable[[], None] | None,
-    model: GraphModel,
+    chore: tuple[Callable[[], None], int] | None,
+    plan: _Plan,
     resources: list[Resource],
     parent: int,
-    part: tuple[int, int],
+    k: int,
 ) -> None:
-    """The forked child: a record per resource of its `part` (k of n) that can
-    tell to `write_end`, then exit at once (no atexit, no flush: the parent's
+    """The forked child `k`: a record per resource of its part of the `plan` that
+    can tell to `write_end`, then exit at once (no atexit, no flush: the parent's
     buffers are the parent's)."""
     status = 0
     try:
@@ -372,7 +381,7 @@ def _child(  # pragma: no cover (the child: measured through its verdicts)
         gc.disable()  # (a collection would touch every object: copies of shared pages)
         os.close(read_end)
         os.close(go[1])  # (the parent's: the go, or its end, comes from there)
-        _work(write_end, go[0], journal, chore, model, resources, part)
+        _work(write_end, go[0], journal, chore, plan, resources, k)
     except BaseException:
         status = 1  # (the parent sees a short answer: no verdict for the rest)
     finally:
@@ -396,22 +405,18 @@ def _work(  # pragma: no cover (the child's)
     out_fd: int,
     go_fd: int,
     journal: Path | None,
-    chore: Callable[[], None] | None,
-    model: GraphModel,
+    chore: tuple[Callable[[], None], int] | None,
+    plan: _Plan,
     resources: list[Resource],
-    part: tuple[int, int],
+    k: int,
 ) -> None:
-    """Check the resources of `part` in order; then, once the engine runs the graph
-    (`Ahead.go`) and with a `journal`, make those found missing that may be (in
-    order again). What is made is said in the journal before more is made, then
-    to the parent."""
+    """Check the resources of part `k` of the `plan` in order; then, once the
+    engine runs the graph (`Ahead.go`) and with a `journal`, make those found
+    missing that may be (in order again). What is made is said in the journal
+    before more is made, then to the parent."""
     n = len(resources)
-    parents: list[list[int]] | None
-    parents, edged, planned = _plan(model, resources, journal is not None)
-    order: Iterable[int] = range(n) if planned is None else planned
-    if planned is None:  # (no order known: check only, in the graph's)
-        parents = None
-    mine = _share(parents, n, *part)
+    parents, edged, order = plan.parents, plan.edged, plan.order
+    mine = bytearray(owner == k for owner in plan.owner)
     nothing = Resource.ahead_check
     seen: dict[str, Any] = {}
     #: per resource: found in its state (or to be made, then made) by this child,
@@ -442,20 +447,38 @@ def _work(  # pragma: no cover (the child's)
         _write_all(out_fd, out)
         out.clear()
         making = any(missing) and journal is not None
-        if chore is not None:
+        # the chore: the child that takes its token first does it, while the
+        # engine is not running yet (time otherwise idle), else after its making
+        # (the engine waits for that)
+        taken = False
+        if chore is not None and not _readable(go_fd) and _took(chore[1]):
+            taken = True
             with contextlib.suppress(Exception):
-                chore()
+                chore[0]()
         if (making or chore is not None) and not _stopping and os.read(go_fd, 1):
-            if chore is not None:
-                with contextlib.suppress(Exception):
-                    chore()
             if making:
                 assert parents is not None
                 assert journal is not None
                 mine_in_order = [i for i in order if mine[i]]
                 _make(out_fd, journal, resources, parents, mine_in_order, missing, sound, seen)
+            if chore is not None and (taken or _took(chore[1])):
+                with contextlib.suppress(Exception):
+                    chore[0]()
     finally:
         _write_all(out_fd, out)
+
+
+def _readable(fd: int) -> bool:  # pragma: no cover (the child's)
+    """Whether reading `fd` would not block (the go, or its end, has come)."""
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+def _took(token: int) -> bool:  # pragma: no cover (the child's)
+    """Whether this child took the chore's token (its one byte)."""
+    try:
+        return os.read(token, 1) == b"c"
+    except OSError:  # (BlockingIOError: another child took it)
+        return False
 
 
 def _make(  # pragma: no cover (the child's)
@@ -557,7 +580,26 @@ def _make(  # pragma: no cover (the child's)
         _write_all(out_fd, out)
 
 
-def _plan(  # pragma: no cover (the child's)
+class _Plan(NamedTuple):
+    """What the children work by: each resource's parents by place (None: no
+    order is known, they check only, in the graph's order), 1 where an edge other
+    than an order touches it, the order they go in, and the child each belongs to."""
+
+    parents: list[list[int]] | None
+    edged: bytearray
+    order: Sequence[int]
+    owner: bytearray
+
+
+def _planned(model: GraphModel, resources: list[Resource], creates: bool, children: int) -> _Plan:
+    n = len(resources)
+    parents, edged, order = _plan(model, resources, creates)
+    if order is None:
+        return _Plan(None, edged, range(n), _owners(None, n, children))
+    return _Plan(parents, edged, order, _owners(parents, n, children))
+
+
+def _plan(
     model: GraphModel,
     resources: list[Resource],
     creates: bool,
@@ -632,17 +674,15 @@ def report_made(journal: Path) -> int:
     return len(idents)
 
 
-def _share(  # pragma: no cover (the child's)
-    parents: list[list[int]] | None, n: int, k: int, of: int
-) -> bytearray:
-    """1 for each resource child `k` of `of` works on. Whole connected parts of the
-    graph, so that all a resource depends on is in one child: each part, by its
+def _owners(parents: list[list[int]] | None, n: int, of: int) -> bytearray:
+    """The child (of `of`) that works on each resource. Whole connected parts of
+    the graph, so that all a resource depends on is in one child: each part, by its
     first resource, goes to the child with the least so far. With no edges known (a
-    check only: verdicts in any order), a slice."""
+    check only: verdicts in any order), slices."""
     if of == 1:
-        return bytearray([1]) * n
+        return bytearray(n)
     if parents is None:
-        return bytearray(i * of // n == k for i in range(n))
+        return bytearray(i * of // n for i in range(n))
     root = list(range(n))  # union-find, halving paths
 
     def find(i: int) -> int:
@@ -666,7 +706,7 @@ def _share(  # pragma: no cover (the child's)
         child = load.index(min(load))
         owner[r] = child
         load[child] += count
-    return bytearray(owner[find(i)] == k for i in range(n))
+    return bytearray(owner[find(i)] for i in range(n))
 
 
 #: bytes written to the pipe at once, at most: whole records, and no more than

@@ -204,12 +204,11 @@ class Engine(Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
     def _recap_at_exit(self) -> None:
         """At exit, a last recap if it has news (the run never converged, or changed
         or failed something since the last recap)."""
-        if not self.vertices:
+        if not self.vertices or not self.recaps.news(self.vertices.values()):
             return
         named, others = self._recap_statuses()
-        if self.recaps.news(named):
-            text, data = self.recaps.take_text(named, "exit", self.settings.noop, others)
-            log_data(log, "%s", (text,), data, event="recap")
+        text, data = self.recaps.take_text(named, "exit", self.settings.noop, others)
+        log_data(log, "%s", (text,), data, event="recap")
 
     async def _max_runtime(self, seconds: float) -> None:
         """A hard bound: in-flight applies are cancelled (their commands get SIGTERM,

@@ -13,9 +13,9 @@ more; the structured form (the log record's `data`, one JSON object with
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
-from evergraph.engine.status import Change, VertexStatus
+from evergraph.engine.status import Change, State, VertexStatus
 
 #: entries of each list written out in the text form
 TEXT_LIMIT = 20
@@ -51,6 +51,19 @@ def what_changed(changes: tuple[Change, ...]) -> str:
         )
         parts.append(f"{c.field} {c.old} -> {c.new}" if short else c.field)
     return ", ".join(parts)
+
+
+class Seen(Protocol):
+    """What `Recaps.news` reads of a vertex: a `VertexStatus`, or a vertex."""
+
+    @property
+    def ident(self) -> str: ...
+    @property
+    def state(self) -> State: ...
+    @property
+    def changed_count(self) -> int: ...
+    @property
+    def last_changed(self) -> float | None: ...
 
 
 class Recaps:
@@ -149,9 +162,11 @@ class Recaps:
             lines.append(f"  … and {len(unknown) - TEXT_LIMIT} more unknown")
         return "\n".join(lines), data
 
-    def news(self, statuses: Iterable[VertexStatus]) -> bool:
+    def news(self, statuses: Iterable[Seen]) -> bool:
         """Whether a recap now would say something the last one did not: none was
-        made yet, something changed since, or what is failed is not the same."""
+        made yet, something changed since, or what is failed is not the same.
+        `statuses`: snapshots, or the vertices themselves (no snapshot is made to
+        find that a recap at exit has nothing to say)."""
         if not self.count:
             return True
         failed = set()

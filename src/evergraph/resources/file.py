@@ -271,14 +271,21 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         is_dir = path.endswith("/")
         if self._is_plain_dir(is_dir):
             mode = self._mode_wanted()
+            path = _normpath(path)
             try:
-                st = os.lstat(_normpath(path))
+                st = os.lstat(path)
+            except FileNotFoundError:
+                seen.setdefault("absent", set()).add(path)  # (and all below it)
+                return False
             except OSError:
                 return False
             return stat.S_ISDIR(st.st_mode) and attrs_match(st, mode, -1, -1)
         if content is None or not self._is_plain(is_dir):
             return None
         path = _normpath(path)
+        absent = seen.get("absent")
+        if absent is not None and path.rpartition("/")[0] in absent:
+            return False  # (its directory, a resource checked before it, is not there)
         data = content.encode()
         mode = self._mode_wanted()
         try:
@@ -307,7 +314,10 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         is_dir = path.endswith("/")
         norm = _normpath(path)
         mode = self._mode_wanted()
-        if os.path.lexists(norm):
+        # (a directory this child made was empty: what appeared in it since is
+        # replaced by the rename, as a write replaces what appeared after any check)
+        made = seen.get("made")
+        if not (made is not None and norm.rpartition("/")[0] in made) and os.path.lexists(norm):
             return False
         if self._is_plain_dir(is_dir):
             try:
@@ -315,6 +325,7 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
             except OSError:
                 return False
             set_attrs(norm, mode, -1, -1)
+            seen.setdefault("made", set()).add(norm)
             return True
         if self.content is None or not self._is_plain(is_dir):
             return False
