@@ -387,7 +387,7 @@ def test_a_first_apply_is_made_ahead_and_logged_as_the_run_makes_it(tmp_path: Pa
         assert f"file[d{d}]: applied: state, mode" in log
     for i in range(N):
         assert f"file[f{i}]: applied: state, content, mode\n" in log
-    # the parse's cache entry, written by the first child after the go
+    # the parse's cache entry, written by a child after the go and its making
     (entry,) = [p for p in (tmp_path / "s" / "parse-cache").iterdir() if p.name[0] != "."]
     assert entry.stat().st_size > 0
     again = run(tmp_path, g)

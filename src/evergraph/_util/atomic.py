@@ -361,7 +361,35 @@ def discard(p: Pending) -> None:
 SYNCFS_MIN = 8
 
 
-def commit(batch: list[Pending]) -> list[BaseException | None]:
+def sync_data(batch: list[Pending]) -> tuple[list[BaseException | None], dict[int, int]]:
+    """`commit`'s first step for a batch of SYNCFS_MIN or more: one syncfs(2) of each
+    filesystem its files are on, so that their data is on disk. (The error of each,
+    {st_dev: an open directory on it}.) Only system calls on the batch's directory
+    descriptors: another thread may run it while the caller prepares more, then
+    hand the outcome to `commit` (`synced`)."""
+    dev_of: dict[int, int] = {}  # (writes prepared together share a directory fd)
+    devs = []
+    for p in batch:
+        dev = dev_of.get(p.dfd)
+        if dev is None:
+            dev = dev_of[p.dfd] = os.fstat(p.dfd).st_dev
+        devs.append(dev)
+    by_fs: dict[int, int] = {}  # st_dev -> one open directory on it
+    for dev, p in zip(devs, batch, strict=True):
+        by_fs.setdefault(dev, p.dfd)
+    failed = {}
+    for dev, dfd in by_fs.items():
+        try:
+            syncfs(dfd)
+        except OSError as e:
+            failed[dev] = e
+    return [failed.get(dev) for dev in devs], by_fs
+
+
+def commit(
+    batch: list[Pending],
+    synced: tuple[list[BaseException | None], dict[int, int]] | None = None,
+) -> list[BaseException | None]:
     """Finish what `prepare` began for each of `batch`, as many `atomic_write`s would:
     every file's data is on disk before its rename, and its new name is on disk
     before this returns (so after a power cut each target is its old file or its
@@ -370,28 +398,15 @@ def commit(batch: list[Pending]) -> list[BaseException | None]:
     close), and a file that was not placed is removed. A batch under
     SYNCFS_MIN renames each file right after its own fsync (the first one is in
     place after one fsync, not after the whole batch's), then fsyncs each directory
-    once."""
-    errors: list[BaseException | None] = [None] * len(batch)
+    once. `synced`: what `sync_data(batch)` gave, run since the last file was
+    written (else it is run here)."""
     many = len(batch) >= SYNCFS_MIN
-    by_fs: dict[int, int] = {}  # st_dev -> one open directory on it
+    by_fs: dict[int, int] = {}
     if many:
-        dev_of: dict[int, int] = {}  # (writes prepared together share a directory fd)
-        devs = []
-        for p in batch:
-            dev = dev_of.get(p.dfd)
-            if dev is None:
-                dev = dev_of[p.dfd] = os.fstat(p.dfd).st_dev
-            devs.append(dev)
-        for dev, p in zip(devs, batch, strict=True):
-            by_fs.setdefault(dev, p.dfd)
-        failed = {}
-        for dev, dfd in by_fs.items():
-            try:
-                syncfs(dfd)
-            except OSError as e:
-                failed[dev] = e
-        for i, dev in enumerate(devs):
-            errors[i] = failed.get(dev)
+        found, by_fs = synced if synced is not None else sync_data(batch)
+        errors = list(found)
+    else:
+        errors = [None] * len(batch)
     dirs: dict[tuple[int, int], int] = {}
     for i, p in enumerate(batch):
         if not many:

@@ -72,7 +72,7 @@ from evergraph.engine.contract import Resource, runs_inline
 if TYPE_CHECKING:
     import asyncio
 
-    from evergraph._util.atomic import Pending
+    from evergraph._util.atomic import OpenDirs, Pending
     from evergraph.engine.model import GraphModel
 
 log = logging.getLogger("evergraph.engine")
@@ -171,10 +171,10 @@ class Ahead:
         automatic edges (frontends/cache.py finds them with the parse), nor
         without a `journal` (see `report_made`). `chore`: work taken off the
         parent's way to the engine, for the first child (a parse cache entry,
-        `ParseCache.flush`), done by the child that takes it first: once it has
-        checked if the go has not come yet (the wait is idle time), and after the
-        go once its making is done (never without the go: a refused run writes
-        nothing); None if the fork failed (the caller does it then)."""
+        `ParseCache.flush`), done by the child that takes it first, after the go
+        once its making is done (never without the go: a refused run writes
+        nothing; not before the making, which the engine waits for); None if the
+        fork failed (the caller does it then)."""
         listed = list(model.resources.values())
         nothing = Resource.ahead_check
         asked = bytearray(type(r).ahead_check is nothing for r in listed)
@@ -447,30 +447,19 @@ def _work(  # pragma: no cover (the child's)
         _write_all(out_fd, out)
         out.clear()
         making = any(missing) and journal is not None
-        # the chore: the child that takes its token first does it, while the
-        # engine is not running yet (time otherwise idle), else after its making
-        # (the engine waits for that)
-        taken = False
-        if chore is not None and not _readable(go_fd) and _took(chore[1]):
-            taken = True
-            with contextlib.suppress(Exception):
-                chore[0]()
         if (making or chore is not None) and not _stopping and os.read(go_fd, 1):
             if making:
                 assert parents is not None
                 assert journal is not None
                 mine_in_order = [i for i in order if mine[i]]
                 _make(out_fd, journal, resources, parents, mine_in_order, missing, sound, seen)
-            if chore is not None and (taken or _took(chore[1])):
+            # the chore: by the child that takes its token first, once its making
+            # is done (the engine waits for the making, not for the chore)
+            if chore is not None and _took(chore[1]):
                 with contextlib.suppress(Exception):
                     chore[0]()
     finally:
         _write_all(out_fd, out)
-
-
-def _readable(fd: int) -> bool:  # pragma: no cover (the child's)
-    """Whether reading `fd` would not block (the go, or its end, has come)."""
-    return bool(select.select([fd], [], [], 0)[0])
 
 
 def _took(token: int) -> bool:  # pragma: no cover (the child's)
@@ -495,8 +484,11 @@ def _make(  # pragma: no cover (the child's)
     its state, found so or made (a making that failed makes what is below it
     unsound: `sound` is worked out again in order): writes in batches
     (`atomic.commit`), each said in the `journal` before the next is made, then to
-    the parent; what is not made is told OTHER (the engine checks it)."""
-    from evergraph._util.atomic import OpenDirs, commit, discard
+    the parent; what is not made is told OTHER (the engine checks it). A batch's
+    data goes to disk (`atomic.sync_data`, in a thread) while the next batch's
+    files are written; it is renamed once that is done, before the next is handed
+    over."""
+    from evergraph._util.atomic import SYNCFS_MIN, OpenDirs, commit, discard, sync_data
 
     try:
         told = os.open(journal, _JOURNAL_FLAGS, 0o600)
@@ -504,10 +496,12 @@ def _make(  # pragma: no cover (the child's)
         told = -1  # (nothing is made that would not be said)
     out = bytearray()
     batch: list[tuple[int, Pending]] = []
-    #: 1 while its write waits in the batch (what depends on it waits for the commit)
+    #: 1 while its write waits in a batch (what depends on it waits for the commit)
     in_batch = bytearray(len(resources))
     dirs = OpenDirs()
     limit = BATCH_FIRST
+    #: the batch handed over: its data being synced by a thread meanwhile
+    flight: _Flight | None = None
 
     def say(made: list[int]) -> None:
         nonlocal told
@@ -519,22 +513,37 @@ def _make(  # pragma: no cover (the child's)
             os.close(told)
             told = -1
 
+    def hand() -> None:
+        """The batch's data to disk in a thread (`sync_data`: one syncfs(2), which
+        waits for the disk) while the next is prepared; the one before landed first."""
+        nonlocal batch, dirs, flight, limit
+        land()
+        if not batch:
+            return
+        pendings = [p for _, p in batch]
+        flight = _Flight(batch, dirs, pendings, len(pendings) >= SYNCFS_MIN, sync_data)
+        batch, dirs = [], OpenDirs()
+        limit = min(limit * 2, BATCH_MAX)
+
     def land() -> None:
-        nonlocal dirs, limit
-        errors = commit([p for _, p in batch])
+        """The batch handed over renamed and durable, said in the journal, then told."""
+        nonlocal flight
+        if flight is None:
+            return
+        landed, flight = flight, None
+        try:
+            errors = commit(landed.pendings, landed.synced())
+        finally:
+            landed.dirs.close()
         crash_point("ahead-committed")  # (made, durably; not told yet)
-        dirs.close()
-        dirs = OpenDirs()
         made = []
-        for (i, _), error in zip(batch, errors, strict=True):
+        for (i, _), error in zip(landed.batch, errors, strict=True):
             in_batch[i] = 0
             sound[i] = error is None
             if error is None:
                 made.append(i)
             out.extend(RECORD.pack(i, CREATED if error is None else OTHER))
         say(made)
-        batch.clear()
-        limit = min(limit * 2, BATCH_MAX)
         _write_all(out_fd, out)
         out.clear()
 
@@ -542,8 +551,9 @@ def _make(  # pragma: no cover (the child's)
         for i in order:
             if not (missing[i] or sound[i]):
                 continue
-            if batch and any(in_batch[p] for p in parents[i]):
-                land()  # (in its state once that batch is committed, not before)
+            if any(in_batch[p] for p in parents[i]):
+                hand()  # (in its state once that batch is committed, not before)
+                land()
             if not missing[i]:  # (found in its state: sound if all above it still is)
                 sound[i] = all(sound[p] for p in parents[i])
                 continue
@@ -566,10 +576,15 @@ def _make(  # pragma: no cover (the child's)
                 batch.append((i, made))
                 in_batch[i] = 1
                 if len(batch) >= limit:
-                    land()
-        if batch and not _stopping:
-            land()
+                    hand()
+        if not _stopping:
+            hand()
+        land()
     finally:
+        if flight is not None:  # (an error: the batch handed over is waited for, dropped)
+            flight.synced()
+            flight.dirs.close()
+            batch = flight.batch + batch
         for i, p in batch:  # (stopped: not made; their temporary files removed)
             with contextlib.suppress(OSError):
                 discard(p)
@@ -578,6 +593,37 @@ def _make(  # pragma: no cover (the child's)
         if told >= 0:
             os.close(told)
         _write_all(out_fd, out)
+
+
+class _Flight:  # pragma: no cover (the child's)
+    """A batch handed over: `sync_data` of it in a thread of its own (a batch of
+    SYNCFS_MIN or more; a smaller one is synced file by file by `commit`)."""
+
+    def __init__(
+        self,
+        batch: list[tuple[int, Pending]],
+        dirs: OpenDirs,
+        pendings: list[Pending],
+        many: bool,
+        sync_data: Callable[[list[Pending]], Any],
+    ) -> None:
+        import threading
+
+        self.batch, self.dirs, self.pendings = batch, dirs, pendings
+        self._got: list[Any] = []
+        self._thread: threading.Thread | None = None
+        if many:
+            self._thread = threading.Thread(
+                target=lambda: self._got.append(sync_data(pendings)), daemon=True
+            )
+            self._thread.start()
+
+    def synced(self) -> Any:
+        """What `sync_data` gave, once it returned (None: none, or it failed: `commit`
+        syncs the batch itself)."""
+        if self._thread is not None:
+            self._thread.join()
+        return self._got[0] if self._got else None
 
 
 class _Plan(NamedTuple):

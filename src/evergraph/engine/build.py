@@ -8,7 +8,6 @@ YAML node's `file:line:col`, a Python caller's `file:line`, an export's key).
 
 from __future__ import annotations
 
-import difflib
 import re
 import types
 import typing
@@ -42,6 +41,8 @@ def msgspec_path(message: str) -> tuple[str, tuple[PathPart, ...]]:
 
 def known_kinds_hint(kinds: list[str], word: str) -> str:
     """`(known: ...)` and the closest kind name, for an unknown kind's message."""
+    import difflib  # (an error's hint: not on the way of a good graph)
+
     close = difflib.get_close_matches(word, kinds, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"(known: {', '.join(kinds)}){hint}"
@@ -130,6 +131,8 @@ def build_resource(
             fields = [f.name for f in msgspec.structs.fields(cls)]
             if sub == ("meta",):
                 fields = [f.name for f in msgspec.structs.fields(Meta)]
+            import difflib
+
             close = difflib.get_close_matches(field, fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             dotted = ".".join(str(p) for p in (*sub, field))

@@ -5,7 +5,6 @@
 # `evergraph run`'s start-up, ~1 ms)
 
 import os
-import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -269,7 +268,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         return ends_when_converged(self.watch, self.converged_exit, self.converged_timeout)
 
     def host(self) -> str:
-        return self.hostname or socket.gethostname()
+        return self.hostname or os.uname().nodename  # (gethostname(2)'s: no socket import)
 
 
 def one_shot(settings: Mapping[str, Any]) -> bool:
