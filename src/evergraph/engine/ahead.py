@@ -150,9 +150,6 @@ class Ahead:
             if nothing:  # (a kind that cannot tell: no verdict will come)
                 self.verdicts[i] = OTHER
         self._rest = b""  # a record cut short by a read
-        #: how many times verdicts came (or the end): the lane retries what it set
-        #: aside waiting only once this moved
-        self.received = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
@@ -259,7 +256,6 @@ class Ahead:
             self._take_records(chunk)
 
     def _take_records(self, chunk: bytes) -> None:
-        self.received += 1
         data = self._rest + chunk if self._rest else chunk
         whole = len(data) - len(data) % RECORD.size
         self._rest = data[whole:]
@@ -344,7 +340,6 @@ class Ahead:
         fd, self._fd = self._fd, -1
         if fd < 0:
             return
-        self.received += 1  # (what is still pending now is OTHER)
         self._quiet()
         os.close(fd)
         for pid in self.pids:

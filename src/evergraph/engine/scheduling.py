@@ -145,9 +145,7 @@ class Scheduling(EngineState):
         engine's idle check once a batch. Only a clean check is fused; a change, a
         failure, a suspended check, a refresh, an intent or values to send go on
         through the general path's `_finish` from where they are, and so does a
-        vertex that must not run inline (`_start`). A vertex whose verdict ahead is
-        still to come is set aside (`_held`, still queued) while the others go on:
-        the children answer in their own order, not the lane's."""
+        vertex that must not run inline (`_start`)."""
         ready = self._ready
         debug = log.isEnabledFor(logging.DEBUG)
         # an observer that no one listens to (the agent's hub, with no HTTP view)
@@ -155,13 +153,8 @@ class Scheduling(EngineState):
         observer = self.observer
         observed = debug or (observer is not None and getattr(observer, "listening", True))
         ahead = self._ahead
-        held = self._held
         if ahead is not None:
             ahead.poll()  # the verdicts come since the last batch
-            if held and ahead.received != self._held_at:
-                ready.extendleft(reversed(held))  # (first, as they came)
-                held.clear()
-            self._held_at = ahead.received
         clock = self.clock
         noop = self.settings.noop
         waiting = False
@@ -181,16 +174,14 @@ class Scheduling(EngineState):
                     ahead.poll()
                     verdict = ahead.take(at)
                 if verdict == PENDING:
-                    # the child may be making it: set aside (still queued) while the
-                    # others go on, first in line again once more verdicts came
-                    # (ahead.wake); what depends on it waits, as it is not clean yet
-                    held.append(v)
+                    # the child may be making it: first in line again once more
+                    # verdicts came (ahead.wake), and nothing runs meanwhile
+                    ready.appendleft(v)
                     v.queued = True
                     self._queued += 1
-                    if not waiting:
-                        waiting = True
-                        ahead.wake(self._drain)
-                    continue
+                    waiting = True
+                    ahead.wake(self._drain)
+                    break
                 v.ahead = VERDICT_USED  # (not initialised; its verdict taken)
                 if verdict == CREATED:
                     self._made_ahead(v, observed)
@@ -285,9 +276,7 @@ class Scheduling(EngineState):
                 ready.append(c)
             if v.pending:
                 self._poke(v)
-        # (verdicts came during this batch: what was set aside is tried again)
-        more = ready or (held and ahead is not None and ahead.received != self._held_at)
-        if more and not self._drain_scheduled and self._suspended < SUSPENDED_MAX:
+        if ready and not (waiting or self._drain_scheduled) and self._suspended < SUSPENDED_MAX:
             self._drain_scheduled = True
             asyncio.get_running_loop().call_soon(self._drain)  # a loop turn, no time
         self._check_idle()

@@ -147,10 +147,6 @@ class EngineState:
         self._progress: list[asyncio.Future[None]] = []
         #: vertices poked and waiting for the next drain (see _poke)
         self._ready: collections.deque[Vertex] = collections.deque()
-        #: the one-shot lane's queued vertices set aside while their verdict ahead is
-        #: pending (still queued: back in `_ready` once more verdicts came)
-        self._held: collections.deque[Vertex] = collections.deque()
-        self._held_at = -1  # (`Ahead.received` when the last was set aside)
         self._queued = 0
         self._drain_scheduled = False
         #: eager checks suspended now (see SUSPENDED_MAX)
