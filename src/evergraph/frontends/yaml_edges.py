@@ -22,7 +22,6 @@ skeleton the YAML parser refuses is parsed whole, and the model's errors name
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from typing import Any
 
 from evergraph.frontends import _yaml_rs as yaml_rs
@@ -54,21 +53,18 @@ def _block(d: str, group: str) -> str:
     )
 
 
-#: per indentation: (a run of blocks, possessive: its end is the section's end
-#: if the text is as read here; one block, capturing)
-_PATTERNS: dict[int, tuple[re.Pattern[str], re.Pattern[str]]] = {}
+#: per indentation: one block, capturing
+_PATTERNS: dict[int, re.Pattern[str]] = {}
 _SPACES = re.compile(r" *")
 #: the one item the skeleton's `edges:` holds: the caller sees it there alone,
 #: so the cut section was the whole value of the top-level key
 MARK = "evergraph-read-these-edges"
 
 
-def _patterns(d: int) -> tuple[re.Pattern[str], re.Pattern[str]]:
+def _pattern(d: int) -> re.Pattern[str]:
     got = _PATTERNS.get(d)
     if got is None:
-        indent = " " * d
-        run = re.compile(f"(?:{_block(indent, '(?:')})*+")
-        got = _PATTERNS[d] = (run, re.compile(_block(indent, "(")))
+        got = _PATTERNS[d] = re.compile(_block(" " * d, "("))
     return got
 
 
@@ -76,12 +72,11 @@ def _text(v: str) -> str:
     return v[1:-1] if v[0] in "\"'" else v
 
 
-def split_edges(text: str) -> tuple[str, Iterator[RawEdge]] | None:
+def split_edges(text: str) -> tuple[str, list[RawEdge]] | None:
     """The text with its `edges:` section cut down to one item, `MARK` (the
-    skeleton), and the section's edges, read one by one as the iterator is
-    taken (a graph of 10k edges never holds 10k of these tuples at once);
-    None when they are not laid out as this module reads for certain (then
-    parse the whole text)."""
+    skeleton), and the section's edges; None when they are not laid out as this
+    module reads for certain (then parse the whole text). One pass: the blocks
+    must follow each other from the section's start to its end."""
     # the top-level `edges:` key alone on its line, once
     if text.startswith("edges:\n"):
         start = 7
@@ -98,30 +93,25 @@ def split_edges(text: str) -> tuple[str, Iterator[RawEdge]] | None:
     d = _SPACES.match(text, start).end() - start  # type: ignore[union-attr]
     if not text.startswith("- ", start + d):
         return None
-    run, block = _patterns(d)
-    end = run.match(text, start).end()  # type: ignore[union-attr]
+    end = start
+    edges: list[RawEdge] = []
+    for m in _pattern(d).finditer(text, start):
+        if m.start() != end:
+            break  # (not the next block: the run of blocks ended before it)
+        end = m.end()
+        edges.append(m.groups())  # type: ignore[arg-type]
     # the section must end here: at the end of the text or at the next top-level key
     if end == start or (end < len(text) and not (text[end].isalpha() or text[end] in "_\"'")):
         return None
-    section = text[start:end]
-    quoted = '"' in section or "'" in section
-    return f"{text[:start]}{' ' * d}- {MARK}\n{text[end:]}", _read(block, text, start, end, quoted)
+    if '"' in text[start:end] or "'" in text[start:end]:
+        edges = [
+            (n if n is None else _text(n), _text(fk), _text(fn), _text(tk), _text(tn), nt)
+            for n, fk, fn, tk, tn, nt in edges
+        ]
+    return f"{text[:start]}{' ' * d}- {MARK}\n{text[end:]}", edges
 
 
-def _read(
-    block: re.Pattern[str], text: str, start: int, end: int, quoted: bool
-) -> Iterator[RawEdge]:
-    """The blocks of `text[start:end]`, known to follow each other there."""
-    if not quoted:
-        for m in block.finditer(text, start, end):
-            yield m.groups()  # type: ignore[misc]
-        return
-    for m in block.finditer(text, start, end):
-        n, fk, fn, tk, tn, nt = m.groups()
-        yield (n if n is None else _text(n), _text(fk), _text(fn), _text(tk), _text(tn), nt)
-
-
-def load_fast(text: str) -> tuple[Any, Iterator[RawEdge]] | None:
+def load_fast(text: str) -> tuple[Any, list[RawEdge]] | None:
     """The parsed text and its edges when `split_edges` reads them (the YAML
     parser reads the rest; the document's `edges` is then null); None: parse
     the whole text. Any doubt, and any error in the rest, goes to the whole
