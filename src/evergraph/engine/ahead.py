@@ -170,8 +170,8 @@ class Ahead:
         cores or more, else one). Nothing is made unless `model.auto` says its
         automatic edges (frontends/cache.py finds them with the parse), nor
         without a `journal` (see `report_made`). `chore`: work taken off the
-        parent's way to the engine, for the first child (a parse cache entry,
-        `ParseCache.flush`), done by the child that takes it first, after the go
+        parent's way to the engine (a parse cache entry, `ParseCache.flush`),
+        done by the child that takes it first, after the go
         once its making is done (never without the go: a refused run writes
         nothing; not before the making, which the engine waits for); None if the
         fork failed (the caller does it then)."""
