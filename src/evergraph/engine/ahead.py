@@ -662,7 +662,8 @@ def _plan(
     auto = model.auto  # (found with the parse: frontends/cache.py)
     if auto is None or not auto.fits(model):
         return parents, edged, None
-    place = {r.ident: i for i, r in enumerate(resources)}
+    # (`resources` are the model's, in its order: its keys are their idents)
+    place = {ident: i for i, ident in enumerate(model.resources)}
     children: list[list[int]] = [[] for _ in range(n)]
     for from_id, to_id, notify, send, recv, _name in (*model.edges, *auto.edges):
         a, b = place[from_id], place[to_id]
@@ -742,9 +743,9 @@ def _owners(parents: list[list[int]] | None, n: int, of: int) -> bytearray:
             ra, rb = find(a), find(b)
             if ra != rb:
                 root[max(ra, rb)] = min(ra, rb)
+    roots = [find(i) for i in range(n)]
     size: dict[int, int] = {}
-    for i in range(n):
-        r = find(i)
+    for r in roots:
         size[r] = size.get(r, 0) + 1
     load = [0] * of
     owner: dict[int, int] = {}
@@ -752,7 +753,7 @@ def _owners(parents: list[list[int]] | None, n: int, of: int) -> bytearray:
         child = load.index(min(load))
         owner[r] = child
         load[child] += count
-    return bytearray(owner[find(i)] for i in range(n))
+    return bytearray(owner[r] for r in roots)
 
 
 #: bytes written to the pipe at once, at most: whole records, and no more than
