@@ -266,6 +266,36 @@ def test_below_a_directory_found_missing_nothing_that_appeared_since_is_replaced
     assert (e / "f").read_text() == CONTENT
 
 
+def test_a_link_planted_below_a_world_writable_directory_just_made_is_replaced(
+    tmp_path: Path,
+) -> None:
+    """Attack: the child made a world-writable directory (mode 0777, as declared)
+    and writes below it without a look (`made`); anyone may plant a symlink (to a
+    file they want overwritten) at the file's path meanwhile. The rename replaces
+    the link: the target is untouched, the path is our file."""
+    victim = tmp_path / "victim"
+    victim.write_text("root's\n")
+    d = tmp_path / "shared"
+    directory = build(default_registry, "file", {"name": "d", "path": f"{d}/", "mode": "0777"})
+    f = file(f"{d}/f")
+    seen: dict[str, Any] = {}
+    assert directory.ahead_check(seen) is False
+    assert f.ahead_check(seen) is False
+    dirs = OpenDirs()
+    try:
+        assert directory.ahead_create(seen, dirs) is True
+        assert stat.S_IMODE(d.stat().st_mode) == 0o777
+        (d / "f").symlink_to(victim)  # (the attacker's, between the two makings)
+        pending = f.ahead_create(seen, dirs)
+        assert not isinstance(pending, bool)
+        assert commit([pending]) == [None]
+    finally:
+        dirs.close()
+    assert victim.read_text() == "root's\n"
+    assert not (d / "f").is_symlink()
+    assert (d / "f").read_text() == CONTENT
+
+
 N = 300  # above engine.ahead.MIN_RESOURCES: the run forks its child
 
 
