@@ -96,15 +96,31 @@ def free_port(host: str = "127.0.0.1") -> int:
     draw = int.from_bytes(os.urandom(4), "big")
     for k in range(PICK_TRIES if high > low else 0):
         port = low + (draw + k * 7919) % (high - low)
+        if port in _handed:
+            continue  # (given out here moments ago: its server may not listen yet)
         with socket.socket(family, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            return port
+            return _hand(port)
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return int(s.getsockname()[1])
+        return _hand(int(s.getsockname()[1]))
+
+
+#: the ports `free_port` gave out last, newest at the end: not given out again (a
+#: cluster's members take theirs only once all are picked: two drew the same one)
+_handed: dict[int, None] = {}
+_HANDED_MAX = 512
+
+
+def _hand(port: int) -> int:
+    _handed.pop(port, None)
+    _handed[port] = None
+    if len(_handed) > _HANDED_MAX:
+        del _handed[next(iter(_handed))]
+    return port
 
 
 def _ephemeral_low() -> int:
