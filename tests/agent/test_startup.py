@@ -496,6 +496,24 @@ def test_a_lazy_hub_makes_its_instance_on_the_first_subscription(tmp_path: Path)
     assert mask & (inotify.IN_CREATE | inotify.IN_MODIFY | inotify.IN_CLOSE_WRITE)
 
 
+def test_a_one_shot_run_of_half_a_second_arms_no_notifier_of_the_world(tmp_path: Path) -> None:
+    """A run that exits once converged tells the sqlite World it ends soon: its
+    notifier of other processes' commits arms after SHORT_LIVED_ARM_AFTER, not
+    ARM_AFTER, so that a run done within that time makes no inotify instance
+    (whose teardown costs ~15 ms at exit). A command of half a second: longer than
+    ARM_AFTER."""
+    from evergraph.world import _sqlite_notify
+
+    assert _sqlite_notify.ARM_AFTER < 0.5 < _sqlite_notify.SHORT_LIVED_ARM_AFTER
+    g = tmp_path / "g.yaml"
+    g.write_text("resources:\n  exec:\n  - name: e\n    cmd: sleep 0.5\n    shell: /bin/sh\n")
+    st = str(tmp_path / "state")
+    rc, err, mods = _at_exit(["run", str(g), "--converged-exit", "--state-dir", st])
+    assert rc == 0, err
+    assert "evergraph.world.sqlite" in mods  # (the World was used: members, host keys)
+    assert "<an inotify instance>" not in mods
+
+
 def test_a_sqlite_watcher_sees_another_clients_commit_made_before_its_notifier_is_armed(
     tmp_path: Path,
 ) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import fcntl
 import gc
 import inspect
@@ -332,7 +333,10 @@ class Agent:
                     if self.world_opts is not None and self.world_opts.embedded:
                         opened = await self._open_seat(self.world_opts)
                     elif self.world_opts is not None:
-                        opened = await open_world(self.world_opts, self.settings.state_dir)
+                        opts = self.world_opts
+                        if self.settings.one_shot:
+                            opts = dataclasses.replace(opts, short_lived=True)
+                        opened = await open_world(opts, self.settings.state_dir)
                         if self.world_opts.is_etcd:
                             self._follow_cluster(opened.kv)
                     if opened is not None:

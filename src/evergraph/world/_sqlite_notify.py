@@ -32,6 +32,11 @@ from evergraph._util.inotify import (  # the event bits and parser; ctypes once 
 #: marks' RCU grace period). Another process's commit (or a lease's expiry) in that
 #: moment reaches the watchers when it is armed: at most this late.
 ARM_AFTER = 0.1
+#: the same for a client that says it ends soon (`SQLiteKV(short_lived=True)`: a
+#: run that exits once converged): a first apply of 10k files takes under a
+#: second, and what another process commits meanwhile only needs to reach it
+#: before it is done, if at all
+SHORT_LIVED_ARM_AFTER = 2.0
 _IN_MODIFY_CLOSE_WRITE_ATTRIB = IN_MODIFY | IN_CLOSE_WRITE | IN_ATTRIB
 _IN_CREATE_DELETE_MOVED = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO
 
@@ -50,13 +55,15 @@ class Notified(msgspec.Struct, frozen=True):
     sweep_now: Callable[[], Awaitable[bool]]
     #: wake the client's watchers: look again
     notify: Callable[[], None]
+    #: seconds after its first watch the notifier arms (`ARM_AFTER`)
+    arm_after: float = ARM_AFTER
 
 
 async def notify_loop(kv: Notified, path: Path) -> None:
     """Wake watchers on other processes' commits (inotify on the WAL) and sweep
     expired leases, so deletions by expiry reach watchers without any write."""
     with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(ARM_AFTER):
+        async with asyncio.timeout(kv.arm_after):
             await kv.closed.wait()
     if kv.closed.is_set():
         return

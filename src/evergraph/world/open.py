@@ -35,6 +35,9 @@ class WorldOptions:
     key: Path | None = None
     user: str | None = None
     password: str | None = field(default=None, repr=False)
+    #: the client ends soon (a run that exits once converged: sqlite's notifier of
+    #: other processes' commits arms later, see world/_sqlite_notify.py)
+    short_lived: bool = False
 
     @property
     def is_etcd(self) -> bool:
@@ -123,7 +126,7 @@ async def open_world(opts: WorldOptions, state_dir: Path) -> OpenWorld:
     if backend == "sqlite":
         from evergraph.world.sqlite import SQLiteKV
 
-        return OpenWorld(SQLiteKV(opts.db or state_dir / "world.sqlite"))
+        return OpenWorld(SQLiteKV(opts.db or state_dir / "world.sqlite", opts.short_lived))
     if backend == "memory":
         from evergraph.world.memory import MemoryKV
 

@@ -9,7 +9,8 @@ How a watcher learns that another process wrote: inotify on the `-wal` file
 (every commit writes it), with a slow poll (30 s) behind it in case an event
 is missed (e.g. a checkpoint that truncated the file between our reads),
 armed 0.1 s after the first watch starts (`ARM_AFTER`: a short-lived client
-never pays an inotify instance's teardown). An idle agent wakes for nothing
+never pays an inotify instance's teardown; 2 s for a client that says it is one,
+a run that exits once converged). An idle agent wakes for nothing
 else than its lease: no fixed tick. That notifier is world/_sqlite_notify.py.
 
 Leases keep their deadline as wall-clock time in the file. Expired leases
@@ -47,7 +48,12 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 from evergraph._util.tasks import first_of
-from evergraph.world._sqlite_notify import Notified, notify_loop
+from evergraph.world._sqlite_notify import (
+    ARM_AFTER,
+    SHORT_LIVED_ARM_AFTER,
+    Notified,
+    notify_loop,
+)
 from evergraph.world.kv import (
     KV,
     Compacted,
@@ -93,8 +99,11 @@ def _upper(prefix: str) -> str:
 class SQLiteKV(KV):
     name = "sqlite"
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, short_lived: bool = False) -> None:
+        """`short_lived`: this client ends soon (a one-shot run): its notifier arms
+        later (`SHORT_LIVED_ARM_AFTER`)."""
         self.path = Path(path)
+        self._arm_after = SHORT_LIVED_ARM_AFTER if short_lived else ARM_AFTER
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -485,6 +494,7 @@ class SQLiteKV(KV):
             until_expiry=self._until_expiry,
             sweep_now=self._sweep_now,
             notify=self._notify,
+            arm_after=self._arm_after,
         )
 
     def _until_expiry(self) -> float:
