@@ -488,7 +488,7 @@ def _make(  # pragma: no cover (the child's)
     data goes to disk (`atomic.sync_data`, in a thread) while the next batch's
     files are written; it is renamed once that is done, before the next is handed
     over."""
-    from evergraph._util.atomic import SYNCFS_MIN, OpenDirs, commit, discard, sync_data
+    from evergraph._util.atomic import OpenDirs, commit, discard
 
     try:
         told = os.open(journal, _JOURNAL_FLAGS, 0o600)
@@ -520,8 +520,7 @@ def _make(  # pragma: no cover (the child's)
         land()
         if not batch:
             return
-        pendings = [p for _, p in batch]
-        flight = _Flight(batch, dirs, pendings, len(pendings) >= SYNCFS_MIN, sync_data)
+        flight = _Flight(batch, dirs)
         batch, dirs = [], OpenDirs()
         limit = min(limit * 2, BATCH_MAX)
 
@@ -599,20 +598,16 @@ class _Flight:  # pragma: no cover (the child's)
     """A batch handed over: `sync_data` of it in a thread of its own (a batch of
     SYNCFS_MIN or more; a smaller one is synced file by file by `commit`)."""
 
-    def __init__(
-        self,
-        batch: list[tuple[int, Pending]],
-        dirs: OpenDirs,
-        pendings: list[Pending],
-        many: bool,
-        sync_data: Callable[[list[Pending]], Any],
-    ) -> None:
+    def __init__(self, batch: list[tuple[int, Pending]], dirs: OpenDirs) -> None:
         import threading
 
-        self.batch, self.dirs, self.pendings = batch, dirs, pendings
+        from evergraph._util.atomic import SYNCFS_MIN, sync_data
+
+        self.batch, self.dirs = batch, dirs
+        self.pendings = pendings = [p for _, p in batch]
         self._got: list[Any] = []
         self._thread: threading.Thread | None = None
-        if many:
+        if len(pendings) >= SYNCFS_MIN:
             self._thread = threading.Thread(
                 target=lambda: self._got.append(sync_data(pendings)), daemon=True
             )
