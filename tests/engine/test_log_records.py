@@ -19,7 +19,7 @@ import pytest
 
 from evergraph.cli import logs
 from evergraph.engine import changes, recap
-from evergraph.engine.changes import DataRecord, log_data
+from evergraph.engine.changes import DataRecord, log_batch, log_data
 from evergraph.engine.engine import Engine
 from evergraph.engine.prepare import prepare
 from evergraph.engine.recap import Recaps
@@ -145,6 +145,77 @@ def test_the_data_is_made_only_for_a_handler_that_reads_it() -> None:
     finally:
         log.setLevel(logging.NOTSET)
     assert len(first.records) == 1
+
+
+class _Drop(logging.Filter):
+    """Drops the records whose message holds `word`."""
+
+    def __init__(self, word: str) -> None:
+        super().__init__()
+        self.word = word
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.word not in record.getMessage()
+
+
+def _entries(n: int) -> list[changes.Entry]:
+    return [
+        (
+            "%s",
+            (f"file[f{i}]: applied: state, content, mode",),
+            lambda i=i: changes.record_data(f"file[f{i}]", False, (), [], []),  # type: ignore[misc]
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.mark.usefixtures("cli_logging")
+@pytest.mark.parametrize("where", ["none", "logger", "handler"])
+def test_a_batch_gives_every_handler_what_each_record_alone_would(where: str) -> None:
+    """`log_batch` (the lines of what the children made, one write) against
+    `log_data` of each entry: the same records, text and JSON lines, in order, to a
+    handler that takes them together (BufferedHandler) and to one that does not; a
+    filter (the logger's, a handler's) and a handler's level still apply."""
+    log = logging.getLogger("evergraph.engine.batch")
+    outs: dict[str, tuple[io.StringIO, io.StringIO, _Keep, _Keep]] = {}
+    for how in ("each", "batch"):
+        text_out, json_out = io.StringIO(), io.StringIO()
+        text, js = logs.BufferedHandler(text_out), logs.BufferedHandler(json_out)
+        text.setFormatter(logs.TextFormatter())
+        js.setFormatter(logs.JsonFormatter())
+        keep, quiet = _Keep(logs.TextFormatter()), _Keep(logs.TextFormatter())
+        quiet.setLevel(logging.WARNING)  # given none of them
+        if where == "handler":
+            text.addFilter(_Drop("f3]"))
+            keep.addFilter(_Drop("f3]"))
+        _use(text, js, keep, quiet)
+        if where == "logger":
+            log.addFilter(_Drop("f3]"))
+        try:
+            if how == "each":
+                for msg, args, data in _entries(7):
+                    log_data(log, msg, args, data, effect=False, event="changed")
+            else:
+                log_batch(log, _entries(7), event="changed")
+        finally:
+            log.filters.clear()
+        outs[how] = (text_out, json_out, keep, quiet)
+    (t1, j1, k1, q1), (t2, j2, k2, q2) = outs["each"], outs["batch"]
+    after_time = [line.split(" ", 1)[1] for line in t1.getvalue().splitlines()]
+    assert [line.split(" ", 1)[1] for line in t2.getvalue().splitlines()] == after_time
+    want = [f"file[f{i}]: applied: state, content, mode" for i in range(7)]
+    if where != "none":
+        want.remove("file[f3]: applied: state, content, mode")
+    assert after_time == want
+    one = [json.loads(x) for x in j1.getvalue().splitlines()]
+    two = [json.loads(x) for x in j2.getvalue().splitlines()]
+    for x in (*one, *two):
+        x.pop("ts")
+    assert one == two
+    assert len(one) == (6 if where == "logger" else 7)
+    assert [_plain(r) for r in k2.records] == [_plain(r) for r in k1.records]
+    assert all(r.__dict__["effect"] is False for r in k2.records)
+    assert q1.records == q2.records == []
 
 
 def _first_apply(tmp_path: Path, n: int) -> Engine:

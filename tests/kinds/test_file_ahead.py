@@ -425,6 +425,35 @@ def test_a_first_apply_is_made_ahead_and_logged_as_the_run_makes_it(tmp_path: Pa
     assert ": applied" not in again
 
 
+def test_the_lines_of_what_was_made_ahead_come_once_each_and_in_order(tmp_path: Path) -> None:
+    """Without -v the run logs the lines of what the children made together (a
+    batch at a time, engine/scheduling.py); each still comes once, after those of
+    what it depends on, and before the line of a change made after it (a file
+    repaired by the run itself, whose line is written through at once)."""
+    g = tree(tmp_path, N)
+    late = tmp_path / "late"
+    late.write_text("other\n")
+    g.write_text(
+        g.read_text().replace(
+            "edges:\n",
+            f'  - {{name: late, path: "{late}", content: "late\\n"}}\nedges:\n',
+        )
+        + f"- name: el\n  from: {{kind: file, name: f{N - 1}}}\n  to: {{kind: file, name: late}}\n"
+    )
+    r = run_cli("run", g, "--state-dir", tmp_path / "s", "--converged-exit", timeout=120)
+    assert r.returncode == 0, r.stderr
+    tree_is_right(tmp_path, N)
+    assert late.read_text() == "late\n"
+    applied = [m.group(1) for m in re.finditer(r"^\S+ (file\[\w+\]): applied: ", r.stderr, re.M)]
+    want = {f"file[d{d}]" for d in range(3)} | {f"file[f{i}]" for i in range(N)}
+    assert sorted(applied) == sorted(want | {"file[late]"}), "each line once"
+    at = {ident: k for k, ident in enumerate(applied)}
+    for i in range(N):
+        assert at[f"file[d{i % 3}]"] < at[f"file[f{i}]"]
+    assert at[f"file[f{N - 1}]"] < at["file[late]"]
+    assert r.stderr.index("file[late]: applied") < r.stderr.index("converged:")
+
+
 def spawn_run(tmp_path: Path, g: Path, crash: str) -> subprocess.Popen[str]:
     """`run` in a session of its own, killed at the crash point `crash`."""
     return subprocess.Popen(

@@ -159,6 +159,32 @@ class BufferedHandler(logging.StreamHandler):  # type: ignore[type-arg]
             if waker is not None:
                 waker()
 
+    def handle_many(self, records: list[logging.LogRecord]) -> None:
+        """`handle` of each record, in order, under one lock and with one write
+        (engine/changes.log_batch: records of no effect, unfiltered here)."""
+        if any(r.__dict__.get("effect") for r in records):
+            for record in records:  # (each effect written through: emit's)
+                self.handle(record)
+            return
+        with self.lock or _nolock():
+            try:
+                text = "".join([self.format(r) + self.terminator for r in records])
+            except Exception:  # (the record at fault said by handleError, as emit does)
+                for record in records:
+                    self.emit(record)
+                return
+            try:
+                self.stream.write(text)
+            except RecursionError:
+                raise
+            except Exception:
+                self.handleError(records[0])
+            if not self._pending:
+                self._pending = True
+                waker = self.waker
+                if waker is not None:
+                    waker()
+
     def flush(self) -> None:
         pass
 

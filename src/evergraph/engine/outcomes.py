@@ -102,21 +102,39 @@ class Outcomes(EngineState):
         notify = [c.ident for c in v.notify_children] if v.notify_children else []
         send = [f"{value} → {c.ident}.{field}" for value, c, field in v.send_edges]
         data = partial(changes.record_data, v.ident, noop, done, notify, send)
-        # an applied change is an effect: the log writes it through (cli/logs.py)
+        args: tuple[object, ...]
+        msg = "%s"
         if not done and not (diffs and (notify or send)):
-            changes.log_data(log, "%s: %s", (v.ident, what), data, effect=effect, event="changed")
+            msg, args = "%s: %s", (v.ident, what)
+        else:
+            head = f"{v.ident}: {what}: {changes.summary(done)}" if done else f"{v.ident}: {what}"
+            if not diffs:
+                args = (head,)
+            else:
+                out = [head, *changes.lines(done, diffs=True)]
+                notifies, sends = ("would notify", "would send") if noop else ("notifies", "sends")
+                out.extend(f"  {notifies} {ident}" for ident in notify)
+                out.extend(f"  {sends} {line}" for line in send)
+                args = ("\n".join(out),)
+        held = self._held
+        if held is not None and not effect and not v.send_edges:
+            held.append((msg, args, data))
             return
-        head = f"{v.ident}: {what}: {changes.summary(done)}" if done else f"{v.ident}: {what}"
-        if not diffs:
-            changes.log_data(log, "%s", (head,), data, effect=effect, event="changed")
-            return
-        out = [head, *changes.lines(done, diffs=True)]
-        notifies, sends = ("would notify", "would send") if noop else ("notifies", "sends")
-        out.extend(f"  {notifies} {ident}" for ident in notify)
-        out.extend(f"  {sends} {line}" for line in send)
-        changes.log_data(log, "%s", ("\n".join(out),), data, effect=effect, event="changed")
+        if held:
+            self._log_held()  # (in order)
+        # an applied change is an effect: the log writes it through (cli/logs.py)
+        changes.log_data(log, msg, args, data, effect=effect, event="changed")
+
+    def _log_held(self) -> None:
+        """Log the lines `_held`, in order, as one batch (`changes.log_batch`)."""
+        held = self._held
+        if held:
+            changes.log_batch(log, held, event="changed")
+            held.clear()
 
     def _record_failure(self, v: Vertex, error: str) -> None:
+        if self._held:
+            self._log_held()  # (in order)
         error = v.mask(error)
         v.unknown_why = None
         v.ok = False

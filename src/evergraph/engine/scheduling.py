@@ -21,12 +21,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from evergraph._util.crash import crash_point
 from evergraph.engine.ahead import CLEAN, CREATED, PENDING
 from evergraph.engine.contract import runs_inline
 from evergraph.engine.state import DRAIN_BATCH, SUSPENDED_MAX, EngineState, error_text
 from evergraph.engine.vertex import INITIALISED, MADE_AHEAD, VERDICT_USED, Vertex
+
+if TYPE_CHECKING:
+    from collections import deque
+
+    from evergraph.engine.ahead import Ahead
 
 log = logging.getLogger("evergraph.engine")
 
@@ -155,6 +161,24 @@ class Scheduling(EngineState):
         ahead = self._ahead
         if ahead is not None:
             ahead.poll()  # the verdicts come since the last batch
+        # the lines of what the children made, held for one write (`_made_ahead`);
+        # not with -v, whose lines for each vertex would come before them
+        hold = ahead is not None and not debug
+        if hold:
+            self._held = []
+        try:
+            waiting = self._lane_batch(ready, ahead, observed)
+        finally:
+            if hold:
+                self._log_held()
+                self._held = None
+        if ready and not (waiting or self._drain_scheduled) and self._suspended < SUSPENDED_MAX:
+            self._drain_scheduled = True
+            asyncio.get_running_loop().call_soon(self._drain)  # a loop turn, no time
+        self._check_idle()
+
+    def _lane_batch(self, ready: deque[Vertex], ahead: Ahead | None, observed: bool) -> bool:
+        """`_drain_lane`'s batch; whether it stopped to wait for the child ahead."""
         clock = self.clock
         noop = self.settings.noop
         waiting = False
@@ -195,6 +219,8 @@ class Scheduling(EngineState):
                         else v.upstream_changed
                     )
                 )
+            if self._held:
+                self._log_held()  # (the lines held come before this vertex's)
             if clean_ahead:
                 # found in its state by the check run ahead (swap.py deferred only
                 # vertices that run inline), and nothing it depends on changed since:
@@ -276,10 +302,7 @@ class Scheduling(EngineState):
                 ready.append(c)
             if v.pending:
                 self._poke(v)
-        if ready and not (waiting or self._drain_scheduled) and self._suspended < SUSPENDED_MAX:
-            self._drain_scheduled = True
-            asyncio.get_running_loop().call_soon(self._drain)  # a loop turn, no time
-        self._check_idle()
+        return waiting
 
     def _made_ahead(self, v: Vertex, observed: bool) -> None:
         """`v` was made by the child ahead (CREATED): recorded changed, with what its

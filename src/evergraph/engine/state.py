@@ -36,6 +36,7 @@ from evergraph.errors import InputError
 if TYPE_CHECKING:
     from evergraph.cluster.hostkeys import HostKeys
     from evergraph.engine.ahead import Ahead
+    from evergraph.engine.changes import Entry
     from evergraph.engine.contract import PathWatcher
     from evergraph.world.kv import KV
 
@@ -94,6 +95,11 @@ async def ended(task: asyncio.Task[Any]) -> None:
 
 
 class EngineState:
+    #: the log lines of changes not written through (made ahead), held while the
+    #: one-shot lane runs a batch and logged together at its end or before any other
+    #: line (outcomes.py, `_log_held`); None: each line logged as it comes
+    _held: list[Entry] | None = None
+
     def __init__(
         self,
         settings: Settings,
@@ -254,6 +260,9 @@ class EngineState:
         raise NotImplementedError
 
     def _revive(self, v: Vertex, why: str) -> None:
+        raise NotImplementedError
+
+    def _log_held(self) -> None:
         raise NotImplementedError
 
     def _finish(self, v: Vertex, result: bool, error: str | None, apply: bool) -> None:
