@@ -190,16 +190,31 @@ def _shown(text: str | None, keep: str = "") -> str:
 SUMMARY_MAX = 8
 
 
+#: the last tuple `summary` was given, and its summary: the changes of a first
+#: apply's files are one tuple, shared (`_changes`)
+_summarised: tuple[tuple[Change, ...], str] | None = None
+
+
 def summary(changes: Sequence[Change]) -> str:
     """The fields changed, once each, in order: `content, mode` (`… N more` past
     `SUMMARY_MAX`)."""
+    global _summarised
+    last = _summarised
+    if last is not None and last[0] is changes:
+        return last[1]
     fields = [c.field for c in changes]
     if len(fields) <= SUMMARY_MAX and len(set(fields)) == len(fields):
         text = ", ".join(fields)  # the common case, kept lean
-        return text if text.isprintable() else _shown(text)
-    fields = list(dict.fromkeys(fields))
-    text = ", ".join(_shown(f) for f in fields[:SUMMARY_MAX])
-    return f"{text}, … {len(fields) - SUMMARY_MAX} more" if len(fields) > SUMMARY_MAX else text
+        if not text.isprintable():
+            text = _shown(text)
+    else:
+        fields = list(dict.fromkeys(fields))
+        text = ", ".join(_shown(f) for f in fields[:SUMMARY_MAX])
+        if len(fields) > SUMMARY_MAX:
+            text = f"{text}, … {len(fields) - SUMMARY_MAX} more"
+    if type(changes) is tuple:  # (immutable: the same object, the same summary)
+        _summarised = (changes, text)
+    return text
 
 
 def lines(changes: Sequence[Change], *, diffs: bool) -> list[str]:
@@ -310,7 +325,7 @@ def log_data(
             extra["effect"] = effect
         logger.info(msg, *args, extra=extra)
         return
-    logger.handle(_record(logger, msg, args, data, effect, event))
+    logger.handle(_record(_base(logger, effect, event), msg, args, data))
 
 
 def log_batch(logger: logging.Logger, entries: Sequence[Entry], event: str | None = None) -> None:
@@ -331,7 +346,8 @@ def log_batch(logger: logging.Logger, entries: Sequence[Entry], event: str | Non
         for msg, args, data in entries:
             log_data(logger, msg, args, data, effect=False, event=event)
         return
-    records = [_record(logger, msg, args, data, False, event) for msg, args, data in entries]
+    base = _base(logger, False, event)
+    records = [_record(base, msg, args, data) for msg, args, data in entries]
     for h in handlers:
         many = getattr(h, "handle_many", None)
         if many is not None and not h.filters:
@@ -357,30 +373,36 @@ def _handlers(logger: logging.Logger) -> list[logging.Handler] | None:
     return found or None
 
 
+def _base(logger: logging.Logger, effect: bool | None, event: str | None) -> dict[str, Any]:
+    """What the INFO records of `logger` made by `_record` with this `effect` and
+    `event` hold alike (all but their message, data and time)."""
+    base = dict(_record_alike())
+    base["name"] = logger.name
+    base["levelname"] = logging.getLevelName(logging.INFO)
+    base["levelno"] = logging.INFO
+    base["_make_data"] = None
+    base["_event"] = event
+    if effect is not None:
+        base["effect"] = effect
+    return base
+
+
 def _record(
-    logger: logging.Logger,
+    base: dict[str, Any],
     msg: str,
     args: tuple[object, ...],
     data: Callable[[], dict[str, Any]],
-    effect: bool | None,
-    event: str | None,
 ) -> DataRecord:
-    """The INFO record `logger.info` would make (`_plain_records`), its data made
-    when read."""
+    """The INFO record `logger.info` would make (`_plain_records`) from its `_base`,
+    its data made when read."""
     created = time.time()
     record = DataRecord.__new__(DataRecord)
     d = record.__dict__
-    d.update(_record_alike())
-    d["name"] = logger.name
+    d.update(base)
     d["msg"] = msg
     d["args"] = args
-    d["levelname"] = logging.getLevelName(logging.INFO)
-    d["levelno"] = logging.INFO
     d["created"] = created
     d["msecs"] = int((created - int(created)) * 1000) + 0.0
     d["relativeCreated"] = (created - logging._startTime) * 1000  # type: ignore[attr-defined]
     d["_make_data"] = data
-    d["_event"] = event
-    if effect is not None:
-        d["effect"] = effect
     return record

@@ -60,7 +60,10 @@ def lookup_id(value: str | None, by_name: Callable[[str], int], field: str, what
         raise ResourceError(f"{field}: no such {what} {value!r}") from None
 
 
+@functools.lru_cache(maxsize=256)
 def octal(mode: int) -> str:
+    """A mode's permission bits as a change report shows them, `0644` (memoised: a
+    first apply reports the same few modes for 10k files)."""
     return f"{stat.S_IMODE(mode):04o}"
 
 
