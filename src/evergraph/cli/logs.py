@@ -153,6 +153,10 @@ class BufferedHandler(logging.StreamHandler):  # type: ignore[type-arg]
                 pass
             crash_point("effect-logged")
             return
+        self._wait_for_flush()
+
+    def _wait_for_flush(self) -> None:
+        """Lines wait in the buffer: the first since the last flush wakes the flusher."""
         if not self._pending:
             self._pending = True
             waker = self.waker
@@ -179,11 +183,7 @@ class BufferedHandler(logging.StreamHandler):  # type: ignore[type-arg]
                 raise
             except Exception:
                 self.handleError(records[0])
-            if not self._pending:
-                self._pending = True
-                waker = self.waker
-                if waker is not None:
-                    waker()
+            self._wait_for_flush()
 
     def flush(self) -> None:
         pass

@@ -373,17 +373,27 @@ def _handlers(logger: logging.Logger) -> list[logging.Handler] | None:
     return found or None
 
 
+#: `_base` per logger name, effect, event and INFO's level name (a few: kept)
+_bases: dict[tuple[str, bool | None, str | None, str], dict[str, Any]] = {}
+
+
 def _base(logger: logging.Logger, effect: bool | None, event: str | None) -> dict[str, Any]:
     """What the INFO records of `logger` made by `_record` with this `effect` and
-    `event` hold alike (all but their message, data and time)."""
-    base = dict(_record_alike())
-    base["name"] = logger.name
-    base["levelname"] = logging.getLevelName(logging.INFO)
-    base["levelno"] = logging.INFO
-    base["_make_data"] = None
-    base["_event"] = event
-    if effect is not None:
-        base["effect"] = effect
+    `event` hold alike (all but their message, data and time); never changed."""
+    levelname = logging.getLevelName(logging.INFO)
+    key = (logger.name, effect, event, levelname)
+    base = _bases.get(key)
+    if base is None:
+        base = dict(_record_alike())
+        base["name"] = logger.name
+        base["levelname"] = levelname
+        base["levelno"] = logging.INFO
+        base["_make_data"] = None
+        base["_event"] = event
+        if effect is not None:
+            base["effect"] = effect
+        if len(_bases) < 64:
+            _bases[key] = base
     return base
 
 
