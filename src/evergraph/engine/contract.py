@@ -498,6 +498,8 @@ class Registry:
         self._kinds: dict[str, type[Resource]] = {}
         #: kind name -> module that registers it when imported (not yet imported)
         self._lazy: dict[str, str] = {}
+        #: kind name -> module declared for it, imported or not (`declare`)
+        self._declared: dict[str, str] = {}
 
     def add(self, kind: str, cls: type[Resource], *aliases: str) -> None:
         for k in (kind, *aliases):
@@ -509,6 +511,7 @@ class Registry:
     def declare(self, module: str, *kinds: str) -> None:
         """Kinds that `module` registers on import, loaded on first lookup."""
         for k in kinds:
+            self._declared[k] = module
             if k not in self._kinds:
                 self._lazy[k] = module
 
@@ -531,10 +534,21 @@ class Registry:
     def kinds(self) -> list[str]:
         return sorted({*self._kinds, *self._lazy})
 
+    def origin(self, kind: str) -> str:
+        """Where `kind` comes from, the same before and after its module is imported:
+        the module declared for it (while its class is that module's), else the
+        class's module and name. ("" for a kind not here.)"""
+        declared = self._declared.get(kind)
+        cls = self._kinds.get(kind)
+        if declared is not None and (cls is None or cls.__module__ == declared):
+            return declared
+        return "" if cls is None else f"{cls.__module__}.{cls.__qualname__}"
+
     def copy(self) -> Registry:
         r = Registry()
         r._kinds = dict(self._kinds)
         r._lazy = dict(self._lazy)
+        r._declared = dict(self._declared)
         return r
 
 

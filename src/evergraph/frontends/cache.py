@@ -177,12 +177,9 @@ def _class_code(cls: type[Resource]) -> str:
 def entry_key(data: bytes, filename: str, registry: Registry) -> str:
     """The name of the entry for a graph file's bytes `data` read from `filename`."""
     h = hashlib.sha256()
-    lazy = registry._lazy
-    known = registry._kinds
-    kinds = [
-        f"{k}={lazy[k]}" if k in lazy else f"{k}={known[k].__module__}.{known[k].__qualname__}"
-        for k in registry.kinds()
-    ]
+    # (a kind's origin: the same whether its module was imported yet or not, so
+    # that the first parse of a process, which imports it, keys as the next)
+    kinds = [f"{k}={registry.origin(k)}" for k in registry.kinds()]
     head = [
         "evergraph parse cache",
         FORMAT,
