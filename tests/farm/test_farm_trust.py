@@ -404,7 +404,9 @@ def test_a_deleted_request_is_put_back_by_the_leader(farm: Farm) -> None:
         await kv.delete(req_key(rid))
 
     f.call(delete)
-    wait_for(lambda: f.get(req_key(rid)) is not None, what="the request put back")
+    # (the leader learns of the delete from sqlite's notifier, or at worst from its
+    # 30 s poll behind it: a loaded machine has been seen past the default 15 s)
+    wait_for(lambda: f.get(req_key(rid)) is not None, timeout=45, what="the request put back")
     assert state() == model.INVALID
     f.no_effect()
 
