@@ -218,6 +218,43 @@ def test_a_batch_gives_every_handler_what_each_record_alone_would(where: str) ->
     assert q1.records == q2.records == []
 
 
+@pytest.mark.parametrize(
+    "created", [1_800_000_000.0, 1_800_000_000.9995, 1_800_000_059.001], ids=["0ms", "999ms", "1ms"]
+)
+def test_a_text_handler_writes_a_batch_as_its_formatter_writes_each_record(
+    created: float,
+) -> None:
+    """The lines of a batch written with no record made (`handle_entries`) are what
+    the text formatter makes of each record made at that time: the same time stamp
+    and, for names with control characters, line breaks or other unprintable text,
+    the same escapes. A handler with another formatter or a filter takes none."""
+    names = ["f0", "evil\x1b[2J", "two\nlines", "cr\rhere", "tab\tkept", "sep\u2028x", "ünï"]
+    entries: list[tuple[str, tuple[object, ...]]] = [
+        ("%s: %s", (f"file[{n}]", "applied")) for n in names
+    ]
+    entries.append(("%s", (f"file[{names[1]}]: applied: state, content, mode",)))
+    entries.append(("plain, no args", ()))
+    out = io.StringIO()
+    handler = logs.BufferedHandler(out)
+    handler.setFormatter(logs.TextFormatter())
+    assert handler.handle_entries(created, entries)
+    want = []
+    for msg, args in entries:
+        record = logging.LogRecord("evergraph.engine", logging.INFO, "", 0, msg, args, None)
+        record.created, record.msecs = created, int((created - int(created)) * 1000) + 0.0
+        want.append(logs.TextFormatter().format(record) + "\n")
+    assert out.getvalue() == "".join(want)
+    assert "\x1b" not in out.getvalue()
+    assert "\r" not in out.getvalue()
+    json_handler = logs.BufferedHandler(io.StringIO())
+    json_handler.setFormatter(logs.JsonFormatter())
+    assert not json_handler.handle_entries(created, [("%s", ("x",))])
+    handler.addFilter(_Drop("x"))
+    assert not handler.handle_entries(created, [("%s", ("x",))])
+    assert json_handler.stream.getvalue() == ""
+    assert out.getvalue() == "".join(want)
+
+
 def _first_apply(tmp_path: Path, n: int) -> Engine:
     body = "".join(
         f'  - {{name: f{i}, path: {tmp_path}/t/f{i}, content: "{"x" * (i % 3)}\\n"}}\n'

@@ -346,9 +346,20 @@ def log_batch(logger: logging.Logger, entries: Sequence[Entry], event: str | Non
         for msg, args, data in entries:
             log_data(logger, msg, args, data, effect=False, event=event)
         return
+    # a handler that writes text lines of its own (`handle_entries`: cli/logs.py)
+    # takes the messages alone, at one time, with no record made for it
+    created = time.time()
+    lines = [(msg, args) for msg, args, _ in entries]
+    rest = []
+    for h in handlers:
+        take = getattr(h, "handle_entries", None)
+        if take is None or h.filters or not take(created, lines):
+            rest.append(h)
+    if not rest:
+        return
     base = _base(logger, False, event)
     records = [_record(base, msg, args, data) for msg, args, data in entries]
-    for h in handlers:
+    for h in rest:
         many = getattr(h, "handle_many", None)
         if many is not None and not h.filters:
             many(records)
