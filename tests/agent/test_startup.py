@@ -143,8 +143,44 @@ def test_run_of_a_yaml_graph_outside_the_farm_imports_no_farm_python_frontend_or
         "evergraph.world.etcd",
         "ctypes",  # inotify's calls: a one-shot run makes no instance
         "asyncinotify",
+        "ssl",  # TLS: the etcd World's, or a member's (cli/runner.asyncio_without_tls)
+        "_ssl",
     ):
         assert heavy not in mods, heavy
+
+
+def test_asyncio_without_tls_leaves_ssl_importable_and_asyncio_with_tls_otherwise() -> None:
+    """What a one-shot run on the embedded World does: asyncio loaded with no `ssl`
+    (its TLS off in that process), `ssl` itself importable after; where ssl or
+    asyncio is loaded already, nothing changes. A run on etcd keeps asyncio's TLS."""
+    code = (
+        "import sys\n"
+        "from evergraph.cli.runner import asyncio_without_tls\n"
+        "asyncio_without_tls()\n"
+        "import asyncio.base_events, asyncio.sslproto\n"
+        "assert asyncio.base_events.ssl is None and asyncio.sslproto.ssl is None\n"
+        "assert 'ssl' not in sys.modules\n"
+        "import ssl\n"
+        "ssl.create_default_context()\n"
+        "print('ok')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "ok\n"
+    code = (
+        "import ssl\n"
+        "from evergraph.cli.runner import asyncio_without_tls\n"
+        "asyncio_without_tls()\n"
+        "import asyncio.base_events\n"
+        "assert asyncio.base_events.ssl is ssl\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    from evergraph.cli.runner import _on_etcd
+
+    assert _on_etcd({"seeds": "http://127.0.0.1:2379"})
+    assert _on_etcd({"etcd_mode": "embedded"})
+    assert not _on_etcd({"seeds": None, "etcd_mode": None, "world_backend": "memory"})
 
 
 ENTRY = [sys.executable, "-m", "evergraph.cli.entry"]  # the console script's main

@@ -322,6 +322,27 @@ def world_opts(world: dict[str, object]) -> WorldOptions:
     )
 
 
+def _on_etcd(world: dict[str, object]) -> bool:
+    """The World is etcd (a client's seeds, or a member): not the embedded one."""
+    return bool(world.get("seeds")) or world.get("etcd_mode") == "embedded"
+
+
+def asyncio_without_tls() -> None:
+    """Import asyncio with no `ssl` module for it to load, in a process that opens no
+    TLS connection: a run that ends once converged, on the embedded World, with no
+    HTTP server and no farm (TLS is etcd's, its member's join wire's). OpenSSL and
+    `ssl`'s constants were ~20 ms of such a run's start here, before its children
+    may make anything. `ssl` stays importable (only asyncio's own TLS, which this
+    process never uses, is off). Nothing done if either is loaded already."""
+    if "asyncio" in sys.modules or "ssl" in sys.modules:
+        return
+    sys.modules["ssl"] = None  # type: ignore[assignment]  # (`import ssl` fails: asyncio does without)
+    try:
+        import asyncio  # noqa: F401
+    finally:
+        del sys.modules["ssl"]
+
+
 def run_command(params: dict[str, Any]) -> NoReturn:
     """Run the agent with `run`'s parameters (`DEFAULTS` keys), then leave the process
     with its exit status; bad input: one line, exit 2."""
@@ -398,6 +419,8 @@ def run_command(params: dict[str, Any]) -> NoReturn:
         # (no vertex runs inline), nor in a worker (a job adds to the graph)
         creates = not (settings["noop"] or settings.get("sema", 0) > 0 or worker)
         ahead = frontend.check_ahead(creates, journal) if ends else None
+        if ends and not (worker or farm_servers or http_addr or http_socket or _on_etcd(world)):
+            asyncio_without_tls()
         from evergraph.agent.api import run as run_graph
         from evergraph.cli.progress import service as progress_service
 
