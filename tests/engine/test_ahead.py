@@ -18,6 +18,8 @@ import os
 import random
 import select
 import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -481,14 +483,16 @@ def test_stop_tells_what_was_made_and_leaves_no_half_write(tmp_path: Path) -> No
             os.waitpid(pid, os.WNOHANG)
 
 
-@pytest.mark.parametrize("go", [True, False])
-def test_the_chore_is_done_by_one_child_after_its_making_and_never_without_the_go(
-    tmp_path: Path, go: bool
+@pytest.mark.parametrize("go", ["first", "later", "never"])
+def test_the_chore_is_done_by_one_child_its_writes_after_its_making_and_never_without_the_go(
+    tmp_path: Path, go: str
 ) -> None:
     """The chore (the parse cache entry: frontends/cache.py) is done once, by one
-    child, whichever takes it first: after the go, once that child's making is
-    done (the engine waits for the making, not for the chore); a run that never
-    gives the go never has it done."""
+    child, whichever takes it first: its work (CPU alone) once its checks are done,
+    while it waits for the go (after its making if the go came before); its writes
+    after the go, once that child's making is done (the engine waits for the
+    making, not for the chore). A run that never gives the go never has them
+    written."""
     model = GraphModel(name="chore")
     root = tmp_path / "m"
     root.mkdir()
@@ -500,28 +504,42 @@ def test_the_chore_is_done_by_one_child_after_its_making_and_never_without_the_g
     model.auto = automatic_edges(model)
     calls = tmp_path / "calls"
 
-    def chore() -> None:
-        on_disk = sum(1 for p in root.iterdir() if p.name.startswith("m"))
-        with open(calls, "a") as f:
-            f.write(f"{os.getpid()} {on_disk}\n")
+    def step(name: str) -> Callable[[], None]:
+        def done() -> None:
+            on_disk = sum(1 for p in root.iterdir() if p.name.startswith("m"))
+            with open(calls, "a") as f:
+                f.write(f"{os.getpid()} {name} {on_disk}\n")
 
+        return done
+
+    chore = (step("work"), step("write"))
     ahead = Ahead.start(model, at_least=1, journal=tmp_path / "made-ahead", chore=chore)
     assert ahead is not None
     assert len(ahead.pids) == 2
-    if go:
+    if go == "later":  # once the chore's work is done, which it does while it waits
+        deadline = time.monotonic() + 60
+        while not (calls.exists() and calls.read_text()):
+            assert time.monotonic() < deadline, "no chore while the children wait for the go"
+            time.sleep(0.01)
+    if go != "never":
         ahead.go()
         while ahead._fd >= 0:  # (to the end: the children exit once all is done)
             select.select([ahead._fd], [], [])
             ahead.poll()
     ahead.stop()  # (no go: it closes the pipe they wait on)
     lines = [line.split() for line in calls.read_text().splitlines()] if calls.exists() else []
-    assert {int(pid) for pid, _ in lines} <= set(ahead.pids)
-    if not go:
-        assert lines == []
+    assert {int(pid) for pid, _, _ in lines} <= set(ahead.pids)
+    if go == "never":
+        assert [name for _, name, _ in lines] in ([], ["work"])
         assert not any(root.iterdir())
         return
-    assert len(lines) == 1
-    assert int(lines[0][1]) >= 1500  # (its own part, at least, made by then)
+    assert [name for _, name, _ in lines] == ["work", "write"]
+    assert lines[0][0] == lines[1][0]  # (one child, the one that took it)
+    # its work before anything was made (the go came after it), or after its making
+    # (the go came first: unless that child was done checking before the go came)
+    worked_at = int(lines[0][2])
+    assert worked_at == 0 if go == "later" else worked_at == 0 or worked_at >= 1500
+    assert int(lines[1][2]) >= 1500  # (its own part, at least, made by then)
     assert sum(1 for _ in root.iterdir()) == 3000
 
 

@@ -77,6 +77,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("evergraph.engine")
 
+#: work a child does for the parent (`Ahead.start`): its part done while the child
+#: waits for the go, then its part done after it (and the child's making)
+Chore = tuple[Callable[[], None], Callable[[], None]]
+
 #: fewer candidate resources than this: no child (a fork and its copy-on-write
 #: faults cost about a millisecond; a check about ten microseconds)
 MIN_RESOURCES = 256
@@ -161,7 +165,7 @@ class Ahead:
         at_least: int = MIN_RESOURCES,
         children: int | None = None,
         journal: Path | None = None,
-        chore: Callable[[], None] | None = None,
+        chore: Chore | None = None,
     ) -> Ahead | None:
         """Fork the children for `model`'s resources; None when fewer than
         `at_least` of their kinds can tell, or no fork succeeds. `creates`: they may
@@ -170,11 +174,13 @@ class Ahead:
         cores or more, else one). Nothing is made unless `model.auto` says its
         automatic edges (frontends/cache.py finds them with the parse), nor
         without a `journal` (see `report_made`). `chore`: work taken off the
-        parent's way to the engine (a parse cache entry, `ParseCache.flush`),
-        done by the child that takes it first, after the go
-        once its making is done (never without the go: a refused run writes
-        nothing; not before the making, which the engine waits for); None if the
-        fork failed (the caller does it then)."""
+        parent's way to the engine (a parse cache entry: `ParseCache.encode_later`,
+        then `write_held`), done by the child that takes it first once its checks
+        are done: the first step (CPU alone) while it waits for the go (after its
+        making if the go came first), the second (its writes) after the go, once its
+        making is done (never without the go: a refused run writes nothing; not
+        before the making, which the engine waits for); None if the fork failed (the
+        caller does it then)."""
         listed = list(model.resources.values())
         nothing = Resource.ahead_check
         asked = bytearray(type(r).ahead_check is nothing for r in listed)
@@ -363,7 +369,7 @@ def _child(  # pragma: no cover (the child: measured through its verdicts)
     write_end: int,
     go: tuple[int, int],
     journal: Path | None,
-    chore: tuple[Callable[[], None], int] | None,
+    chore: tuple[Chore, int] | None,
     plan: _Plan,
     resources: list[Resource],
     parent: int,
@@ -405,7 +411,7 @@ def _work(  # pragma: no cover (the child's)
     out_fd: int,
     go_fd: int,
     journal: Path | None,
-    chore: tuple[Callable[[], None], int] | None,
+    chore: tuple[Chore, int] | None,
     plan: _Plan,
     resources: list[Resource],
     k: int,
@@ -447,17 +453,30 @@ def _work(  # pragma: no cover (the child's)
         _write_all(out_fd, out)
         out.clear()
         making = any(missing) and journal is not None
-        if (making or chore is not None) and not _stopping and os.read(go_fd, 1):
+        # the chore: by the child that takes its token first; its work while the
+        # engine gets ready (the go comes once it runs the graph), or after the
+        # making if the go came first; its writes after the go and the making (the
+        # engine waits for the making, not for the chore)
+        chored = chore is not None and not _stopping and _took(chore[1])
+        worked = chored and not select.select([go_fd], [], [], 0)[0]
+        if worked:
+            assert chore is not None
+            try:
+                chore[0][0]()
+            except Exception:
+                chored = False
+        if (making or chored) and not _stopping and os.read(go_fd, 1):
             if making:
                 assert parents is not None
                 assert journal is not None
                 mine_in_order = [i for i in order if mine[i]]
                 _make(out_fd, journal, resources, parents, mine_in_order, missing, sound, seen)
-            # the chore: by the child that takes its token first, once its making
-            # is done (the engine waits for the making, not for the chore)
-            if chore is not None and _took(chore[1]):
+            if chored:
+                assert chore is not None
                 with contextlib.suppress(Exception):
-                    chore[0]()
+                    if not worked:
+                        chore[0][0]()
+                    chore[0][1]()
     finally:
         _write_all(out_fd, out)
 

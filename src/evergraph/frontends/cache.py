@@ -357,9 +357,21 @@ class ParseCache:
         """Encode the entry `put` was told to keep `later`, and write the entry held
         back because `within` did not exist yet (the agent calls this once it has
         made its state dir; kept for a later call if still absent)."""
+        self.encode_later()
+        self.write_held()
+
+    def encode_later(self) -> None:
+        """`flush`'s first half, CPU alone: the entry `put` was told to keep `later`
+        encoded and held for `write_held` (a child ahead encodes it while it waits for
+        the engine's go, and writes it once it has made its part: engine/ahead.py)."""
         later, self._later = self._later, None
         if later is not None:
-            self.put(*later)
+            data = self._encoded(*later)
+            if data is not None:
+                self._pending = (later[0], data)
+
+    def write_held(self) -> None:
+        """`flush`'s second half: the entry held written, once `within` exists."""
         pending = self._pending
         if pending is not None and (self.within is None or self.within.is_dir()):
             self._pending = None

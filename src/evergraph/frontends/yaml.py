@@ -723,7 +723,11 @@ class YamlFrontend(Frontend):
         from evergraph.engine.ahead import Ahead
 
         cache = self._cache
-        chore = cache.flush if cache is not None and cache.holds_later() else None
+        chore = (
+            (cache.encode_later, cache.write_held)
+            if cache is not None and cache.holds_later()
+            else None
+        )
         raw.ahead = Ahead.start(
             raw, creates=creates and not raw.collect, journal=journal, chore=chore
         )
