@@ -65,7 +65,14 @@ from evergraph.resources._commit import DurableWrites
 from evergraph.resources._filereport import describe, read_input
 from evergraph.resources._filetree import FileShapes
 from evergraph.resources._leftovers import Sweeps
-from evergraph.resources._modes import UMASK, attrs_match, lookup_id, parse_mode, set_attrs
+from evergraph.resources._modes import (
+    UMASK,
+    attrs_match,
+    lookup_id,
+    octal,
+    parse_mode,
+    set_attrs,
+)
 from evergraph.resources._oserror import os_error
 from evergraph.resources._owninode import OwnInode
 
@@ -335,16 +342,19 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         return prepare(norm, self.content.encode(), mode=_new_mode(mode, None), dirs=dirs)
 
     def ahead_created(self, handle: Handle) -> None:
-        self.handle = handle
-        path = self.path or self.name
-        self._path = _normpath(path)
-        self._mode = self._mode_wanted()
-        if path.endswith("/"):
+        # what _regular_changes and _attr_changes report of a path that was absent
+        # (its owner and group unmanaged: ahead_create makes no other), with no state
+        # kept on the resource (the engine initialises it if it ever runs it; a
+        # first apply's 10k would each get a __dict__ here, in the parent)
+        if (self.path or self.name).endswith("/"):
             handle.changed("state", None, "directory")
-            self._attr_changes("", None, self._mode, -1, -1)
-            return
-        assert self.content is not None  # (plain: ahead_create makes no other file)
-        self._regular_changes(None, True, self.content.encode(), None, False, False, -1, -1)
+        else:
+            assert self.content is not None  # (plain: ahead_create makes no other file)
+            handle.changed("state", None, "file")
+            handle.changed("content", None, self.content.encode(), content=True)
+        mode = self._mode_wanted()
+        if mode is not None:
+            handle.changed("mode", None, octal(mode))
 
     async def init(self, handle: Handle) -> None:
         self.handle = handle  # (Resource.init's one line, without its coroutine: 10k inits)
