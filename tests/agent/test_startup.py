@@ -74,6 +74,13 @@ def test_load_all_registers_every_declared_kind() -> None:
             assert name in default_registry._kinds
 
 
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    """`python -c code` in a process of its own, which must succeed."""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    return p
+
+
 def _modules_after(*argv: str) -> set[str]:
     code = (
         "import sys, json, runpy\n"
@@ -84,9 +91,7 @@ def _modules_after(*argv: str) -> set[str]:
         "    assert not e.code, e.code\n"
         "print(json.dumps(sorted(sys.modules)), file=sys.stderr)\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
-    return set(json.loads(p.stderr.strip().splitlines()[-1]))
+    return set(json.loads(_python(code).stderr.strip().splitlines()[-1]))
 
 
 def test_check_of_a_one_file_graph_imports_only_the_file_kind(tmp_path: Path) -> None:
@@ -117,9 +122,7 @@ def _modules_at_exit(*argv: str) -> set[str]:
         f"sys.argv = {['evergraph', *argv]!r}\n"
         "runpy.run_module('evergraph.cli.main', run_name='__main__')\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
-    return set(json.loads(p.stderr.strip().splitlines()[-1]))
+    return set(json.loads(_python(code).stderr.strip().splitlines()[-1]))
 
 
 def test_run_of_a_yaml_graph_outside_the_farm_imports_no_farm_python_frontend_or_http(
@@ -164,9 +167,7 @@ def test_asyncio_without_tls_leaves_ssl_importable_and_asyncio_with_tls_otherwis
         "ssl.create_default_context()\n"
         "print('ok')\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
-    assert p.stdout == "ok\n"
+    assert _python(code).stdout == "ok\n"
     code = (
         "import ssl\n"
         "from evergraph.cli.runner import asyncio_without_tls\n"
@@ -174,8 +175,7 @@ def test_asyncio_without_tls_leaves_ssl_importable_and_asyncio_with_tls_otherwis
         "import asyncio.base_events\n"
         "assert asyncio.base_events.ssl is ssl\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
+    _python(code)
     from evergraph.cli.runner import _on_etcd
 
     assert _on_etcd({"seeds": "http://127.0.0.1:2379"})
