@@ -15,6 +15,7 @@ import pytest
 
 import evergraph.resources
 from evergraph.engine.contract import Registry, Resource, default_registry
+from tests.kit.pki import make_pki
 
 RESOURCES = Path(evergraph.resources.__file__).parent
 
@@ -181,6 +182,42 @@ def test_asyncio_without_tls_leaves_ssl_importable_and_asyncio_with_tls_otherwis
     assert _on_etcd({"seeds": "http://127.0.0.1:2379"})
     assert _on_etcd({"etcd_mode": "embedded"})
     assert not _on_etcd({"seeds": None, "etcd_mode": None, "world_backend": "memory"})
+
+
+def test_a_kinds_own_tls_works_where_asyncio_was_loaded_without_it(tmp_path: Path) -> None:
+    """What `asyncio_without_tls` leaves a one-shot run: only asyncio's own TLS (a
+    member's join wire, never in such a run) is off; a kind's HTTPS (http:client's
+    httpx, on anyio) still fetches, and checks the server's certificate."""
+    pki = make_pki(tmp_path / "pki")
+    code = f"""
+from evergraph.cli.runner import asyncio_without_tls
+asyncio_without_tls()
+import asyncio, asyncio.base_events, http.server, threading
+assert asyncio.base_events.ssl is None
+import ssl, httpx
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "5"); self.end_headers()
+        self.wfile.write(b"hello")
+    def log_message(self, *a):
+        pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain({str(pki / "server.pem")!r}, {str(pki / "server-key.pem")!r})
+server.socket = ctx.wrap_socket(server.socket, server_side=True)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+url = f"https://127.0.0.1:{{server.server_address[1]}}/x"
+async def get(verify):
+    async with httpx.AsyncClient(verify=verify) as client:
+        return (await client.get(url)).content
+print(asyncio.run(get(ssl.create_default_context(cafile={str(pki / "ca.pem")!r}))).decode())
+try:
+    asyncio.run(get(True))  # (the system's CAs: ours is not among them)
+except httpx.ConnectError as e:
+    print("refused:", "CERTIFICATE_VERIFY_FAILED" in str(e))
+server.shutdown()
+"""
+    assert _python(code).stdout == "hello\nrefused: True\n"
 
 
 ENTRY = [sys.executable, "-m", "evergraph.cli.entry"]  # the console script's main

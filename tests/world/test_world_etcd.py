@@ -8,8 +8,6 @@ Every test runs real etcd processes (Debian's etcd-server) with data on
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import logging
 import os
 import shutil
@@ -24,10 +22,6 @@ from typing import Any
 
 import pytest
 from aetcd import rpc
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from evergraph.world._etcd_link import _grpc_status_tasks, _prefix_range
 from evergraph.world.etcd import EtcdKV
@@ -35,6 +29,7 @@ from evergraph.world.etcd_server import FAST_TIMING, EtcdServer, ServerTLS, free
 from evergraph.world.kv import Compacted, Event, WorldError
 from tests.conftest import wait_for
 from tests.kit.machine import MACHINE_WIDE
+from tests.kit.pki import make_pki
 
 pytestmark = [
     MACHINE_WIDE,
@@ -63,60 +58,6 @@ async def async_wait_for(pred: Callable[[], bool], timeout: float = 15) -> None:
 def one_line_without_grpc_internals(msg: str) -> bool:
     internals = ("grpc", "ipv4:", "debug_error_string", "Traceback", "SSL_ERROR", "StatusCode")
     return "\n" not in msg and not any(w in msg for w in internals)
-
-
-# -- a CA for TLS tests, made with `cryptography` ---------------------------------------
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def make_pki(d: Path, ca_name: str = "evergraph test CA") -> Path:
-    """d/ca.pem, d/server.pem (+ -key; for 127.0.0.1 and localhost), d/client.pem (+ -key)."""
-    d.mkdir(parents=True)
-    now = datetime.datetime.now(datetime.UTC)
-    valid = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1))
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(_name(ca_name))
-        .issuer_name(_name(ca_name))
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(valid[0])
-        .not_valid_after(valid[1])
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    (d / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    for name in ("server", "client"):
-        key = ec.generate_private_key(ec.SECP256R1())
-        usage = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(_name(name))
-            .issuer_name(ca.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(valid[0])
-            .not_valid_after(valid[1])
-            .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
-            .add_extension(
-                x509.SubjectAlternativeName(
-                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-                ),
-                critical=False,
-            )
-            .sign(ca_key, hashes.SHA256())
-        )
-        (d / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (d / f"{name}-key.pem").write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-    return d
 
 
 # -- pure -----------------------------------------------------------------------------
