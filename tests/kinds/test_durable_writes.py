@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -114,13 +115,15 @@ def test_a_stream_of_writes_is_committed_in_batches_each_durable_and_recognised_
     n = 12
     # The interleaving is forced, not hoped for: the loop makes its second temp file
     # only once the committer has taken the first write (a batch of one), and the
-    # committer holds that batch until the loop has made every other temp file. So
+    # committer holds that batch until the loop has handed it every other write. So
     # the loop goes on while the committer works, and the writes behind the first
     # one wait for it together: one batch, synced by syncfs.
     first_taken, all_made = threading.Event(), threading.Event()
     made_in_loop: list[str] = []
     batches: list[int] = []
     real_open, real_syncfs, real_commit = os.open, atomic.syncfs, _commit.commit
+    real_submit = _commit.Committer.submit
+    submitted: list[int] = []
 
     def open_(path: str, flags: int, *a: object, **kw: object) -> int:
         name = os.path.basename(path)
@@ -133,9 +136,18 @@ def test_a_stream_of_writes_is_committed_in_batches_each_durable_and_recognised_
             spy._add("create", path, not in_loop)
             if in_loop:
                 made_in_loop.append(name)
-                if len(made_in_loop) == n:
-                    all_made.set()
         return fd
+
+    def submit(
+        self: _commit.Committer, jobs: list[Any], dirs: atomic.OpenDirs | None = None
+    ) -> None:
+        # every write handed to the committer: the ones behind the first are queued
+        # (all_made set at the last temp file's open let the committer take a batch
+        # before the last write was handed over: [1, 10, 1] once in a full run)
+        real_submit(self, jobs, dirs)
+        submitted.append(len(jobs))
+        if sum(submitted) == n:
+            all_made.set()
 
     def taken(self: _commit.Committer, batch: list[object]) -> None:
         batches.append(len(batch))
@@ -156,6 +168,7 @@ def test_a_stream_of_writes_is_committed_in_batches_each_durable_and_recognised_
     monkeypatch.setattr(atomic, "syncfs", syncfs)
     monkeypatch.setattr(_commit, "commit", commit)
     monkeypatch.setattr(_commit.Committer, "_taken", taken)
+    monkeypatch.setattr(_commit.Committer, "submit", submit)
 
     async def main() -> tuple[int, Engine]:
         async with InotifyHub() as hub:
