@@ -108,12 +108,15 @@ class TextFormatter(logging.Formatter):
         self._second = -1
         self._stamp = ""
 
-    def format(self, record: logging.LogRecord) -> str:
-        second = int(record.created)
+    def _time(self, created: float, ms: int) -> str:
+        """`HH:MM:SS.mmm` of a record made at `created` (`ms`: its msecs)."""
+        second = int(created)
         if second != self._second:  # strftime once per second, not per line
             self._second = second
             self._stamp = time.strftime("%H:%M:%S", time.localtime(second))
-        ms = int(record.msecs)
+        return f"{self._stamp}.{ms:03d}"
+
+    def format(self, record: logging.LogRecord) -> str:
         no = record.levelno
         level = "" if no == logging.INFO or no < logging.DEBUG else f"{record.levelname.lower()}: "
         msg = escape(record.getMessage())
@@ -121,16 +124,12 @@ class TextFormatter(logging.Formatter):
             record.exc_text = self.formatException(record.exc_info)
         if record.exc_text:
             msg += "\n" + INDENT + escape(record.exc_text)
-        return f"{self._stamp}.{ms:03d} {level}{msg}"
+        return f"{self._time(record.created, int(record.msecs))} {level}{msg}"
 
     def info_lines(self, created: float, entries: Sequence[tuple[str, tuple[object, ...]]]) -> str:
         """What `format` gives INFO records made at `created` from each (msg, args),
         each line ended, with no record made (`BufferedHandler.handle_entries`)."""
-        second = int(created)
-        if second != self._second:
-            self._second = second
-            self._stamp = time.strftime("%H:%M:%S", time.localtime(second))
-        head = f"{self._stamp}.{int((created - second) * 1000):03d} "
+        head = self._time(created, int((created - int(created)) * 1000)) + " "
         return "".join([f"{head}{escape(msg % args if args else msg)}\n" for msg, args in entries])
 
 
@@ -187,13 +186,7 @@ class BufferedHandler(logging.StreamHandler):  # type: ignore[type-arg]
                 for record in records:
                     self.emit(record)
                 return
-            try:
-                self.stream.write(text)
-            except RecursionError:
-                raise
-            except Exception:
-                self.handleError(records[0])
-            self._wait_for_flush()
+            self._write_buffered(text, records[0])
 
     def handle_entries(
         self, created: float, entries: Sequence[tuple[str, tuple[object, ...]]]
@@ -211,14 +204,19 @@ class BufferedHandler(logging.StreamHandler):  # type: ignore[type-arg]
                 text = fmt.info_lines(created, entries)
             except Exception:
                 return False  # (the general path says which record is at fault)
-            try:
-                self.stream.write(text)
-            except RecursionError:
-                raise
-            except Exception:
-                self.handleError(logging.makeLogRecord({"msg": "(a batch of lines)"}))
-            self._wait_for_flush()
+            self._write_buffered(text, None)
         return True
+
+    def _write_buffered(self, text: str, first: logging.LogRecord | None) -> None:
+        """Lines of no effect to the buffer, under the lock (a write that fails is
+        said by handleError, for `first`: the batch's first record, if made)."""
+        try:
+            self.stream.write(text)
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(first or logging.makeLogRecord({"msg": "(a batch of lines)"}))
+        self._wait_for_flush()
 
     def flush(self) -> None:
         pass
