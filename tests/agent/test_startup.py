@@ -177,11 +177,12 @@ def test_asyncio_without_tls_leaves_ssl_importable_and_asyncio_with_tls_otherwis
         "assert asyncio.base_events.ssl is ssl\n"
     )
     _python(code)
-    from evergraph.cli.runner import _on_etcd
+    from evergraph.cli.runner import world_opts
 
-    assert _on_etcd({"seeds": "http://127.0.0.1:2379"})
-    assert _on_etcd({"etcd_mode": "embedded"})
-    assert not _on_etcd({"seeds": None, "etcd_mode": None, "world_backend": "memory"})
+    # (the World options that keep asyncio's TLS: an etcd World, client or member)
+    assert world_opts({"seeds": "http://127.0.0.1:2379"}).is_etcd
+    assert world_opts({"etcd_mode": "embedded"}).is_etcd
+    assert not world_opts({"seeds": None, "etcd_mode": None, "world_backend": "memory"}).is_etcd
 
 
 def test_a_kinds_own_tls_works_where_asyncio_was_loaded_without_it(tmp_path: Path) -> None:

@@ -322,11 +322,6 @@ def world_opts(world: dict[str, object]) -> WorldOptions:
     )
 
 
-def _on_etcd(world: dict[str, object]) -> bool:
-    """The World is etcd (a client's seeds, or a member): not the embedded one."""
-    return bool(world.get("seeds")) or world.get("etcd_mode") == "embedded"
-
-
 def asyncio_without_tls() -> None:
     """Import asyncio with no `ssl` module for it to load, in a process that opens no
     TLS connection: a run that ends once converged, on the embedded World, with no
@@ -419,14 +414,14 @@ def run_command(params: dict[str, Any]) -> NoReturn:
         # (no vertex runs inline), nor in a worker (a job adds to the graph)
         creates = not (settings["noop"] or settings.get("sema", 0) > 0 or worker)
         ahead = frontend.check_ahead(creates, journal) if ends else None
-        if ends and not (worker or farm_servers or http_addr or http_socket or _on_etcd(world)):
+        opts = world_opts(world)
+        if ends and not (worker or farm_servers or http_addr or http_socket or opts.is_etcd):
             asyncio_without_tls()
         from evergraph.agent.api import run as run_graph
         from evergraph.cli.progress import service as progress_service
 
         importlib.import_module("evergraph.agent.run")  # (api.run's) with the GC paused too
         collector_on()  # the console script paused it for the imports
-        opts = world_opts(world)
         services = (
             [http_service(http_addr, farm_anonymous, http_socket, http_max_body)]
             if http_addr or http_socket
