@@ -67,7 +67,13 @@ from evergraph.cluster.roster import (
 from evergraph.errors import InputError
 from evergraph.world.etcd import EtcdKV
 from evergraph.world.etcd_cluster import EtcdMember, member_list, member_status
-from evergraph.world.etcd_server import DEFAULT_TIMING, EtcdServer, MemberRemoved, ServerTLS
+from evergraph.world.etcd_server import (
+    DEFAULT_TIMING,
+    EtcdServer,
+    MemberRemoved,
+    PortInUse,
+    ServerTLS,
+)
 from evergraph.world.follow import Tombstone, watch_one
 from evergraph.world.kv import WorldError
 from evergraph.world.open import member_urls_problem
@@ -79,6 +85,9 @@ STATE_FILE = "cluster.json"
 TIMING_ENV = "EVERGRAPH_ETCD_TIMING"
 #: seconds between two looks at etcd's member list
 FOLLOW_EVERY = 1.0
+#: seconds a member's port held by another process is waited for at its start (its
+#: etcd of before, still exiting), before the start fails with the reason
+PORT_WAIT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -424,12 +433,23 @@ class Seat:
         self.server = server
 
     async def _start(self, server: EtcdServer, timeout: float = 60.0) -> None:
-        server.spawn()  # from the loop's thread: etcd dies with it (pdeathsig)
-        try:
-            await asyncio.to_thread(server.wait_started, timeout)
-        except BaseException:
-            server.stop()
-            raise
+        # a port held by this node's etcd of before (killed with its agent by
+        # pdeathsig, and still exiting: an agent restarted at once after a kill -9)
+        # is free a moment later: tried again for PORT_WAIT_S, then said
+        deadline = self.clock.monotonic() + PORT_WAIT_S
+        while True:
+            try:
+                server.spawn()  # from the loop's thread: etcd dies with it (pdeathsig)
+                await asyncio.to_thread(server.wait_started, timeout)
+                return
+            except PortInUse:
+                server.stop()
+                if self.clock.monotonic() >= deadline:
+                    raise
+            except BaseException:
+                server.stop()
+                raise
+            await self.clock.sleep(0.2)
 
     # -- running ---------------------------------------------------------------------------
     async def run(self, lease: Callable[[], int]) -> None:

@@ -66,6 +66,10 @@ class MemberRemoved(WorldError):
     """etcd exited because its member was removed from the cluster."""
 
 
+class PortInUse(WorldError):
+    """A port of the member is held by another process (before or at etcd's bind)."""
+
+
 @dataclass(frozen=True)
 class ServerTLS:
     """TLS for the client (and peer) ports: the server certificate and key, the CA
@@ -588,7 +592,7 @@ class EtcdServer:
 
     # -- messages -----------------------------------------------------------------
     def _port_error(self, host: str, port: int, what: str) -> WorldError:
-        return WorldError(
+        return PortInUse(
             f"cannot start etcd {self.name}: {what} port {host}:{port} is already in use"
             " (is another etcd running?)"
         )
