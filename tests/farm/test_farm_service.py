@@ -320,3 +320,40 @@ def test_waiting_for_a_start_runs_on_the_farms_clock(tmp_path: Path) -> None:
             assert req.state == model.WAITING
 
     asyncio.run(main())
+
+
+def test_a_request_deleted_right_after_the_leaders_own_write_is_put_back(
+    tmp_path: Path,
+) -> None:
+    """The leader makes a request INVALID; someone deletes it before the leader's
+    follow has read that write (a loaded host: both come in one read, one pass), so
+    the last version the follow knew is the leader's own INVALID record, never
+    verified by a pass. It is put back all the same, INVALID."""
+    from evergraph.farm.service import open_request, req_key
+
+    async def main() -> None:
+        kv = MemoryKV(MemoryStore())
+        election = Election(kv, "farm", "m", ttl=5)
+        task = asyncio.create_task(election.run())
+        await election.wait_leader()
+        trust = FarmTrust(HostKeys(tmp_path), "m")
+        leader = FarmLeader(kv, election, trust, FarmSettings(invalid_grace=0))
+        rid = await Farm(kv, trust=trust).new_request(ALICE, priority=1, caps={"board": "x"})
+        rkey = req_key(rid)
+        waiting = await kv.get(rkey)
+        assert waiting is not None
+        await leader.step({rkey: waiting}, {}, {})  # no worker fits: INVALID
+        invalid = await kv.get(rkey)
+        assert invalid is not None
+        assert invalid.mod_revision > waiting.mod_revision
+        await kv.delete(rkey)
+        # the follow's one read: updated(waiting -> invalid), deleted(invalid)
+        await leader.step({}, {}, {}, {rkey: invalid})
+        back = await kv.get(rkey)
+        assert back is not None, "the deleted request was not put back"
+        assert open_request(trust, back)[0].state == model.INVALID
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())

@@ -341,14 +341,23 @@ class FarmLeader:
 
     async def _put_back(self, gone: dict[str, KeyValue]) -> None:
         """Requests are never deleted: one that vanished was deleted by someone else,
-        and is put back as last verified (signed again, if it is still absent)."""
+        and is put back as last verified (signed again, if it is still absent).
+        The version the follow last knew may be one no pass has seen: on a busy
+        host a write (our own, as often as not) and the delete that follows come
+        in one read, and the pass runs after both; it is verified here, not looked
+        up in the cache (skipped, the request would be gone for good: no later
+        read reports the delete again)."""
         for key, prev in list(gone.items()):
+            rec = self._decoded(prev, open_request)
+            if rec is None:
+                del gone[key]
+                continue  # not trusted: nothing of ours to put back
+            req = rec[0]
+            ok = await self._write([(key, 0)], [(key, req, prev.mod_revision)])
+            # forgotten only once written or refused: a World error raises before, and
+            # the pass that retries it puts it back then
             del gone[key]
-            hit = self._cache.get(key)
-            if hit is None or hit[0] != prev.mod_revision or hit[1] is None:
-                continue  # never verified: nothing of ours to put back
-            req = hit[1][0]
-            if await self._write([(key, 0)], [(key, req, prev.mod_revision)]):
+            if ok:
                 log.warning(
                     "farm: %s was deleted, by someone else (requests are never deleted): "
                     "put back as last verified",
