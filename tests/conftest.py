@@ -32,6 +32,19 @@ pytest_plugins = [
 ]
 
 EVERGRAPH = [sys.executable, "-m", "evergraph.cli.main"]
+#: a command line's prefix that runs it with SIGINT at its default. A process started
+#: with SIGINT ignored keeps it ignored across exec, and Python then installs no
+#: KeyboardInterrupt handler (nor asyncio.run its Ctrl-C handler): so is every process
+#: of a test run that a non-interactive shell started in the background
+#: (`scripts/test &`, or the first of two suites started at once). A test whose SIGINT
+#: stands for a terminal's Ctrl-C starts its process under this (an exec, not a
+#: preexec_fn: see resources/_proc.py)
+SIGINT_DEFAULT = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.argv[1], sys.argv[1:])",
+]
 REPO = Path(__file__).resolve().parent.parent
 
 

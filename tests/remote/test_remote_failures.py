@@ -8,11 +8,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from evergraph.remote.bundle import running_python
-from tests.conftest import wait_for
+from tests.conftest import SIGINT_DEFAULT, wait_for
 from tests.kit.sshbed import SshBed, SshHost
 from tests.remote.test_remote import (
     _orphans,
@@ -136,15 +137,34 @@ def test_a_host_whose_python_differs_fails_naming_both_versions(
     assert_converged(out.stdout, h1)
 
 
-def _spawn_initiator(bed: SshBed, tmp: Path) -> subprocess.Popen[bytes]:
-    """The initiator on every host of `bed`, its exec sleeping 60 s; its output in
+def _spawn(argv: list[str], tmp: Path) -> subprocess.Popen[bytes]:
+    """`argv` with SIGINT at its default, however the tests were started (a test run
+    in the background of a script ignores SIGINT, and so would the initiator: its
+    Ctrl-C would do nothing and the run go on to its end, 60 s later); its output in
     tmp/initiator.out."""
-    file = graph_file(tmp, bed.files, sleep=60)
     env = {**os.environ, "SSH_AUTH_SOCK": "", "HOME": str(tmp), "TMPDIR": str(tmp)}
     with (tmp / "initiator.out").open("wb") as out:
-        return subprocess.Popen(
-            remote_argv(bed, file, *hosts_of(bed)), stdout=out, stderr=out, env=env
-        )
+        return subprocess.Popen([*SIGINT_DEFAULT, *argv], stdout=out, stderr=out, env=env)
+
+
+def _spawn_initiator(bed: SshBed, tmp: Path) -> subprocess.Popen[bytes]:
+    """The initiator on every host of `bed`, its exec sleeping 60 s (see `_spawn`)."""
+    file = graph_file(tmp, bed.files, sleep=60)
+    return _spawn(remote_argv(bed, file, *hosts_of(bed)), tmp)
+
+
+def test_the_initiator_takes_ctrl_c_even_when_the_tests_were_started_ignoring_it(
+    tmp_path: Path,
+) -> None:
+    # as under `scripts/test &` from a script: every process of the run ignores SIGINT
+    check = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        probe = _spawn([sys.executable, "-c", check], tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert probe.wait(timeout=30) == 0
+    assert (tmp_path / "initiator.out").read_text() == "True\n"
 
 
 def _sleeping(h: SshHost) -> bool:
