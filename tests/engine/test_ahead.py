@@ -504,15 +504,16 @@ def test_the_chore_is_done_by_one_child_its_writes_after_its_making_and_never_wi
     model.auto = automatic_edges(model)
     calls = tmp_path / "calls"
 
-    def step(name: str) -> Callable[[], None]:
-        def done() -> None:
-            on_disk = sum(1 for p in root.iterdir() if p.name.startswith("m"))
-            with open(calls, "a") as f:
-                f.write(f"{os.getpid()} {name} {on_disk}\n")
+    def record(name: str) -> None:
+        on_disk = sum(1 for p in root.iterdir() if p.name.startswith("m"))
+        with open(calls, "a") as f:
+            f.write(f"{os.getpid()} {name} {on_disk}\n")
 
-        return done
+    def work(until: Callable[[], bool] | None) -> bool:
+        record("work")
+        return True
 
-    chore = (step("work"), step("write"))
+    chore = (work, lambda: record("write"))
     ahead = Ahead.start(model, at_least=1, journal=tmp_path / "made-ahead", chore=chore)
     assert ahead is not None
     assert len(ahead.pids) == 2
@@ -540,6 +541,67 @@ def test_the_chore_is_done_by_one_child_its_writes_after_its_making_and_never_wi
     worked_at = int(lines[0][2])
     assert worked_at == 0 if go == "later" else worked_at == 0 or worked_at >= 1500
     assert int(lines[1][2]) >= 1500  # (its own part, at least, made by then)
+    assert sum(1 for _ in root.iterdir()) == 3000
+
+
+def test_the_go_stops_the_chores_work_between_two_steps_and_the_making_comes_first(
+    tmp_path: Path,
+) -> None:
+    """The chore's work is done in steps while its child waits for the go; the go
+    stops it between two steps: that child makes its part first, then finishes the
+    work, then writes (the engine waits for the making, not for the chore)."""
+    model = GraphModel(name="chore")
+    root = tmp_path / "m"
+    root.mkdir()
+    for i in range(3000):  # (independent: 1,500 for each child)
+        model.add(
+            Mark(name=f"r{i}", path=str(root / f"m{i}"), journal=str(tmp_path / "j"), write=True)
+        )
+    model.check()
+    model.auto = automatic_edges(model)
+    calls, gate = tmp_path / "calls", tmp_path / "gate"
+    steps = 6
+    done = [0]  # (the child's own copy: what it did of the work so far)
+
+    def record(name: str) -> None:
+        on_disk = sum(1 for p in root.iterdir() if p.name.startswith("m"))
+        with open(calls, "a") as f:
+            f.write(f"{os.getpid()} {name} {on_disk}\n")
+
+    def work(until: Callable[[], bool] | None) -> bool:
+        while done[0] < steps:
+            if until is not None and until():
+                return False
+            if done[0] == 1:  # (step 1 ends once the go was given)
+                deadline = time.monotonic() + 60
+                while not gate.exists():
+                    assert time.monotonic() < deadline
+                    time.sleep(0.005)
+            record(f"work{done[0]}")
+            done[0] += 1
+        return True
+
+    ahead = Ahead.start(
+        model, at_least=1, journal=tmp_path / "made-ahead", chore=(work, lambda: record("write"))
+    )
+    assert ahead is not None
+    deadline = time.monotonic() + 60
+    while not (calls.exists() and calls.read_text()):  # step 0 done: the go now
+        assert time.monotonic() < deadline, "no chore while the children wait for the go"
+        time.sleep(0.01)
+    ahead.go()
+    gate.touch()
+    while ahead._fd >= 0:  # (to the end: the children exit once all is done)
+        select.select([ahead._fd], [], [])
+        ahead.poll()
+    ahead.stop()
+    lines = [line.split() for line in calls.read_text().splitlines()]
+    assert [name for _, name, _ in lines] == [*(f"work{k}" for k in range(steps)), "write"]
+    assert len({pid for pid, _, _ in lines}) == 1  # (one child, the one that took it)
+    on_disk = [int(n) for _, _, n in lines]
+    assert on_disk[:2] == [0, 0]  # (before the go)
+    # the rest after that child's making: its own part, at least, made by then
+    assert all(n >= 1500 for n in on_disk[2:]), on_disk
     assert sum(1 for _ in root.iterdir()) == 3000
 
 

@@ -725,3 +725,40 @@ def test_an_entry_kept_for_later_is_written_once_the_state_dir_exists(tmp_path: 
     cache.flush()
     (entry,) = entries_in(state / parse_cache.SUBDIR)
     assert entry.stat().st_size > 0
+
+
+def test_an_entry_encoded_in_steps_is_the_one_encoded_at_once(tmp_path: Path) -> None:
+    """A child ahead encodes the entry in steps while it waits for the go, stopped
+    where the go comes and taken up again after its making (`encode_later`'s
+    `until`): the entry is byte for byte the one encoded at once, and a later run
+    takes its model from it."""
+    n = 3 * parse_cache.STEP + 5  # (three full steps, and a few more)
+    text = "graph: steps\nresources:\n  noop:\n" + "".join(
+        f"  - {{name: n{i}, comment: c{i % 7}}}\n" for i in range(n)
+    )
+    g = tmp_path / "g.yaml"
+    g.write_text(text)
+    key = parse_cache.entry_key(text.encode(), str(g), REG)
+    at_once = parse_cache.ParseCache(tmp_path / "at-once")
+    at_once.put(key, parse_yaml(text, str(g), REG), [], REG)
+    stepped = parse_cache.ParseCache(tmp_path / "stepped")
+    stepped.put(key, parse_yaml(text, str(g), REG), [], REG, later=True)
+    asked = 0
+
+    def until() -> bool:  # a go after every other step
+        nonlocal asked
+        asked += 1
+        return asked % 2 == 0
+
+    assert stepped.encode_later(lambda: True) is False  # (a go before any step)
+    stops = 0
+    while not stepped.encode_later(until):
+        stops += 1
+    assert stops >= 3, stops
+    stepped.write_held()
+    [a] = entries_in(tmp_path / "at-once")
+    [b] = entries_in(tmp_path / "stepped")
+    assert body_of(b) == body_of(a)
+    got = stepped.get(key, REG)
+    assert got is not None
+    assert parse_cache.same_model(got, parse_yaml(text, str(g), REG))

@@ -77,9 +77,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("evergraph.engine")
 
-#: work a child does for the parent (`Ahead.start`): its part done while the child
-#: waits for the go, then its part done after it (and the child's making)
-Chore = tuple[Callable[[], None], Callable[[], None]]
+#: work a child does for the parent (`Ahead.start`): its work, done in steps while
+#: the child waits for the go (told to stop between two once the go came: `until`;
+#: whether it is all done), what is left of it after the child's making (`until`
+#: None); then its writes
+Chore = tuple[Callable[[Callable[[], bool] | None], bool], Callable[[], None]]
 
 #: fewer candidate resources than this: no child (a fork and its copy-on-write
 #: faults cost about a millisecond; a check about ten microseconds)
@@ -176,11 +178,11 @@ class Ahead:
         without a `journal` (see `report_made`). `chore`: work taken off the
         parent's way to the engine (a parse cache entry: `ParseCache.encode_later`,
         then `write_held`), done by the child that takes it first once its checks
-        are done: the first step (CPU alone) while it waits for the go (after its
-        making if the go came first), the second (its writes) after the go, once its
-        making is done (never without the go: a refused run writes nothing; not
-        before the making, which the engine waits for); None if the fork failed (the
-        caller does it then)."""
+        are done: its work (CPU alone) while it waits for the go, stopped between
+        two steps when the go comes (the making does not wait for it), and finished
+        after its making; its writes after the go, once its making is done (never
+        without the go: a refused run writes nothing; not before the making, which
+        the engine waits for); None if the fork failed (the caller does it then)."""
         listed = list(model.resources.values())
         nothing = Resource.ahead_check
         asked = bytearray(type(r).ahead_check is nothing for r in listed)
@@ -454,15 +456,15 @@ def _work(  # pragma: no cover (the child's)
         out.clear()
         making = any(missing) and journal is not None
         # the chore: by the child that takes its token first; its work while the
-        # engine gets ready (the go comes once it runs the graph), or after the
-        # making if the go came first; its writes after the go and the making (the
-        # engine waits for the making, not for the chore)
+        # engine gets ready (the go comes once it runs the graph), and no longer:
+        # what the go cut short is done after the making; its writes after the go
+        # and the making (the engine waits for the making, not for the chore)
         chored = chore is not None and not _stopping and _took(chore[1])
-        worked = chored and not select.select([go_fd], [], [], 0)[0]
-        if worked:
+        worked = False
+        if chored:
             assert chore is not None
             try:
-                chore[0][0]()
+                worked = chore[0][0](lambda: bool(select.select([go_fd], [], [], 0)[0]))
             except Exception:
                 chored = False
         if (making or chored) and not _stopping and os.read(go_fd, 1):
@@ -475,7 +477,7 @@ def _work(  # pragma: no cover (the child's)
                 assert chore is not None
                 with contextlib.suppress(Exception):
                     if not worked:
-                        chore[0][0]()
+                        chore[0][0](None)
                     chore[0][1]()
     finally:
         _write_all(out_fd, out)

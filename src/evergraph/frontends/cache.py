@@ -60,8 +60,9 @@ import logging
 import os
 import stat
 import sys
+from collections.abc import Callable, Generator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import msgspec
 
@@ -219,6 +220,8 @@ class ParseCache:
         #: an entry `put` made before `within` existed: (key, its bytes), for `flush`
         self._pending: tuple[str, bytes] | None = None
         self._later: tuple[str, GraphModel, list[str], Registry] | None = None
+        #: that entry's encoding, under way (`encode_later` stopped by its `until`)
+        self._steps: Generator[None, None, tuple[str, bytes] | None] | None = None
 
     def _open_dir(self) -> int | None:
         """The directory, open, if it is ours (else None: not used)."""
@@ -351,7 +354,7 @@ class ParseCache:
     def drop_later(self) -> None:
         """Forget that entry: another process (a child forked with the same model
         and cache, engine/ahead.py) flushes it."""
-        self._later = None
+        self._later = self._steps = None
 
     def flush(self) -> None:
         """Encode the entry `put` was told to keep `later`, and write the entry held
@@ -360,15 +363,30 @@ class ParseCache:
         self.encode_later()
         self.write_held()
 
-    def encode_later(self) -> None:
+    def encode_later(self, until: Callable[[], bool] | None = None) -> bool:
         """`flush`'s first half, CPU alone: the entry `put` was told to keep `later`
-        encoded and held for `write_held` (a child ahead encodes it while it waits for
-        the engine's go, and writes it once it has made its part: engine/ahead.py)."""
-        later, self._later = self._later, None
-        if later is not None:
-            data = self._encoded(*later)
-            if data is not None:
-                self._pending = (later[0], data)
+        encoded and held for `write_held`; whether that is done. `until`: asked
+        before each step (`STEP` resources, a few milliseconds): once it says True
+        the work stops there, and the next call goes on from there. A child ahead
+        encodes the entry while it waits for the engine's go, and no longer: the go
+        stops it, the child makes its part, then finishes it and writes it
+        (engine/ahead.py)."""
+        steps = self._steps
+        if steps is None:
+            later, self._later = self._later, None
+            if later is None:
+                return True
+            steps = self._steps = self._encoding(*later)
+        with gc_paused():
+            while until is None or not until():
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    self._steps = None
+                    if done.value is not None:
+                        self._pending = done.value
+                    return True
+        return False
 
     def write_held(self) -> None:
         """`flush`'s second half: the entry held written, once `within` exists."""
@@ -383,18 +401,28 @@ class ParseCache:
         """Entry `key`'s bytes, if they decode back to an equal model. The automatic
         edges found for it are the model's too (`GraphModel.auto`: its `prepare`
         takes them instead of finding them again)."""
+        with gc_paused():
+            got = _finished(self._encoding(key, model, notes, registry))
+        return None if got is None else got[1]
+
+    def _encoding(
+        self, key: str, model: GraphModel, notes: list[str], registry: Registry
+    ) -> Generator[None, None, tuple[str, bytes] | None]:
+        """`_encoded`, in steps: (key, bytes), or None. (The caller pauses the
+        collector: a step makes thousands of objects.)"""
         try:
-            with gc_paused():
-                auto = model.auto = _auto_of(model)
-                data = encode(key, model, notes, auto)
-                entry, back = decode(data, registry)
+            auto = model.auto = _auto_of(model)
+            data = yield from encoding(key, model, notes, auto)
+            yield
+            entry, back = decode(data, registry)
+            yield
             if not same_model(back, model) or entry.auto != auto:
                 log.debug("%s: not cached: the model does not encode exactly", key)
                 return None
         except Exception as e:  # a cache never fails a run
             log.debug("%s/%s: not cached: %s", self.directory, key, e)
             return None
-        return data
+        return key, data
 
     def _write(self, key: str, data: bytes) -> None:
         try:
@@ -480,6 +508,20 @@ _AUTO_TAIL = Edge("", "", name="auto")[2:]
 def encode(key: str, model: GraphModel, notes: list[str], auto: AutoEdges | None = None) -> bytes:
     """An entry of `model` (resources' fields only: state `validate` set is not kept)
     and of its automatic edges `auto` (`automatic_edges(model)`)."""
+    return _finished(encoding(key, model, notes, auto))
+
+
+T = TypeVar("T")
+
+#: resources encoded in one step of `encoding` (W1's files: ~1 ms)
+STEP = 1024
+
+
+def encoding(
+    key: str, model: GraphModel, notes: list[str], auto: AutoEdges | None = None
+) -> Generator[None, None, bytes]:
+    """`encode` in steps: a step (a yield) after each `STEP` resources, a run of a
+    kind's resources at most (consecutive runs of one kind decode as one)."""
     kinds: list[_Kind] = []
     index: dict[type[Resource], int] = {}
     runs: list[tuple[int, msgspec.Raw]] = []
@@ -495,8 +537,10 @@ def encode(key: str, model: GraphModel, notes: list[str], auto: AutoEdges | None
         cls = type(res)
         if ident != res.ident:
             raise ValueError(f"{ident} is held under another name")
-        if cls is not run_cls:
+        if cls is not run_cls or len(run) >= STEP:
             flush()
+            if run:
+                yield
             run, run_cls = [], cls
             if cls not in index:
                 index[cls] = len(kinds)
@@ -517,6 +561,15 @@ def encode(key: str, model: GraphModel, notes: list[str], auto: AutoEdges | None
         auto=auto,
     )
     return _encoder.encode(entry)
+
+
+def _finished(steps: Generator[None, None, T]) -> T:
+    """What `steps` returns, all its steps taken at once."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return cast(T, done.value)
 
 
 def _slim(cls: type[Resource], run: list[Resource]) -> list[dict[str, Any]]:
