@@ -448,11 +448,9 @@ def test_nothing_is_made_ahead_without_creates_or_a_journal(
     assert {by for _, by in journal(tmp_path / "m")} == {"check"}
 
 
-def test_stop_tells_what_was_made_and_leaves_no_half_write(tmp_path: Path) -> None:
-    """Stopped while it works, each child finishes the batch it commits, drops the
-    one it prepares (its temporary files removed), and tells what it made: every
-    mark on disk is told made (for the engine to log), none is half written."""
-    model = GraphModel(name="stop")
+def _marks_to_make(tmp_path: Path, name: str) -> tuple[GraphModel, Path]:
+    """3,000 independent marks to make (1,500 for each child) in `tmp_path`/m."""
+    model = GraphModel(name=name)
     root = tmp_path / "m"
     root.mkdir()
     for i in range(3000):
@@ -461,6 +459,14 @@ def test_stop_tells_what_was_made_and_leaves_no_half_write(tmp_path: Path) -> No
         )
     model.check()
     model.auto = automatic_edges(model)
+    return model, root
+
+
+def test_stop_tells_what_was_made_and_leaves_no_half_write(tmp_path: Path) -> None:
+    """Stopped while it works, each child finishes the batch it commits, drops the
+    one it prepares (its temporary files removed), and tells what it made: every
+    mark on disk is told made (for the engine to log), none is half written."""
+    model, root = _marks_to_make(tmp_path, "stop")
     ahead = Ahead.start(model, at_least=1, journal=tmp_path / "made-ahead")
     assert ahead is not None
     assert len(ahead.pids) == 2  # (SPLIT_MIN: two children)
@@ -493,15 +499,7 @@ def test_the_chore_is_done_by_one_child_its_writes_after_its_making_and_never_wi
     after the go, once that child's making is done (the engine waits for the
     making, not for the chore). A run that never gives the go never has them
     written."""
-    model = GraphModel(name="chore")
-    root = tmp_path / "m"
-    root.mkdir()
-    for i in range(3000):  # (independent: 1,500 for each child)
-        model.add(
-            Mark(name=f"r{i}", path=str(root / f"m{i}"), journal=str(tmp_path / "j"), write=True)
-        )
-    model.check()
-    model.auto = automatic_edges(model)
+    model, root = _marks_to_make(tmp_path, "chore")
     calls = tmp_path / "calls"
 
     def record(name: str) -> None:
@@ -550,15 +548,7 @@ def test_the_go_stops_the_chores_work_between_two_steps_and_the_making_comes_fir
     """The chore's work is done in steps while its child waits for the go; the go
     stops it between two steps: that child makes its part first, then finishes the
     work, then writes (the engine waits for the making, not for the chore)."""
-    model = GraphModel(name="chore")
-    root = tmp_path / "m"
-    root.mkdir()
-    for i in range(3000):  # (independent: 1,500 for each child)
-        model.add(
-            Mark(name=f"r{i}", path=str(root / f"m{i}"), journal=str(tmp_path / "j"), write=True)
-        )
-    model.check()
-    model.auto = automatic_edges(model)
+    model, root = _marks_to_make(tmp_path, "chore")
     calls, gate = tmp_path / "calls", tmp_path / "gate"
     steps = 6
     done = [0]  # (the child's own copy: what it did of the work so far)
