@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.machinery
+import itertools
 import logging
 import os
 import stat
@@ -414,9 +415,9 @@ class ParseCache:
             auto = model.auto = _auto_of(model)
             data = yield from encoding(key, model, notes, auto)
             yield
-            entry, back = decode(data, registry)
-            yield
-            if not same_model(back, model) or entry.auto != auto:
+            entry, back = yield from decoding(data, registry)
+            same = yield from comparing(back, model)
+            if not same or entry.auto != auto:
                 log.debug("%s: not cached: the model does not encode exactly", key)
                 return None
         except Exception as e:  # a cache never fails a run
@@ -617,7 +618,15 @@ _REQUIRED = object()
 def decode(data: bytes | memoryview, registry: Registry) -> tuple[_Entry, GraphModel]:
     """An entry and its model (unchecked); raises on anything amiss. The kinds'
     classes in `registry` must be those the entry was made with."""
+    return _finished(decoding(data, registry))
+
+
+def decoding(
+    data: bytes | memoryview, registry: Registry
+) -> Generator[None, None, tuple[_Entry, GraphModel]]:
+    """`decode` in steps: a step after the entry's head, then one a run."""
     entry = _entry_decoder.decode(data)
+    yield
     reg = registry
     classes: list[type[Resource]] = []
     for k in entry.kinds:
@@ -640,6 +649,7 @@ def decode(data: bytes | memoryview, registry: Registry) -> tuple[_Entry, GraphM
             if meta is not default and meta == default:
                 res.meta = default  # as the parse leaves it: one shared default
             resources[head + res.name + "]" if head is not None else res.ident] = res
+        yield
     model = GraphModel(
         name=entry.name, resources=resources, edges=entry.edges, collect=entry.collect
     )
@@ -649,11 +659,22 @@ def decode(data: bytes | memoryview, registry: Registry) -> tuple[_Entry, GraphM
 def same_model(a: GraphModel, b: GraphModel) -> bool:
     """Equal names, resources (in order, of the same classes), edges, collect specs
     and origins (an entry keeps none: a model with some is not cached)."""
+    return _finished(comparing(a, b))
+
+
+def comparing(a: GraphModel, b: GraphModel) -> Generator[None, None, bool]:
+    """`same_model` in steps: a step after the graph's shape, then one every
+    `STEP` resources."""
     if a.name != b.name or a.edges != b.edges or a.collect != b.collect or a.origins != b.origins:
         return False
     if list(a.resources) != list(b.resources):
         return False
-    return all(
-        type(x) is type(y) and x == y
-        for x, y in zip(a.resources.values(), b.resources.values(), strict=True)
-    )
+    yield
+    pairs = zip(a.resources.values(), b.resources.values(), strict=True)
+    while True:
+        step = list(itertools.islice(pairs, STEP))
+        if not step:
+            return True
+        if not all(type(x) is type(y) and x == y for x, y in step):
+            return False
+        yield
