@@ -137,6 +137,8 @@ def run(
 ) -> tuple[dict[str, Any], Engine]:
     Probe.log = []
     out, engine = run_observed(tmp_path, model, caplog, registry, **kw)
+    if model.ahead is not None:
+        model.ahead.stop()  # (as the run's end does, cli/runner.py: the children reaped)
     return {**out, "log": list(Probe.log)}, engine
 
 
@@ -593,6 +595,47 @@ def test_the_go_stops_the_chores_work_between_two_steps_and_the_making_comes_fir
     # the rest after that child's making: its own part, at least, made by then
     assert all(n >= 1500 for n in on_disk[2:]), on_disk
     assert sum(1 for _ in root.iterdir()) == 3000
+
+
+def test_a_child_still_at_the_chore_finishes_it_while_the_run_ends(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every verdict taken, the engine stops without waiting for the child at the
+    chore (the parse cache entry): it finishes while the agent stops, and `stop`,
+    at the run's end, waits for it and reaps both children."""
+    model, _ = _marks_to_make(tmp_path, "chore")
+    calls, gate = tmp_path / "calls", tmp_path / "gate"
+
+    def write() -> None:
+        with open(calls, "a") as f:
+            f.write(f"{os.getpid()} at\n")
+        deadline = time.monotonic() + 60
+        while not gate.exists():  # (until the engine's run is over)
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        with open(calls, "a") as f:
+            f.write(f"{os.getpid()} done\n")
+
+    ahead = ahead_of(
+        model, whole=False, journal=tmp_path / "made-ahead", chore=(lambda until: True, write)
+    )
+    out, engine = run_observed(tmp_path / "a", model, caplog, registry)
+    assert out["status"] == 0
+    assert engine.ahead_made == 3000
+    # the engine did not wait for the chore: the child is at it, not done
+    deadline = time.monotonic() + 60
+    while not (calls.exists() and calls.read_text()):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    pid, at = calls.read_text().split()
+    assert at == "at"
+    assert os.waitpid(int(pid), os.WNOHANG) == (0, 0)
+    gate.touch()
+    ahead.stop()
+    assert calls.read_text().split() == [pid, "at", pid, "done"]
+    for pid in ahead.pids:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
 
 
 @register("stuck", registry=registry)

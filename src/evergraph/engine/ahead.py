@@ -307,6 +307,20 @@ class Ahead:
             self._loop.remove_reader(self._fd)
         self._loop = None
 
+    def told(self) -> list[int] | None:
+        """Once every verdict came, the places of what the children made that the
+        engine did not take (taken now; none wanted any more); None while one may
+        still come. The child at the chore finishes it meanwhile: `stop` (at the
+        run's end, cli/runner.py) waits for it and reaps them."""
+        self.poll()
+        if self._fd >= 0 and PENDING in self.verdicts:
+            return None
+        self._quiet()
+        made = [i for i, verdict in enumerate(self.verdicts) if verdict == CREATED]
+        for i in made:
+            self.verdicts[i] = TAKEN
+        return made
+
     def stop(self) -> list[int]:
         """No more verdicts wanted (or all came): end the child, take what it said
         until then, reap it. The places of what it made that the engine did not
@@ -464,7 +478,9 @@ def _work(  # pragma: no cover (the child's)
         if chored:
             assert chore is not None
             try:
-                worked = chore[0][0](lambda: bool(select.select([go_fd], [], [], 0)[0]))
+                worked = chore[0][0](
+                    lambda: _stopping or bool(select.select([go_fd], [], [], 0)[0])
+                )
             except Exception:
                 chored = False
         if (making or chored) and not _stopping and os.read(go_fd, 1):

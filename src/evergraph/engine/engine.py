@@ -231,11 +231,16 @@ class Engine(Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
         self.stop.raise_to(GRACEFUL)
         self._draining = True
         self.converger.close()
-        if self._ahead is not None:
-            # (a child still at work: no use for it now) what it made that was not
-            # taken (below a failure, or a run stopped early) is a change all the same
-            for i in self._ahead.stop():
-                res = self._ahead.resources[i]
+        ahead = self._ahead
+        if ahead is not None:
+            # what the children made that was not taken (below a failure, or a run
+            # stopped early) is a change all the same. With every verdict come, the
+            # child at the chore (the parse cache entry) finishes it while the agent
+            # stops, and the run's end waits for it (cli/runner.py); a child still at
+            # work is of no use now: stopped
+            made = ahead.told()
+            for i in ahead.stop() if made is None else made:
+                res = ahead.resources[i]
                 v = self.vertices.get(res.ident)
                 if v is not None and v.res is res:
                     self._made_ahead(v, observed=True)
