@@ -514,42 +514,51 @@ def encode(key: str, model: GraphModel, notes: list[str], auto: AutoEdges | None
 
 T = TypeVar("T")
 
-#: resources encoded in one step of `encoding` (W1's files: ~1 ms)
+#: resources made slim in one step of `encoding`, or compared in one of `comparing` (W1's
+#: files: ~2 ms)
 STEP = 1024
 
 
 def encoding(
     key: str, model: GraphModel, notes: list[str], auto: AutoEdges | None = None
 ) -> Generator[None, None, bytes]:
-    """`encode` in steps: a step (a yield) after each `STEP` resources, a run of a
-    kind's resources at most (consecutive runs of one kind decode as one)."""
+    """`encode` in steps: a step (a yield) after each `STEP` resources made slim,
+    and after each run of a kind encoded (the entry is the one an encode at once
+    makes: a run a kind, a hit's decode as quick)."""
     kinds: list[_Kind] = []
     index: dict[type[Resource], int] = {}
     runs: list[tuple[int, msgspec.Raw]] = []
     run: list[Resource] = []
+    slim: list[dict[str, Any]] = []  # the run's resources made slim so far
     run_cls: type[Resource] | None = None
 
     def flush() -> None:
-        if run_cls is not None and run:
-            runs.append((index[run_cls], msgspec.Raw(_encoder.encode(_slim(run_cls, run)))))
+        if run_cls is not None and (run or slim):
+            slim.extend(_slim(run_cls, run))
+            runs.append((index[run_cls], msgspec.Raw(_encoder.encode(slim))))
 
     stateful: list[str] = []
     for ident, res in model.resources.items():
         cls = type(res)
         if ident != res.ident:
             raise ValueError(f"{ident} is held under another name")
-        if cls is not run_cls or len(run) >= STEP:
+        if cls is not run_cls:
             flush()
-            if run:
+            if run or slim:
                 yield
-            run, run_cls = [], cls
+            run, slim, run_cls = [], [], cls
             if cls not in index:
                 index[cls] = len(kinds)
                 kinds.append(_Kind(cls.kind, _class_code(cls)))
+        elif len(run) >= STEP:
+            slim.extend(_slim(cls, run))
+            run = []
+            yield
         run.append(res)
         if res.__dict__:
             stateful.append(ident)
     flush()
+    yield
     entry = _Entry(
         key=key,
         name=model.name,
