@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_for
-from tests.kit.netbed import NetBed, NetHost, _namespaces
+from tests.kit.netbed import NetBed, NetHost, _claim_subnet, _namespaces
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not all(map(shutil.which, ("ip", "nsenter", "unshare", "nft"))),
@@ -143,3 +143,32 @@ def test_two_beds_side_by_side(netbed: Callable[[int], NetBed], tmp_path: Path) 
     assert a.subnet != b.subnet
     assert a.hosts[0].run("hostname").stdout.strip() == "h0"
     assert b.hosts[0].run("hostname").stdout.strip() == "h0"
+
+
+def test_a_subnet_held_by_a_bed_of_another_process_is_not_taken() -> None:
+    """The subnet is claimed across processes (xdist workers have consecutive pids:
+    a key from the pid and a count alone met), and free again once let go."""
+    first = 0x4242
+    code = (
+        "import sys; from tests.kit.netbed import _claim_subnet; "
+        f"key, claim = _claim_subnet({first}); print(key, flush=True); sys.stdin.read()"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    with subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=repo,
+    ) as held:
+        assert held.stdout is not None
+        taken = int(held.stdout.readline())  # (`first`, unless a bed running holds it)
+        key, claim = _claim_subnet(taken)
+        claim.close()
+        assert key != taken
+        assert held.stdin is not None
+        held.stdin.close()  # (it lets go)
+        assert held.wait(timeout=30) == 0
+    key, claim = _claim_subnet(taken)  # (its process is gone: so is its claim)
+    claim.close()
+    assert key == taken

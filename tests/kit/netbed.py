@@ -12,6 +12,7 @@ import atexit
 import itertools
 import os
 import signal
+import socket
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -214,7 +215,7 @@ class NetBed:
         k = next(_counter)
         # unique per process and bed, so parallel runs and xdist workers never meet
         self.prefix = prefix or f"nb{os.getpid()}x{k}"
-        key = (os.getpid() * 16 + k) & 0xFFFF
+        key, self._claim = _claim_subnet((os.getpid() * 16 + k) & 0xFFFF)
         self.subnet = f"10.{key >> 8}.{key & 0xFF}"
         self.switch = f"{self.prefix}-sw"
         self.tmp = tmp
@@ -254,6 +255,26 @@ class NetBed:
         left = [ns for ns in _namespaces() if ns.startswith(f"{self.prefix}-")]
         if left:
             raise RuntimeError(f"netbed {self.prefix}: namespaces left: {left}")
+        self._claim.close()  # (the subnet is free again: nothing of the bed is left)
+
+
+def _claim_subnet(first: int) -> tuple[int, socket.socket]:
+    """A subnet key (10.<hi>.<lo>) no other bed of any process holds, from `first`
+    on, and its claim: a unix socket bound in the abstract namespace, which the
+    kernel frees with the process, so a crashed test leaves nothing. (A key from the
+    pid and a count alone met: an SshBed's address is on the machine's own network,
+    and xdist workers have consecutive pids, so a worker's 17th bed had its
+    neighbour's first subnet.)"""
+    for i in range(0x10000):
+        key = (first + i) & 0xFFFF
+        claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # (not inherited)
+        try:
+            claim.bind(f"\0evergraph-netbed-{key}")
+        except OSError:  # held by another bed
+            claim.close()
+            continue
+        return key, claim
+    raise RuntimeError("netbed: every subnet 10.x.y is held by a bed")
 
 
 @atexit.register
