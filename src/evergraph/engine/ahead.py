@@ -316,10 +316,7 @@ class Ahead:
         if self._fd >= 0 and PENDING in self.verdicts:
             return None
         self._quiet()
-        made = [i for i, verdict in enumerate(self.verdicts) if verdict == CREATED]
-        for i in made:
-            self.verdicts[i] = TAKEN
-        return made
+        return self._untaken()
 
     def stop(self) -> list[int]:
         """No more verdicts wanted (or all came): end the child, take what it said
@@ -345,6 +342,11 @@ class Ahead:
                         os.kill(pid, signal.SIGKILL)
                 os.set_blocking(fd, True)
                 self.poll()  # (to the end: a killed child's end of the pipe is closed)
+        return self._untaken()
+
+    def _untaken(self) -> list[int]:
+        """The places of what the children made that the engine did not take: taken
+        now (the engine logs each as a change)."""
         made = [i for i, verdict in enumerate(self.verdicts) if verdict == CREATED]
         for i in made:
             self.verdicts[i] = TAKEN
