@@ -24,7 +24,7 @@ from evergraph.farm.model import Refused
 from evergraph.farm.service import ALIVE, Farm, FarmSettings, Forbidden, NotFound, alive_value
 from evergraph.farm.signed import FarmTrust
 from evergraph.farm.tokens import User
-from evergraph.world.kv import Put
+from evergraph.world.kv import KeyValue, Put
 from evergraph.world.memory import MemoryKV, MemoryStore
 
 ALICE = User(name="alice", groups=["lab"])
@@ -322,6 +322,29 @@ def test_waiting_for_a_start_runs_on_the_farms_clock(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+async def _made_invalid(
+    tmp_path: Path,
+) -> tuple[MemoryKV, FarmTrust, FarmLeader, asyncio.Task[Any], str, KeyValue, KeyValue]:
+    """A leading farm leader (its election's task) and a request it made INVALID (no
+    worker fits): (kv, trust, leader, task, key, the WAITING and INVALID versions)."""
+    from evergraph.farm.service import req_key
+
+    kv = MemoryKV(MemoryStore())
+    election = Election(kv, "farm", "m", ttl=5)
+    task = asyncio.create_task(election.run())
+    await election.wait_leader()
+    trust = FarmTrust(HostKeys(tmp_path), "m")
+    leader = FarmLeader(kv, election, trust, FarmSettings(invalid_grace=0))
+    rid = await Farm(kv, trust=trust).new_request(ALICE, priority=1, caps={"board": "x"})
+    rkey = req_key(rid)
+    waiting = await kv.get(rkey)
+    assert waiting is not None
+    await leader.step({rkey: waiting}, {}, {})
+    invalid = await kv.get(rkey)
+    assert invalid is not None
+    return kv, trust, leader, task, rkey, waiting, invalid
+
+
 def test_a_request_deleted_right_after_the_leaders_own_write_is_put_back(
     tmp_path: Path,
 ) -> None:
@@ -329,22 +352,10 @@ def test_a_request_deleted_right_after_the_leaders_own_write_is_put_back(
     follow has read that write (a loaded host: both come in one read, one pass), so
     the last version the follow knew is the leader's own INVALID record, never
     verified by a pass. It is put back all the same, INVALID."""
-    from evergraph.farm.service import open_request, req_key
+    from evergraph.farm.service import open_request
 
     async def main() -> None:
-        kv = MemoryKV(MemoryStore())
-        election = Election(kv, "farm", "m", ttl=5)
-        task = asyncio.create_task(election.run())
-        await election.wait_leader()
-        trust = FarmTrust(HostKeys(tmp_path), "m")
-        leader = FarmLeader(kv, election, trust, FarmSettings(invalid_grace=0))
-        rid = await Farm(kv, trust=trust).new_request(ALICE, priority=1, caps={"board": "x"})
-        rkey = req_key(rid)
-        waiting = await kv.get(rkey)
-        assert waiting is not None
-        await leader.step({rkey: waiting}, {}, {})  # no worker fits: INVALID
-        invalid = await kv.get(rkey)
-        assert invalid is not None
+        kv, trust, leader, task, rkey, waiting, invalid = await _made_invalid(tmp_path)
         assert invalid.mod_revision > waiting.mod_revision
         await kv.delete(rkey)
         # the follow's one read: updated(waiting -> invalid), deleted(invalid)
@@ -352,6 +363,34 @@ def test_a_request_deleted_right_after_the_leaders_own_write_is_put_back(
         back = await kv.get(rkey)
         assert back is not None, "the deleted request was not put back"
         assert open_request(trust, back)[0].state == model.INVALID
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("attack", ["forged", "replayed"])
+def test_a_deleted_record_the_leader_cannot_trust_is_not_put_back(
+    tmp_path: Path, attack: str
+) -> None:
+    """Someone with World access writes a request record the leader never wrote
+    (unsigned bytes, or its own INVALID record's predecessor, WAITING, replayed),
+    then deletes it: the last version the follow knew is that one. The leader
+    verifies it before putting anything back, refuses it, and writes nothing."""
+
+    async def main() -> None:
+        kv, _, leader, task, rkey, waiting, invalid = await _made_invalid(tmp_path)
+        await leader.step({rkey: invalid}, {}, {})  # (verified: the leader's last known)
+        planted = b'{"state": "WAITING"}' if attack == "forged" else waiting.value
+        await kv.txn([], [Put(rkey, planted)])
+        attacked = await kv.get(rkey)
+        assert attacked is not None
+        await kv.delete(rkey)
+        before, _ = await kv.range("farm/")
+        await leader.step({}, {}, {}, {rkey: attacked})
+        assert await kv.get(rkey) is None, "an untrusted record was put back"
+        assert (await kv.range("farm/"))[0] == before
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
