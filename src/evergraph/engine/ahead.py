@@ -459,7 +459,7 @@ def _work(  # pragma: no cover (the child's)
                 told = res.ahead_check(seen)
             except Exception:
                 told = None
-            ok = parents is None or all(sound[p] for p in parents[i])
+            ok = parents is None or _all_in(sound, parents[i])
             if told is False and ok and parents is not None and not edged[i] and creatable(res):
                 sound[i] = missing[i] = 1  # (if made: see _make)
                 continue
@@ -499,6 +499,21 @@ def _work(  # pragma: no cover (the child's)
                     chore[0][1]()
     finally:
         _write_all(out_fd, out)
+
+
+def _all_in(flags: bytearray, places: list[int]) -> bool:  # pragma: no cover (the child's)
+    """Whether every one of `places` is flagged: `all(flags[p] for p in places)`
+    without a generator for the common one or none (a file below its directory)."""
+    if len(places) == 1:
+        return bool(flags[places[0]])
+    return all(flags[p] for p in places)
+
+
+def _any_in(flags: bytearray, places: list[int]) -> bool:  # pragma: no cover (the child's)
+    """`any(flags[p] for p in places)`, as `_all_in`."""
+    if len(places) == 1:
+        return bool(flags[places[0]])
+    return any(flags[p] for p in places)
 
 
 def _took(token: int) -> bool:  # pragma: no cover (the child's)
@@ -589,17 +604,18 @@ def _make(  # pragma: no cover (the child's)
         for i in order:
             if not (missing[i] or sound[i]):
                 continue
-            if any(in_batch[p] for p in parents[i]):
+            ps = parents[i]
+            if _any_in(in_batch, ps):
                 hand()  # (in its state once that batch is committed, not before)
                 land()
             if not missing[i]:  # (found in its state: sound if all above it still is)
-                sound[i] = all(sound[p] for p in parents[i])
+                sound[i] = _all_in(sound, ps)
                 continue
             if _stopping or told < 0:
                 out += RECORD.pack(i, OTHER)
                 continue
             made: Pending | bool = False
-            if all(sound[p] for p in parents[i]):
+            if _all_in(sound, ps):
                 try:
                     made = resources[i].ahead_create(seen, dirs)
                 except Exception:
