@@ -82,7 +82,7 @@ class Swap(EngineState):
                 self._observe(gone, "removed")  # its last status: watchers drop it
         new_vs: list[Vertex] = []
         for ident in added:
-            v = Vertex(self, resources[ident])
+            v = Vertex(self, resources[ident], ident)
             v.watch_ready = False  # held back until started (see below)
             self._unready += 1
             before = replaced.get(ident) if replaced else None

@@ -130,10 +130,11 @@ class Vertex:
         "watch_task",
     )
 
-    def __init__(self, host: VertexHost, res: Resource) -> None:
+    def __init__(self, host: VertexHost, res: Resource, ident: str | None = None) -> None:
         self.host = host
         self.res = res
-        self.ident = res.ident
+        #: (`ident`: `res.ident`, given by a swap that has it: its model's key)
+        self.ident = res.ident if ident is None else ident
         self.parents: list[Vertex] = []
         self.children: list[Vertex] = []
         #: (these two, rare, stay the shared empty tuple until an edge needs them)
