@@ -27,6 +27,7 @@ BENCHMARKS = (
     "graphops",
     "drift",
     "files",
+    "phases",
     "world",
     "farm",
     "failover",
