@@ -503,16 +503,16 @@ def _work(  # pragma: no cover (the child's)
 
 def _all_in(flags: bytearray, places: list[int]) -> bool:  # pragma: no cover (the child's)
     """Whether every one of `places` is flagged: `all(flags[p] for p in places)`
-    without a generator for the common one or none (a file below its directory)."""
-    if len(places) == 1:
-        return bool(flags[places[0]])
+    without a generator where there is none or one (a file below its directory)."""
+    if len(places) <= 1:
+        return not places or bool(flags[places[0]])
     return all(flags[p] for p in places)
 
 
 def _any_in(flags: bytearray, places: list[int]) -> bool:  # pragma: no cover (the child's)
     """`any(flags[p] for p in places)`, as `_all_in`."""
-    if len(places) == 1:
-        return bool(flags[places[0]])
+    if len(places) <= 1:
+        return bool(places) and bool(flags[places[0]])
     return any(flags[p] for p in places)
 
 
