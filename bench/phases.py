@@ -65,14 +65,14 @@ def counted(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, lis
 
 
 def _count(
-    src: str | None, label: str, cmd: list[str], env: dict[str, str], forked_at: int = 0
+    src: str | None, label: str, cmd: list[str], env: dict[str, str], forked_at: int | None
 ) -> dict[str, Any]:
-    """A row: the parent's count, and (a whole run) its children's own (`forked_at`:
-    the parent's count at their fork, which each child's count includes)."""
+    """A row: the parent's count, and that of its children's own work (`forked_at`:
+    the parent's count at their fork, which each child's count includes; None at a
+    point, where the children are killed with their parent, uncounted)."""
     env = {**env, "PYTHONPATH": src or str(REPO / "src")}  # (this checkout's by default)
     parent, children = counted(cmd, env)
-    # (at a point the children ahead are killed with their parent, uncounted)
-    own = sum(c - forked_at for c in children) if "whole run" in label else None
+    own = None if forked_at is None else sum(c - forked_at for c in children)
     return {"case": label, "src": src or "tree", "parent": parent, "children": own}
 
 
@@ -98,7 +98,8 @@ def run(quick: bool, against: str | None = None) -> tuple[list[dict[str, Any]], 
                     if phase == "first apply":
                         shutil.rmtree(state, ignore_errors=True)  # (a cold parse cache)
                     env = {"EVERGRAPH_BENCH_EXIT_AT": point}
-                    results.append(_count(src, f"{phase}: parent to the {point}", cmd, env))
+                    label = f"{phase}: parent to the {point}"
+                    results.append(_count(src, label, cmd, env, None))
                     if point == "fork":
                         forked_at = results[-1]["parent"]
                 if phase == "first apply":
@@ -108,8 +109,8 @@ def run(quick: bool, against: str | None = None) -> tuple[list[dict[str, Any]], 
             if k == 0:
                 floor_cmd = [PYTHON, str(FLOOR), str(spec)]
                 shutil.rmtree(work / f"target-{k}", ignore_errors=True)
-                results.append(_count(None, "floor, first apply: whole run", floor_cmd, {}))
-                results.append(_count(None, "floor, no change: whole run", floor_cmd, {}))
+                results.append(_count(None, "floor, first apply: whole run", floor_cmd, {}, 0))
+                results.append(_count(None, "floor, no change: whole run", floor_cmd, {}, 0))
     rows = []
     for r in results:
         own = r["children"]
