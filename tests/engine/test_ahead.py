@@ -285,7 +285,7 @@ def test_unobserved_vertices_found_ahead_are_clean_with_a_duration_of_their_own(
         model.add(Probe(name=f"p{i}", ahead=True))
     model.check()
     ahead_of(model)
-    out, engine = run(tmp_path, model, caplog, observe=False)
+    out, engine = run(tmp_path, model, caplog, observe=False, express=False)
     assert engine.ahead_runs == 30
     assert out["log"] == []  # neither initialised nor checked
     for s in engine.status():

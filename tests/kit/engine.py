@@ -50,10 +50,12 @@ def run_observed(
     *,
     lane: bool | None = None,
     observe: bool = True,
+    express: bool = True,
     **kw: object,
 ) -> tuple[dict[str, Any], Engine]:
     """Run `model` until it converges (kinds from `registry`; `lane`: force the
-    one-shot lane on or off; `kw`: settings) and say what it did: its exit
+    one-shot lane on or off; `express`: off, a first graph decided whole ahead
+    runs through the lane as any other; `kw`: settings) and say what it did: its exit
     `status`, each vertex's `views` (state, error, counts), the `recap` lines and
     each vertex's observed `events` (states in order)."""
     events: list[tuple[str, str]] = []
@@ -64,6 +66,7 @@ def run_observed(
     )
     if lane is not None:
         engine.lane = lane
+    engine.express = express
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="evergraph.engine"):
         status = asyncio.run(engine.run(model))

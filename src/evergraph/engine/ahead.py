@@ -156,6 +156,8 @@ class Ahead:
             if nothing:  # (a kind that cannot tell: no verdict will come)
                 self.verdicts[i] = OTHER
         self._rest = b""  # a record cut short by a read
+        #: if a list: the place of each verdict that comes is appended to it
+        self.fresh: list[int] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
@@ -269,9 +271,12 @@ class Ahead:
         self._rest = data[whole:]
         verdicts = self.verdicts
         n = len(verdicts)
+        fresh = self.fresh
         for i, verdict in RECORD.iter_unpack(memoryview(data)[:whole]):
             if i < n and verdicts[i] == PENDING and verdict in (OTHER, CLEAN, CREATED):
                 verdicts[i] = verdict
+                if fresh is not None:
+                    fresh.append(i)
 
     def take(self, i: int) -> int:
         """`resources[i]`'s verdict: CLEAN, CREATED (taken: the engine records the
@@ -296,13 +301,19 @@ class Ahead:
         self._loop = loop
 
         def readable() -> None:
-            self._quiet()
+            self.quiet()
             self.poll()
             then()
 
         loop.add_reader(self._fd, readable)
 
-    def _quiet(self) -> None:
+    @property
+    def ended(self) -> bool:
+        """Every child ended (or the verdicts were given up): no more will come."""
+        return self._fd < 0
+
+    def quiet(self) -> None:
+        """No more `wake`: the call asked for is dropped."""
         if self._loop is not None and self._fd >= 0:
             self._loop.remove_reader(self._fd)
         self._loop = None
@@ -315,7 +326,7 @@ class Ahead:
         self.poll()
         if self._fd >= 0 and PENDING in self.verdicts:
             return None
-        self._quiet()
+        self.quiet()
         return self._untaken()
 
     def stop(self) -> list[int]:
@@ -325,7 +336,7 @@ class Ahead:
         self._no_go()
         fd = self._fd
         if fd >= 0:
-            self._quiet()
+            self.quiet()
             for pid in self.pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)  # (ended already, unless the run was quicker)
@@ -364,7 +375,7 @@ class Ahead:
         fd, self._fd = self._fd, -1
         if fd < 0:
             return
-        self._quiet()
+        self.quiet()
         os.close(fd)
         for pid in self.pids:
             with contextlib.suppress(ChildProcessError):

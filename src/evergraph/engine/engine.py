@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from evergraph.engine.changes import log_data
 from evergraph.engine.contract import Resource
+from evergraph.engine.express import Express
 from evergraph.engine.guard import Guard
 from evergraph.engine.model import Edge, GraphModel
 from evergraph.engine.outcomes import Outcomes
@@ -55,7 +56,7 @@ log = logging.getLogger("evergraph.engine")
 EXIT_WOULD_CHANGE = 3
 
 
-class Engine(Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
+class Engine(Express, Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
     """One running graph. Built with everything the resources may use, handed in
     by the owner (the agent): see `EngineState.__init__`."""
 
@@ -69,7 +70,8 @@ class Engine(Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
                 if self.settings.max_runtime is not None:
                     # counted from the engine's creation (the wait for a first graph too)
                     aux.append(tg.create_task(self._max_runtime(self.settings.max_runtime)))
-                await self.swap(model)
+                if not await self._express(model):
+                    await self.swap(model)
                 if updates is not None:
                     aux.append(tg.create_task(self._follow(updates)))
                 self._check_idle()
@@ -158,21 +160,26 @@ class Engine(Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
     def _on_converged(self) -> None:
         # one walk of the vertices (at 1M vertices each walk holds the loop ~0.1 s)
         failed: list[str] = []
-        named, others = self._recap_statuses(failed)
+        express = self.expressed
+        if express is not None:  # (no vertex: see express.py)
+            named, others, total = express.made, (express.clean, express.clean), express.total
+        else:
+            named, others = self._recap_statuses(failed)
+            total = len(self.vertices)
         changed = sum(1 for s in named if s.changed_count)
         took = self.clock.monotonic() - self.started
         if failed:
             log.error(
                 "converged with %d of %d vertices not clean (%s) after %.2fs",
                 len(failed),
-                len(self.vertices),
+                total,
                 ", ".join(failed[:5]) + (", ..." if len(failed) > 5 else ""),
                 took,
             )
         else:
             log.info(
                 "converged: %d vertices clean, %d changed, after %.2fs",
-                len(self.vertices),
+                total,
                 changed,
                 took,
             )

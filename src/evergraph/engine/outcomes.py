@@ -19,6 +19,7 @@ from evergraph._util.crash import crash_point
 from evergraph.engine import changes
 from evergraph.engine.recap import took as _took
 from evergraph.engine.state import EngineState
+from evergraph.engine.status import Change
 from evergraph.engine.vertex import MADE_AHEAD, Vertex
 
 log = logging.getLogger("evergraph.engine")
@@ -90,40 +91,22 @@ class Outcomes(EngineState):
             self._poke(v)
 
     def _log_changes(self, v: Vertex, what: str, diffs: bool, through: bool = True) -> None:
-        """One log record for a run that changed something (or would): the fields
-        changed; with `diffs` (noop, `--diff`) a line per change with its diff, and
-        whom a change notifies or sends values to. Structured logs get them all from
-        the record's `data` (`changes.record_data`), made only for a handler that
-        reads it (`changes.log_data`: a text log does not). An applied change's
-        line is written through (`through`) unless it is held elsewhere already."""
-        done = v.changes
+        """One log record for a run that changed something (or would): see
+        `change_entry`. An applied change's line is written through (`through`)
+        unless it is held elsewhere already."""
         noop = what != "applied"
         effect = through and not noop
         notify = [c.ident for c in v.notify_children] if v.notify_children else []
         send = [f"{value} → {c.ident}.{field}" for value, c, field in v.send_edges]
-        data = partial(changes.record_data, v.ident, noop, done, notify, send)
-        args: tuple[object, ...]
-        msg = "%s"
-        if not done and not (diffs and (notify or send)):
-            msg, args = "%s: %s", (v.ident, what)
-        else:
-            head = f"{v.ident}: {what}: {changes.summary(done)}" if done else f"{v.ident}: {what}"
-            if not diffs:
-                args = (head,)
-            else:
-                out = [head, *changes.lines(done, diffs=True)]
-                notifies, sends = ("would notify", "would send") if noop else ("notifies", "sends")
-                out.extend(f"  {notifies} {ident}" for ident in notify)
-                out.extend(f"  {sends} {line}" for line in send)
-                args = ("\n".join(out),)
+        entry = change_entry(v.ident, what, v.changes, diffs, notify, send)
         held = self._held
         if held is not None and not effect and not v.send_edges:
-            held.append((msg, args, data))
+            held.append(entry)
             return
         if held:
             self._log_held()  # (in order)
         # an applied change is an effect: the log writes it through (cli/logs.py)
-        changes.log_data(log, msg, args, data, effect=effect, event="changed")
+        changes.log_data(log, *entry, effect=effect, event="changed")
 
     def _log_held(self) -> None:
         """Log the lines `_held`, in order, as one batch (`changes.log_batch`)."""
@@ -218,3 +201,33 @@ class Outcomes(EngineState):
         v.pending = True
         self.converger.busy()
         self._poke(v)
+
+
+def change_entry(
+    ident: str,
+    what: str,
+    done: tuple[Change, ...],
+    diffs: bool,
+    notify: list[str] | None = None,
+    send: list[str] | None = None,
+) -> changes.Entry:
+    """The log record (message, arguments, data) of a run of `ident` that changed
+    something (`what`: "applied"), or would ("would change (noop)"): the fields
+    changed `done`; with `diffs` (noop, `--diff`) a line per change with its diff,
+    and whom a change notifies or sends values to. Structured logs get them all from
+    the record's `data` (`changes.record_data`), made only for a handler that reads
+    it (`changes.log_data`: a text log does not)."""
+    notify = notify or []
+    send = send or []
+    noop = what != "applied"
+    data = partial(changes.record_data, ident, noop, done, notify, send)
+    if not done and not (diffs and (notify or send)):
+        return "%s: %s", (ident, what), data
+    head = f"{ident}: {what}: {changes.summary(done)}" if done else f"{ident}: {what}"
+    if not diffs:
+        return "%s", (head,), data
+    out = [head, *changes.lines(done, diffs=True)]
+    notifies, sends = ("would notify", "would send") if noop else ("notifies", "sends")
+    out.extend(f"  {notifies} {ident}" for ident in notify)
+    out.extend(f"  {sends} {line}" for line in send)
+    return "%s", ("\n".join(out),), data

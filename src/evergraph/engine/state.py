@@ -202,6 +202,8 @@ class EngineState:
         self.subscriptions = 0
         self.started = clock.monotonic()
         self.graph_name = ""
+        #: the first graph's "loaded" line was logged before its swap (express.py)
+        self.loaded_said = False
         self.recaps = Recaps()
 
     def _observe(self, v: Vertex, state: State) -> None:

@@ -220,6 +220,9 @@ class Swap(EngineState):
                     a.notify_children = [b]
 
     def _log_swap(self, model: GraphModel, started: int, stopped: int) -> None:
+        if self.loaded_said:  # (by express, which gave way: express.py)
+            self.loaded_said = False
+            return
         first = not self.graph_name
         self.graph_name = model.name or "(unnamed)"
         if first:

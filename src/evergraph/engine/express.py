@@ -1,0 +1,239 @@
+"""Express: a one-shot run whose first graph the children ahead decided whole ends
+with no vertex built.
+
+The lane (scheduling.py) takes a verdict from the work run ahead (ahead.py) for
+each vertex: CREATED is recorded changed, CLEAN clean, with no init and no
+check. When every resource of the graph gets such a verdict, all that is left
+of the engine's work is bookkeeping: 10k vertices built, wired, queued, each
+verdict recorded on one, at ~20 us a vertex in the parent while the children
+make the files (on two cores the three processes share them), then the recap
+read back off the vertices. `Express._express` does the same bookkeeping on the
+verdicts themselves: the same log line for each change (held and logged in
+batches, as the lane logs a change a child made), the same "loaded",
+"converged" and recap lines, the converged-status file, exit status 0.
+
+It is taken only where the lane would have taken every verdict and done
+nothing else (`_may_express`): the engine's first graph in a one-shot run, no
+observer (the live display, HTTP), no graphviz file, no global semaphore; every
+resource one whose kind tells ahead, that runs inline, is neither hidden nor
+grouped, has no cleanup; no debug log (its line per vertex); no edge but orders;
+the store owes no refresh and no reversal. It gives way to the usual run (`swap`, the lane) the moment it cannot
+finish so: a verdict OTHER (a resource to check), a child that ended without a
+verdict for all, a CLEAN resource below a CREATED one (the lane checks it
+again), or a stop. Nothing is lost then: the verdicts taken so far are the
+lane's as they were, and no line was logged. A change is counted and its line
+held only once every verdict came and none of these hold, so the lane never
+sees a CREATED verdict taken (`Ahead.take`) by this path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from functools import partial
+from typing import TYPE_CHECKING, cast
+
+from evergraph._util.crash import crash_point
+from evergraph._util.gc import gc_paused
+from evergraph.engine import changes
+from evergraph.engine.ahead import CLEAN, CREATED, OTHER, PENDING, Ahead
+from evergraph.engine.contract import Handle, Resource, runs_inline
+from evergraph.engine.outcomes import change_entry
+from evergraph.engine.state import EngineState
+from evergraph.engine.status import Change, VertexStatus
+from evergraph.engine.stop import GRACEFUL
+
+if TYPE_CHECKING:
+    from evergraph.engine.model import GraphModel
+
+log = logging.getLogger("evergraph.engine")
+
+#: reports kept with what they changed, at most (`_all_told`)
+ALIKE_MAX = 1024
+#: change lines logged together (`changes.log_batch`), as the lane's batches
+LOG_BATCH = 1024
+
+
+class Expressed:
+    """What an express run did, for the converged line and the recap: how many
+    resources, and a status for each one made (the clean ones are counted)."""
+
+    __slots__ = ("clean", "made", "total")
+
+    def __init__(self, total: int, made: list[VertexStatus]) -> None:
+        self.total = total
+        self.made = made
+        self.clean = total - len(made)
+
+
+class _Reports:
+    """The `Handle` a kind's `ahead_created` reports through (`changed` only, which
+    is all it may call: see `Resource.ahead_created`)."""
+
+    __slots__ = ("reported",)
+
+    def __init__(self) -> None:
+        self.reported: list[tuple[str, object, object, bool]] = []
+
+    def changed(self, field: str, old: object, new: object, *, content: bool = False) -> None:
+        self.reported.append((field, old, new, content))
+
+
+def _identity(text: str) -> str:
+    return text
+
+
+def _settle(came: asyncio.Future[None]) -> None:
+    if not came.done():
+        came.set_result(None)
+
+
+class Express(EngineState):
+    #: whether a first graph decided whole ahead may end without vertices (tests
+    #: turn it off to compare with the lane)
+    express = True
+    #: set by an express run (`_express`)
+    expressed: Expressed | None = None
+
+    def _may_express(self, model: GraphModel, ahead: Ahead) -> bool:
+        """Whether the lane would take a verdict for every resource of `model` and
+        do nothing else with it (see the module's docstring)."""
+        if not (
+            self.express
+            and self.one_shot
+            and not self.vertices
+            and self.observer is None
+            and self.settings.graphviz is None
+            and self._global_sema is None
+            and not log.isEnabledFor(logging.DEBUG)  # (-v: a line per vertex, see _observe)
+            and OTHER not in ahead.verdicts  # (preset for a kind that cannot tell)
+            and len(ahead.resources) == len(model.resources)
+            and all(a is b for a, b in zip(ahead.resources, model.resources.values(), strict=True))
+        ):
+            return False
+        nothing = Resource.ahead_check
+        no_cleanup = Resource.cleanup
+        for res in ahead.resources:
+            kind = type(res)
+            if (
+                kind.ahead_check is nothing
+                or kind.cleanup is not no_cleanup
+                or not runs_inline(res)
+                or res.meta.hidden
+                or getattr(res, "_group_members", None)
+            ):
+                return False
+        if any(e.notify or e.send is not None or e.recv is not None for e in model.edges):
+            return False
+        owed = self.store.load()  # (swap loads it again if this gives way)
+        return not (owed.refresh or owed.reversals)
+
+    async def _express(self, model: GraphModel) -> bool:
+        """Run `model`, the first graph, on its verdicts ahead alone, if it may be
+        (True: done, converged; False: nothing done but the go, `swap` runs it)."""
+        ahead = model.ahead
+        if ahead is None or not self.lane or not self._may_express(model, ahead):
+            return False
+        self.converger.busy()
+        ahead.go()
+        n = len(ahead.resources)
+        self.graph_name = model.name or "(unnamed)"
+        log.info("graph %s loaded: %d vertices", self.graph_name, n)
+        self.loaded_said = True  # (not again by the swap if this gives way)
+        #: per place: what a CREATED one changed, its status and its line, made as
+        #: its verdict comes (while the children make the rest)
+        made: list[tuple[VertexStatus, changes.Entry] | None] = [None] * n
+        with gc_paused():  # (10k statuses and lines: nothing for the collector)
+            if not await self._all_told(ahead, made) or not self._upstream_clean(model, ahead):
+                return False
+        # done: from here on, as the lane would have recorded them
+        self._ahead = ahead
+        statuses: list[VertexStatus] = []
+        entries: list[changes.Entry] = []
+        for i, one in enumerate(made):
+            if one is not None:
+                ahead.take(i)  # (TAKEN: its change is logged here)
+                statuses.append(one[0])
+                entries.append(one[1])
+                crash_point("parent-changed")  # (its line held, as the lane holds it)
+        for start in range(0, len(entries), LOG_BATCH):
+            changes.log_batch(log, entries[start : start + LOG_BATCH], event="changed")
+        self.ahead_made = len(statuses)
+        self.ahead_runs = n - len(statuses)
+        self.expressed = Expressed(n, statuses)
+        return True
+
+    async def _all_told(
+        self, ahead: Ahead, made: list[tuple[VertexStatus, changes.Entry] | None]
+    ) -> bool:
+        """Wait until every verdict came, making each CREATED one's record in `made`
+        as it comes: True if all are CLEAN or CREATED; False at the first other one,
+        a child's end without them, a kind that cannot report what it made (the lane
+        records that failure), or a stop."""
+        loop = asyncio.get_running_loop()
+        stopped = asyncio.ensure_future(self.stop.wait(GRACEFUL))
+        resources, verdicts = ahead.resources, ahead.verdicts
+        diffs = self.settings.diff
+        clock = self.clock
+        # (those come already first: a child may have told some before the go)
+        fresh = ahead.fresh = [i for i, verdict in enumerate(verdicts) if verdict != PENDING]
+        #: what was made alike changed alike (10k files: a few sizes, one mode)
+        alike: dict[tuple[tuple[str, object, object, bool], ...], tuple[Change, ...]] = {}
+        hashable = True
+        try:
+            while True:
+                ahead.poll()
+                if OTHER in verdicts:
+                    return False  # (the lane checks it)
+                if fresh:
+                    now, wall = clock.monotonic(), clock.time()
+                    for i in fresh:
+                        if verdicts[i] != CREATED:
+                            continue
+                        res = resources[i]
+                        reports = _Reports()
+                        try:
+                            res.ahead_created(cast(Handle, reports))
+                        except Exception:
+                            return False
+                        reported = tuple(reports.reported)
+                        try:
+                            done = alike.get(reported)
+                        except TypeError:  # (a value that cannot be hashed)
+                            done, hashable = None, False
+                        if done is None:
+                            try:
+                                done = changes.build(reported, (), _identity, diffs)
+                            except Exception:
+                                return False
+                            if hashable and len(alike) < ALIKE_MAX:
+                                alike[reported] = done
+                        status = VertexStatus(
+                            res.ident, res.kind, res.name, "changed", now, None, 1, 0, 0, 0.0,
+                            wall, done,
+                        )  # fmt: skip
+                        made[i] = (status, change_entry(res.ident, "applied", done, diffs))
+                    fresh.clear()
+                if PENDING not in verdicts:
+                    return True
+                if ahead.ended or stopped.done():  # (a child ended without a verdict)
+                    return False
+                came: asyncio.Future[None] = loop.create_future()
+                ahead.wake(partial(_settle, came))
+                await asyncio.wait((came, stopped), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ahead.fresh = None
+            stopped.cancel()
+            ahead.quiet()
+
+    def _upstream_clean(self, model: GraphModel, ahead: Ahead) -> bool:
+        """No CLEAN verdict below a CREATED one (the lane would check it again: what
+        it depends on changed in this run)."""
+        verdicts = ahead.verdicts
+        if CREATED not in verdicts or CLEAN not in verdicts:
+            return True
+        place = {ident: i for i, ident in enumerate(model.resources)}
+        for e in model.edges:
+            if verdicts[place[e.from_id]] == CREATED and verdicts[place[e.to_id]] == CLEAN:
+                return False
+        return True
