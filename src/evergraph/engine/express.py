@@ -10,20 +10,22 @@ make the files (on two cores the three processes share them), then the recap
 read back off the vertices. `Express._express` does the same bookkeeping on the
 verdicts themselves: the same log line for each change (held and logged in
 batches, as the lane logs a change a child made), the same "loaded",
-"converged" and recap lines, the converged-status file, exit status 0.
+"converged" and recap lines, the converged-status file, exit status 0. Each
+change's status and line are made as its verdict comes (the parent has little
+else to do while the children make), and logged once all came.
 
-It is taken only where the lane would have taken every verdict and done
-nothing else (`_may_express`): the engine's first graph in a one-shot run, no
-observer (the live display, HTTP), no graphviz file, no global semaphore; every
-resource one whose kind tells ahead, that runs inline, is neither hidden nor
-grouped, has no cleanup; no debug log (its line per vertex); no edge but orders;
-the store owes no refresh and no reversal. It gives way to the usual run (`swap`, the lane) the moment it cannot
+It is taken only where the lane would have taken every verdict and done nothing else
+(`_may_express`): the engine's first graph in a one-shot run, no observer (the live
+display, HTTP), no graphviz file, no global semaphore; every resource one whose kind
+tells ahead, that runs inline, is neither hidden nor grouped, has no cleanup; no
+debug log (its line per vertex); no edge but orders; the store owes no refresh and
+no reversal. It gives way to the usual run (`swap`, the lane) the moment it cannot
 finish so: a verdict OTHER (a resource to check), a child that ended without a
-verdict for all, a CLEAN resource below a CREATED one (the lane checks it
-again), or a stop. Nothing is lost then: the verdicts taken so far are the
-lane's as they were, and no line was logged. A change is counted and its line
-held only once every verdict came and none of these hold, so the lane never
-sees a CREATED verdict taken (`Ahead.take`) by this path.
+verdict for all, a CLEAN resource below a CREATED one (the lane checks it again), or
+a stop. Nothing is lost then: the verdicts taken so far are the lane's as they were,
+and no line was logged. A change is counted and its line held only once every
+verdict came and none of these hold, so the lane never sees a CREATED verdict taken
+(`Ahead.take`) by this path.
 """
 
 from __future__ import annotations
