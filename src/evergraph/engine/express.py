@@ -99,7 +99,8 @@ class Express(EngineState):
 
     def _may_express(self, model: GraphModel, ahead: Ahead) -> bool:
         """Whether the lane would take a verdict for every resource of `model` and
-        do nothing else with it (see the module's docstring)."""
+        do nothing else with it (see the module's docstring; what the store owes is
+        read after the go)."""
         if not (
             self.express
             and self.one_shot
@@ -125,10 +126,7 @@ class Express(EngineState):
                 or getattr(res, "_group_members", None)
             ):
                 return False
-        if any(e.notify or e.send is not None or e.recv is not None for e in model.edges):
-            return False
-        owed = self.store.load()  # (swap loads it again if this gives way)
-        return not (owed.refresh or owed.reversals)
+        return not any(e.notify or e.send is not None or e.recv is not None for e in model.edges)
 
     async def _express(self, model: GraphModel) -> bool:
         """Run `model`, the first graph, on its verdicts ahead alone, if it may be
@@ -138,6 +136,9 @@ class Express(EngineState):
             return False
         self.converger.busy()
         ahead.go()
+        owed = self.store.load()  # (after the go: swap loads it again if this gives way)
+        if owed.refresh or owed.reversals:
+            return False
         n = len(ahead.resources)
         self.graph_name = model.name or "(unnamed)"
         log.info("graph %s loaded: %d vertices", self.graph_name, n)
