@@ -132,6 +132,14 @@ def random_edges(
                 model.connect(edge)
 
 
+def found_ahead(name: str, n: int) -> GraphModel:
+    """`n` probes `p0`... that their checks ahead find in their state, no edge."""
+    model = GraphModel(name=name)
+    for i in range(n):
+        model.add(Probe(name=f"p{i}", ahead=True))
+    return model
+
+
 def run(
     tmp_path: Path, model: GraphModel, caplog: pytest.LogCaptureFixture, **kw: object
 ) -> tuple[dict[str, Any], Engine]:
@@ -214,9 +222,7 @@ def test_a_verdict_is_dropped_below_a_change_a_refresh_or_a_value(
 def test_a_child_that_dies_leaves_every_resource_to_its_check(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    model = GraphModel(name="dies")
-    for i in range(50):
-        model.add(Probe(name=f"p{i}", ahead=True))
+    model = found_ahead("dies", 50)
     model.check()
     ahead = ahead_of(model, whole=False)
     os.kill(ahead.pids[0], signal.SIGKILL)  # before (or while) it answers
@@ -235,9 +241,7 @@ def test_a_child_that_answers_in_part_is_used_for_that_part(
 ) -> None:
     """A child that ended with no word on some resources (as if it died there):
     those are initialised and checked, the others found ahead."""
-    model = GraphModel(name="half")
-    for i in range(40):
-        model.add(Probe(name=f"p{i}", ahead=True))
+    model = found_ahead("half", 40)
     model.check()
     ahead = ahead_of(model)
     ahead.verdicts[:20] = bytes([PENDING]) * 20  # (as if they had not come)
@@ -280,9 +284,7 @@ def test_unobserved_vertices_found_ahead_are_clean_with_a_duration_of_their_own(
 ) -> None:
     """With no observer (the lane sets states itself), a vertex found ahead is
     clean and its duration is its own step's, not the clock's whole reading."""
-    model = GraphModel(name="quiet")
-    for i in range(30):
-        model.add(Probe(name=f"p{i}", ahead=True))
+    model = found_ahead("quiet", 30)
     model.check()
     ahead_of(model)
     out, engine = run(tmp_path, model, caplog, observe=False, express=False)
@@ -653,15 +655,22 @@ class Stuck(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         return True
 
 
-def test_a_child_stuck_in_a_check_is_killed_by_stop(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def stuck(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> GraphModel:
+    """A graph of one resource whose check ahead never returns (a child `stop` kills
+    after STOP_S, made short)."""
     monkeypatch.setattr(ahead_module, "STOP_S", 0.1)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     model = GraphModel(name="stuck")
     model.add(Stuck(name="s", path=str(fifo)))
     model.check()
+    return model
+
+
+def test_a_child_stuck_in_a_check_is_killed_by_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = stuck(tmp_path, monkeypatch)
     ahead = Ahead.start(model, at_least=1)
     assert ahead is not None
     assert ahead.stop() == []

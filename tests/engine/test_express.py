@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import re
 from collections.abc import Callable
@@ -22,11 +21,19 @@ from typing import Any
 import pytest
 
 from evergraph.engine import Edge, GraphModel
-from evergraph.engine import ahead as ahead_module
 from evergraph.engine.contract import Meta, Resource
 from evergraph.engine.engine import Engine
 from evergraph.engine.store import VertexStore
-from tests.engine.test_ahead import Mark, Plain, Probe, Stuck, ahead_of, journal, registry
+from tests.engine.test_ahead import (
+    Mark,
+    Plain,
+    Probe,
+    ahead_of,
+    found_ahead,
+    journal,
+    registry,
+    stuck,
+)
 from tests.kit.engine import run_observed, settings
 
 #: a duration in a line: not the same from one run to the next
@@ -117,9 +124,7 @@ def test_a_graph_decided_whole_ahead_ends_as_the_lane_ends_it(
 def test_a_graph_found_whole_in_its_state_ends_with_nothing_changed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    model = GraphModel(name="clean")
-    for i in range(40):
-        model.add(Probe(name=f"p{i}", ahead=True))
+    model = found_ahead("clean", 40)
     model.connect(Edge("probe[p0]", "probe[p1]"))
     model.check()
     ahead_of(model)
@@ -200,9 +205,7 @@ def test_a_refresh_owed_from_an_earlier_run_is_served_by_the_lane(
 ) -> None:
     """A notify edge's refresh a killed run owed (in the store) is the lane's: the
     vertex runs, refreshed, although its verdict ahead says it is in its state."""
-    model = GraphModel(name="owed")
-    for i in range(10):
-        model.add(Probe(name=f"p{i}", ahead=True))
+    model = found_ahead("owed", 10)
     model.check()
     VertexStore(tmp_path / "e").owe_refresh("probe", "p3")
     ahead_of(model)
@@ -217,12 +220,7 @@ def test_a_stop_while_the_children_work_ends_the_run(
 ) -> None:
     """A stop asked while express waits for a child stuck in a check: it gives way,
     the run ends (the child killed by the run's end), nothing recorded as done."""
-    monkeypatch.setattr(ahead_module, "STOP_S", 0.1)
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
-    model = GraphModel(name="stuck")
-    model.add(Stuck(name="s", path=str(fifo)))
-    model.check()
+    model = stuck(tmp_path, monkeypatch)
     ahead_of(model, whole=False)
     engine = Engine(settings(tmp_path / "e"), registry=registry)
     engine.stop.raise_to(1)  # (the first stop: graceful)
