@@ -593,7 +593,8 @@ def test_the_go_stops_the_chores_work_between_two_steps_and_the_making_comes_fir
     assert [name for _, name, _ in lines] == [*(f"work{k}" for k in range(steps)), "write"]
     assert len({pid for pid, _, _ in lines}) == 1  # (one child, the one that took it)
     on_disk = [int(n) for _, _, n in lines]
-    assert on_disk[:2] == [0, 0]  # (before the go)
+    # (step 0 before the go; step 1 ends after it, while the other child may make)
+    assert on_disk[0] == 0
     # the rest after that child's making: its own part, at least, made by then
     assert all(n >= 1500 for n in on_disk[2:]), on_disk
     assert sum(1 for _ in root.iterdir()) == 3000
