@@ -349,9 +349,13 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
         while it loads: engine/ahead.py). True promises that init then
         check_apply would find it so and change nothing, so the engine skips both
         for it (it runs them after all if anything it depends on changed in the
-        run). False, or None (the default: the kind cannot tell this way): the
-        usual init and check. Local reads only: no writes, no logging, no handle.
-        `seen`: scratch shared by every resource of that process (listings)."""
+        run). False: not in its state, and absent (with `ahead_create`, the child may
+        make it). None (the default: the kind cannot tell this way; or it is there
+        but not in its state): the usual init and check, and the engine knows at
+        once that it has one to run (engine/express.py gives way to the lane on it;
+        a False is known to be one only when the child's making fails). Local reads
+        only: no writes, no logging, no handle. `seen`: scratch shared by every
+        resource of that process (listings)."""
         return None
 
     def ahead_create(self, seen: dict[str, Any], dirs: OpenDirs) -> Pending | bool:

@@ -271,8 +271,10 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         )
 
     def ahead_check(self, seen: dict[str, Any]) -> bool | None:
-        # check_apply's plain cases, from the parameters; a leftover of a killed
-        # write next to the file needs init's sweep: False
+        # check_apply's plain cases, from the parameters: True in its state, False
+        # absent (ahead_create may make it), None there but not in its state, or
+        # not told (a leftover of a killed write next to the file needs init's
+        # sweep; a short read): the engine checks those
         path = self.path or self.name
         content = self.content
         is_dir = path.endswith("/")
@@ -285,8 +287,8 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
                 seen.setdefault("absent", set()).add(path)  # (and all below it)
                 return False
             except OSError:
-                return False
-            return stat.S_ISDIR(st.st_mode) and attrs_match(st, mode, -1, -1)
+                return None
+            return True if stat.S_ISDIR(st.st_mode) and attrs_match(st, mode, -1, -1) else None
         if content is None or not self._is_plain(is_dir):
             return None
         path = _normpath(path)
@@ -297,20 +299,22 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         mode = self._mode_wanted()
         try:
             st = os.lstat(path)
-        except OSError:
+        except FileNotFoundError:
             return False
+        except OSError:
+            return None
         listed = seen.setdefault("leftovers", {})
         if not _looks_in_state(st, data, mode) or leftovers_named(path, listed):
-            return False
+            return None
         try:  # (not through a link swapped in since, nor blocking on a FIFO)
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
-            return False
+            return None
         try:
             now = os.fstat(fd)
             if now.st_ino != st.st_ino or now.st_dev != st.st_dev:
-                return False
-            return os.read(fd, len(data) + 1) == data  # (a short read: False, checked later)
+                return None
+            return True if os.read(fd, len(data) + 1) == data else None
         finally:
             os.close(fd)
 
