@@ -39,7 +39,7 @@ from evergraph._util.crash import crash_point
 from evergraph._util.gc import gc_paused
 from evergraph.engine import changes
 from evergraph.engine.ahead import CLEAN, CREATED, OTHER, PENDING, Ahead
-from evergraph.engine.contract import Handle, Resource, runs_inline
+from evergraph.engine.contract import Handle, Resource
 from evergraph.engine.outcomes import change_entry
 from evergraph.engine.state import EngineState
 from evergraph.engine.status import Change, VertexStatus
@@ -107,24 +107,15 @@ class Express(EngineState):
             and not self.vertices
             and self.observer is None
             and self.settings.graphviz is None
-            and self._global_sema is None
             and not log.isEnabledFor(logging.DEBUG)  # (-v: a line per vertex, see _observe)
             and OTHER not in ahead.verdicts  # (preset for a kind that cannot tell)
             and len(ahead.resources) == len(model.resources)
             and all(a is b for a, b in zip(ahead.resources, model.resources.values(), strict=True))
         ):
             return False
-        nothing = Resource.ahead_check
         no_cleanup = Resource.cleanup
         for res in ahead.resources:
-            kind = type(res)
-            if (
-                kind.ahead_check is nothing
-                or kind.cleanup is not no_cleanup
-                or not runs_inline(res)
-                or res.meta.hidden
-                or getattr(res, "_group_members", None)
-            ):
+            if type(res).cleanup is not no_cleanup or not self._takes_verdict(res):
                 return False
         return not any(e.notify or e.send is not None or e.recv is not None for e in model.edges)
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from evergraph._util.crash import crash_point
 from evergraph.engine.ahead import CLEAN, CREATED, PENDING
-from evergraph.engine.contract import runs_inline
+from evergraph.engine.contract import Resource, runs_inline
 from evergraph.engine.state import DRAIN_BATCH, SUSPENDED_MAX, EngineState, error_text
 from evergraph.engine.vertex import INITIALISED, MADE_AHEAD, VERDICT_USED, Vertex
 
@@ -133,15 +133,28 @@ class Scheduling(EngineState):
         self._check_idle()
 
     def _inline_ok(self, v: Vertex) -> bool:
-        """`v` runs inline, with no task of its own: an eager kind (its check_apply is
-        local syscalls) that waits for nothing (no token, semaphore or timeout), with
-        no values to take first, no reversal to capture and no group."""
-        res = v.res
+        """`v` runs inline, with no task of its own: its resource may
+        (`_inline_res`) and it has no values to take first."""
+        return not v.inbox and self._inline_res(v.res)
+
+    def _inline_res(self, res: Resource) -> bool:
+        """What of `_inline_ok` the resource decides, in this engine: an eager kind
+        (its check_apply is local syscalls) that waits for nothing (no token,
+        semaphore or timeout), with no reversal to capture and no group."""
         return (
             runs_inline(res)
             and self._global_sema is None
-            and not v.inbox
             and not getattr(res, "_group_members", None)
+        )
+
+    def _takes_verdict(self, res: Resource) -> bool:
+        """The lane takes a verdict from the work run ahead for `res` (a new vertex
+        with no values waiting): its kind tells ahead, it is not hidden, and it runs
+        inline."""
+        return (
+            type(res).ahead_check is not Resource.ahead_check
+            and not res.meta.hidden
+            and self._inline_res(res)
         )
 
     def _drain_lane(self) -> None:

@@ -242,6 +242,9 @@ class EngineState:
     def _inline_ok(self, v: Vertex) -> bool:
         raise NotImplementedError
 
+    def _takes_verdict(self, res: Resource) -> bool:
+        raise NotImplementedError
+
     def _drain(self) -> None:
         raise NotImplementedError
 

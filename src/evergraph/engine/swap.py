@@ -148,7 +148,6 @@ class Swap(EngineState):
                 for v, r in zip(new_vs, checked, strict=True)  # (the common case)
             ):
                 place = {id(r): i for i, r in enumerate(checked)}
-        nothing = Resource.ahead_check
         for i, v in enumerate(new_vs, 1):
             if refresh and v.ident in refresh:
                 v.refresh_flag = True
@@ -159,13 +158,7 @@ class Swap(EngineState):
             self._unready -= 1
             if ahead is not None:
                 at = i - 1 if place is None else place.get(id(v.res), -1)
-                res = v.res
-                if (
-                    at >= 0
-                    and not res.meta.hidden
-                    and type(res).ahead_check is not nothing
-                    and self._inline_ok(v)  # (what the lane takes a verdict for)
-                ):
+                if at >= 0 and not v.inbox and self._takes_verdict(v.res):
                     v.ahead = at  # (a refresh owed: the lane starts it after its verdict)
             if v.ahead < 0:
                 await self._start_vertex(v)
