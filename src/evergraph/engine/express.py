@@ -172,7 +172,7 @@ class Express(EngineState):
         # (those come already first: a child may have told some before the go)
         fresh = ahead.fresh = [i for i, verdict in enumerate(verdicts) if verdict != PENDING]
         #: what was made alike changed alike (10k files: a few sizes, one mode)
-        alike: dict[tuple[tuple[str, object, object, bool], ...], tuple[Change, ...]] = {}
+        alike: dict[tuple[object, ...], tuple[Change, ...]] = {}
         hashable = True
         try:
             while True:
@@ -190,9 +190,13 @@ class Express(EngineState):
                             res.ahead_created(cast(Handle, reports))
                         except Exception:
                             return False
-                        reported = tuple(reports.reported)
+                        reported = reports.reported
                         try:
-                            done = alike.get(reported)
+                            key = changes.shape(reported, diffs)
+                        except Exception:
+                            return False
+                        try:
+                            done = alike.get(key)
                         except TypeError:  # (a value that cannot be hashed)
                             done, hashable = None, False
                         if done is None:
@@ -201,7 +205,7 @@ class Express(EngineState):
                             except Exception:
                                 return False
                             if hashable and len(alike) < ALIKE_MAX:
-                                alike[reported] = done
+                                alike[key] = done
                         status = VertexStatus(
                             res.ident, res.kind, res.name, "changed", now, None, 1, 0, 0, 0.0,
                             wall, done,
