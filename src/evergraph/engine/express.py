@@ -123,10 +123,14 @@ class Express(EngineState):
         """Run `model`, the first graph, on its verdicts ahead alone, if it may be
         (True: done, converged; False: nothing done but the go, `swap` runs it)."""
         ahead = model.ahead
-        if ahead is None or not self.lane or not self._may_express(model, ahead):
+        if ahead is None or not self.lane:
             return False
+        # the go first, as the swap gives it: the children make while this asks
+        # (10k resources) whether it may go on
         self.converger.busy()
         ahead.go()
+        if not self._may_express(model, ahead):
+            return False
         owed = self.store.load()  # (after the go: swap loads it again if this gives way)
         if owed.refresh or owed.reversals:
             return False
