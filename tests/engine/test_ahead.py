@@ -398,12 +398,29 @@ def ancestors(model: GraphModel, ident: str) -> set[str]:
     return seen
 
 
+def declared_backwards(model: GraphModel) -> GraphModel:
+    """`model` with its resources declared in the reverse order: each edge goes
+    back in it (the children's order is then worked out, not the declared one)."""
+    back = GraphModel(
+        name=model.name,
+        resources=dict(reversed(model.resources.items())),
+        edges=list(model.edges),
+    )
+    back.check()
+    return back
+
+
+@pytest.mark.parametrize("backwards", [False, True])
 @pytest.mark.parametrize("seed", range(8))
 def test_what_is_made_ahead_is_made_as_the_run_would_make_it(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, seed: int
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, seed: int, backwards: bool
 ) -> None:
-    plain, p_engine = run(tmp_path / "p", marks_graph(seed, tmp_path / "pm"), caplog)
-    model = marks_graph(seed, tmp_path / "am")
+    def graph(root: Path) -> GraphModel:
+        model = marks_graph(seed, root)
+        return declared_backwards(model) if backwards else model
+
+    plain, p_engine = run(tmp_path / "p", graph(tmp_path / "pm"), caplog)
+    model = graph(tmp_path / "am")
     told_to = tmp_path / "made-ahead"
     # (odd seeds: the lane waits for the verdicts as they come, from two children)
     ahead_of(model, whole=seed % 2 == 0, children=1 + seed % 2, journal=told_to)
@@ -436,6 +453,53 @@ def test_what_is_made_ahead_is_made_as_the_run_would_make_it(
         assert ident not in tied
         assert r.meta == Meta()
         assert not any(p.startswith("plain[") for p in ancestors(model, ident))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_plan_puts_parents_first_and_a_connected_part_in_one_child(
+    tmp_path: Path, seed: int
+) -> None:
+    rng = random.Random(seed)
+    model = marks_graph(seed, tmp_path / "m", n=rng.randint(5, 90))
+    if seed % 2:
+        model = declared_backwards(model)
+    model.auto = automatic_edges(model)
+    listed = list(model.resources.values())
+    n = len(listed)
+    parents, _, order = ahead_module._plan(model, listed, True)
+    assert order is not None
+    assert sorted(order) == list(range(n))
+    place = {ident: i for i, ident in enumerate(model.resources)}
+    at = {i: k for k, i in enumerate(order)}
+    pairs = [(place[e.from_id], place[e.to_id]) for e in model.edges]
+    for a, b in pairs:
+        assert at[a] < at[b]
+        assert a in parents[b]
+    if all(a < b for a, b in pairs):
+        assert order == list(range(n))  # (the declared order, which is one)
+    # each connected part whole in one child; the parts, by their first resource,
+    # each to the child with the least so far
+    part = list(range(n))
+    linked = {i: set() for i in range(n)}
+    for a, b in pairs:
+        linked[a].add(b)
+        linked[b].add(a)
+    for i in range(n):
+        if part[i] == i:
+            stack = [i]
+            while stack:
+                for j in linked[stack.pop()]:
+                    if part[j] != i:
+                        part[j] = i
+                        stack.append(j)
+    for of in (1, 2, 3):
+        owner = ahead_module._owners(parents, n, of)
+        load = [0] * of
+        want: dict[int, int] = {}
+        for first in sorted(set(part)):
+            want[first] = load.index(min(load))
+            load[want[first]] += part.count(first)
+        assert list(owner) == [want[part[i]] for i in range(n)], of
 
 
 @pytest.mark.parametrize("creates", [False, True])
