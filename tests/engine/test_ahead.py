@@ -295,6 +295,14 @@ def test_unobserved_vertices_found_ahead_are_clean_with_a_duration_of_their_own(
         assert 0 <= s.duration < 60, s
 
 
+def _wait_for_path(path: str) -> None:
+    """(a child's: a file the test makes when it may go on)"""
+    deadline = time.monotonic() + 60
+    while path and not os.path.exists(path):
+        assert time.monotonic() < deadline, path
+        time.sleep(0.002)
+
+
 @register("mark", registry=registry)
 class Mark(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     """A marker file, in its state when `path` exists; made ahead (`ahead_create`:
@@ -308,13 +316,18 @@ class Mark(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
     write: bool = False
     #: its making ahead fails (after its check said it is missing)
     fails_ahead: bool = False
+    #: its check, and its making, ahead wait until this path exists ("": they do not)
+    check_gate: str = ""
+    make_gate: str = ""
 
     def ahead_check(self, seen: dict[str, Any]) -> bool | None:
+        _wait_for_path(self.check_gate)
         return os.path.exists(self.path)
 
     def ahead_create(self, seen: dict[str, Any], dirs: OpenDirs) -> Pending | bool:
         if self.fails_ahead:
             raise OSError("no room")
+        _wait_for_path(self.make_gate)
         self._note("ahead")
         if self.write:
             return prepare(self.path, b"", mode=0o644, dirs=dirs)
@@ -607,6 +620,57 @@ def test_the_chore_is_done_by_one_child_its_writes_after_its_making_and_never_wi
     worked_at = int(lines[0][2])
     assert worked_at == 0 if go == "later" else worked_at == 0 or worked_at >= 1500
     assert int(lines[1][2]) >= 1500  # (its own part, at least, made by then)
+    assert sum(1 for _ in root.iterdir()) == 3000
+
+
+def test_children_making_when_the_go_came_leave_the_chore_to_the_first_done(
+    tmp_path: Path,
+) -> None:
+    """The go came before the children were done checking: the chore is not taken
+    by the first done checking, but by the first done making (the run's end waits
+    for the chore; a child that makes has the go's work to do first)."""
+    model, root = _marks_to_make(tmp_path, "chore")
+    checked, slow = tmp_path / "checked", tmp_path / "slow"
+    marks = list(model.resources.values())
+    # (independent marks: child k has every other one from r<k>. The first check
+    # of each waits for the go; child 0's last check waits for child 1's first
+    # making, so child 1 is the first done checking; its last making waits for
+    # `slow`, so child 0 is the first done making)
+    for r in marks[:2]:
+        r.check_gate = str(checked)  # type: ignore[attr-defined]
+    marks[-2].check_gate = marks[1].path  # type: ignore[attr-defined]
+    marks[-1].make_gate = str(slow)  # type: ignore[attr-defined]
+    calls = tmp_path / "calls"
+
+    def record(name: str) -> None:
+        on_disk = sum(1 for p in root.iterdir() if p.name.startswith("m"))
+        with open(calls, "a") as f:
+            f.write(f"{os.getpid()} {name} {on_disk}\n")
+
+    def work(until: Callable[[], bool] | None) -> bool:
+        record("work")
+        return True
+
+    chore = (work, lambda: record("write"))
+    ahead = Ahead.start(model, at_least=1, journal=tmp_path / "made-ahead", chore=chore)
+    assert ahead is not None
+    assert len(ahead.pids) == 2
+    assert list(ahead_module._planned(model, marks, True, 2).owner[:4]) == [0, 1, 0, 1]
+    ahead.go()
+    checked.touch()
+    deadline = time.monotonic() + 60
+    while not (calls.exists() and calls.read_text()):  # (child 1 waits on `slow`)
+        assert time.monotonic() < deadline, "the chore waits for the slower maker"
+        time.sleep(0.01)
+    slow.touch()
+    while ahead._fd >= 0:  # (to the end: the children exit once all is done)
+        select.select([ahead._fd], [], [])
+        ahead.poll()
+    ahead.stop()
+    lines = [line.split() for line in calls.read_text().splitlines()]
+    assert [name for _, name, _ in lines] == ["work", "write"]
+    assert {int(pid) for pid, _, _ in lines} == {ahead.pids[0]}  # (child 0: the first done)
+    assert int(lines[0][2]) >= 1500  # (after its making: its own part, at least)
     assert sum(1 for _ in root.iterdir()) == 3000
 
 

@@ -179,12 +179,14 @@ class Ahead:
         automatic edges (frontends/cache.py finds them with the parse), nor
         without a `journal` (see `report_made`). `chore`: work taken off the
         parent's way to the engine (a parse cache entry: `ParseCache.encode_later`,
-        then `write_held`), done by the child that takes it first once its checks
-        are done: its work (CPU alone) while it waits for the go, stopped between
-        two steps when the go comes (the making does not wait for it), and finished
-        after its making; its writes after the go, once its making is done (never
-        without the go: a refused run writes nothing; not before the making, which
-        the engine waits for); None if the fork failed (the caller does it then)."""
+        then `write_held`), done by the child that takes it first: once its checks
+        are done if it has nothing to make or the go has not come yet (its work, CPU
+        alone, while it waits for the go, stopped between two steps when the go
+        comes: the making does not wait for it; finished after its making), else
+        once its making is done (the first of the two to be done takes it); its
+        writes after the go, once its making is done (never without the go: a
+        refused run writes nothing; not before the making, which the engine waits
+        for); None if the fork failed (the caller does it then)."""
         listed = list(model.resources.values())
         nothing = Resource.ahead_check
         asked = bytearray(type(r).ahead_check is nothing for r in listed)
@@ -451,7 +453,8 @@ def _work(  # pragma: no cover (the child's)
     before more is made, then to the parent."""
     n = len(resources)
     parents, edged, order = plan.parents, plan.edged, plan.order
-    mine = bytearray(owner == k for owner in plan.owner)
+    owner = plan.owner
+    mine_in_order = [i for i in order if owner[i] == k]
     nothing = Resource.ahead_check
     seen: dict[str, Any] = {}
     #: per resource: found in its state (or to be made, then made) by this child,
@@ -459,21 +462,29 @@ def _work(  # pragma: no cover (the child's)
     sound = bytearray(n)
     out = bytearray()
     missing = bytearray(n)  # 1: to be made
+    #: `creatable` by kind and meta (a graph's resources share a few metas)
+    can: dict[tuple[type[Resource], int], bool] = {}
     try:
-        for i in order:
+        for i in mine_in_order:
             if _stopping:
                 break
             res = resources[i]
-            if not mine[i] or type(res).ahead_check is nothing:
+            cls = type(res)
+            if cls.ahead_check is nothing:
                 continue
             try:
                 told = res.ahead_check(seen)
             except Exception:
                 told = None
             ok = parents is None or _all_in(sound, parents[i])
-            if told is False and ok and parents is not None and not edged[i] and creatable(res):
-                sound[i] = missing[i] = 1  # (if made: see _make)
-                continue
+            if told is False and ok and parents is not None and not edged[i]:
+                key = (cls, id(res.meta))  # (each resource holds its meta: ids stay)
+                may = can.get(key)
+                if may is None:
+                    may = can[key] = creatable(res)
+                if may:
+                    sound[i] = missing[i] = 1  # (if made: see _make)
+                    continue
             sound[i] = told is True and ok
             out += RECORD.pack(i, CLEAN if told is True else OTHER)
             if len(out) >= CHUNK * RECORD.size:
@@ -482,11 +493,19 @@ def _work(  # pragma: no cover (the child's)
         _write_all(out_fd, out)
         out.clear()
         making = any(missing) and journal is not None
-        # the chore: by the child that takes its token first; its work while the
-        # engine gets ready (the go comes once it runs the graph), and no longer:
-        # what the go cut short is done after the making; its writes after the go
-        # and the making (the engine waits for the making, not for the chore)
-        chored = chore is not None and not _stopping and _took(chore[1])
+        # the chore: by the child that takes its token first. Now if this one has
+        # nothing to make or the go has not come: its work while the engine gets
+        # ready (the go comes once it runs the graph), and no longer: what the go cut
+        # short is done after the making. Else after its making: the first child
+        # done making does it (not the first done checking, as often as not the
+        # slower maker: the run's end waits for the chore). Its writes after the go
+        # and the making (the engine waits for the making, not for the chore).
+        chored = (
+            chore is not None
+            and not _stopping
+            and (not making or not select.select([go_fd], [], [], 0)[0])
+            and _took(chore[1])
+        )
         worked = False
         if chored:
             assert chore is not None
@@ -500,8 +519,9 @@ def _work(  # pragma: no cover (the child's)
             if making:
                 assert parents is not None
                 assert journal is not None
-                mine_in_order = [i for i in order if mine[i]]
                 _make(out_fd, journal, resources, parents, mine_in_order, missing, sound, seen)
+                if not chored and chore is not None:  # (stopped or not, as one taken)
+                    chored = _took(chore[1])
             if chored:
                 assert chore is not None
                 with contextlib.suppress(Exception):
