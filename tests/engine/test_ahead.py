@@ -543,6 +543,80 @@ def _marks_to_make(tmp_path: Path, name: str) -> tuple[GraphModel, Path]:
     return model, root
 
 
+def test_a_making_is_told_only_once_a_syncfs_begun_after_its_rename_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's renames are put on disk by the next batch's syncfs (or the last
+    one's own): each made file is said in the journal, then told, only after a
+    syncfs that began after its rename has ended (the children record when they
+    rename, sync and say: the patched functions are theirs once forked)."""
+    from evergraph._util import atomic
+
+    model, _ = _marks_to_make(tmp_path, "durable")
+    events = tmp_path / "events"
+
+    def note(line: str) -> None:
+        fd = os.open(events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{os.getpid()} {time.monotonic_ns()} {line}\n".encode())
+        finally:
+            os.close(fd)
+
+    real_syncfs, real_rename, real_journal = atomic.syncfs, os.rename, ahead_module._journal
+
+    def syncfs(fd: int) -> None:
+        begun = time.monotonic_ns()
+        real_syncfs(fd)
+        note(f"syncfs {begun}")
+
+    def rename(src: Any, dst: Any, **kw: Any) -> None:
+        real_rename(src, dst, **kw)
+        note(f"rename {dst}")
+
+    def journal(fd: int, resources: list[Resource], made: list[int]) -> None:
+        for i in made:
+            note(f"said {resources[i].name}")
+        real_journal(fd, resources, made)
+
+    monkeypatch.setattr(atomic, "syncfs", syncfs)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(ahead_module, "_journal", journal)
+    ahead = Ahead.start(model, at_least=1, journal=tmp_path / "made-ahead")
+    assert ahead is not None
+    ahead.go()
+    while ahead._fd >= 0:  # (to the end: the children exit once all is done)
+        select.select([ahead._fd], [], [])
+        ahead.poll()
+    made = ahead.stop()  # (the places of those made: none was taken)
+    monkeypatch.undo()
+    assert len(made) == 3000
+    renamed: dict[str, tuple[str, int]] = {}
+    said: dict[str, tuple[str, int]] = {}
+    syncs: dict[str, list[tuple[int, int]]] = {}  # per child: (begun, ended)
+    for line in events.read_text().splitlines():
+        pid, at, what, arg = line.split()
+        if what == "rename":
+            renamed["r" + arg[1:]] = (pid, int(at))  # (m<i>: mark r<i>)
+        elif what == "said":
+            assert arg not in said
+            said[arg] = (pid, int(at))
+        else:
+            syncs.setdefault(pid, []).append((int(arg), int(at)))
+    assert said.keys() == renamed.keys() == {f"r{i}" for i in range(3000)}
+    assert len(syncs) == 2  # (both children synced)
+    for name, (pid, at) in said.items():
+        by, when = renamed[name]
+        assert by == pid
+        assert any(when < begun and ended < at for begun, ended in syncs[pid]), name
+    # one syncfs a batch, and one at the end, not two a batch
+    batches, left, limit = 0, 1500, ahead_module.BATCH_FIRST
+    while left:
+        batches += 1
+        left -= min(limit, left)
+        limit = min(limit * 2, ahead_module.BATCH_MAX)
+    assert [len(s) for s in syncs.values()] == [batches + 1] * 2
+
+
 def test_stop_tells_what_was_made_and_leaves_no_half_write(tmp_path: Path) -> None:
     """Stopped while it works, each child finishes the batch it commits, drops the
     one it prepares (its temporary files removed), and tells what it made: every

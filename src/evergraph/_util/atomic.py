@@ -19,7 +19,9 @@ share its fsync (a group commit: each returns only after an fsync of the
 directory that began after its own rename). A stream of writes (the file kind's
 first apply of 10k files) can be split: `prepare` writes each temporary file
 without an fsync, and `commit` makes a batch of them durable with the same
-ordering, by one syncfs(2) before the renames and one after.
+ordering, by one syncfs(2) before the renames and one after. Split, `place`
+renames and `settle` makes the renames durable: a stream of batches puts one
+batch's renames on disk with the next one's data (a syncfs begun after them).
 
 With `dir_fd` the file is named relative to an open directory, so no path
 component (a symlink planted by a user in their own home, say) is followed.
@@ -399,7 +401,39 @@ def commit(
     SYNCFS_MIN renames each file right after its own fsync (the first one is in
     place after one fsync, not after the whole batch's), then fsyncs each directory
     once. `synced`: what `sync_data(batch)` gave, run since the last file was
-    written (else it is run here)."""
+    written (else it is run here). `place` then `settle`."""
+    placed = place(batch, synced)
+    settle(batch, placed)
+    return placed.errors
+
+
+class Placed:
+    """A batch renamed by `place`: the error of each, and what makes the renames
+    durable (`settle`): a syncfs(2) on each filesystem ({st_dev: an open directory
+    on it}: a batch of SYNCFS_MIN or more), or an fsync of each directory."""
+
+    __slots__ = ("dirs", "errors", "syncfs_on")
+
+    def __init__(
+        self,
+        errors: list[BaseException | None],
+        syncfs_on: dict[int, int],
+        dirs: dict[tuple[int, int], int],
+    ) -> None:
+        self.errors = errors
+        self.syncfs_on = syncfs_on
+        self.dirs = dirs
+
+
+def place(
+    batch: list[Pending],
+    synced: tuple[list[BaseException | None], dict[int, int]] | None = None,
+) -> Placed:
+    """`commit` but its last step: each file whose data is on disk renamed (a batch
+    under SYNCFS_MIN: each fsynced first), a file not placed removed; the new names
+    are durable once `settle` is done, or a syncfs(2) of their filesystems begun
+    after this returned (each in `syncfs_on`). Until `settle`, the Pendings'
+    directories stay open."""
     many = len(batch) >= SYNCFS_MIN
     by_fs: dict[int, int] = {}
     if many:
@@ -432,20 +466,27 @@ def commit(
                 continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(p.tmp, dir_fd=p.dfd)
+    return Placed(errors, by_fs, dirs)
+
+
+def settle(batch: list[Pending], placed: Placed, done: Iterable[int] = ()) -> None:
+    """`commit`'s last step, after `place`: the new names durable (a syncfs(2) of
+    each filesystem, or an fsync of each directory; `done`: the filesystems a
+    syncfs begun after `place` returned covered already), then the directories the
+    Pendings hold closed."""
     try:
-        if many:
-            for dfd in by_fs.values():
+        skip = set(done)
+        for dev, dfd in placed.syncfs_on.items():
+            if dev not in skip:
                 with contextlib.suppress(OSError):  # as fsync_dir: not every fs can
                     syncfs(dfd)
-        else:
-            for dfd in dirs.values():
-                with contextlib.suppress(OSError):
-                    os.fsync(dfd)
+        for dfd in placed.dirs.values():
+            with contextlib.suppress(OSError):
+                os.fsync(dfd)
     finally:
         for p in batch:
             if p.owns_dir:
                 os.close(p.dfd)
-    return errors
 
 
 _syncfs: Callable[[int], None] | None = None

@@ -62,7 +62,7 @@ import stat
 import struct
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -72,7 +72,7 @@ from evergraph.engine.contract import Resource, runs_inline
 if TYPE_CHECKING:
     import asyncio
 
-    from evergraph._util.atomic import OpenDirs, Pending
+    from evergraph._util.atomic import OpenDirs, Pending, Placed
     from evergraph.engine.model import GraphModel
 
 log = logging.getLogger("evergraph.engine")
@@ -572,8 +572,10 @@ def _make(  # pragma: no cover (the child's)
     the parent; what is not made is told OTHER (the engine checks it). A batch's
     data goes to disk (`atomic.sync_data`, in a thread) while the next batch's
     files are written; it is renamed once that is done, before the next is handed
-    over."""
-    from evergraph._util.atomic import OpenDirs, commit, discard
+    over, and said and told once its renames are on disk too: with the next
+    batch's syncfs(2), which began after them (one syncfs a batch, not two, and
+    none waited for between two batches), or `settle`'s at the end."""
+    from evergraph._util.atomic import OpenDirs, discard, place, settle
 
     try:
         told = os.open(journal, _JOURNAL_FLAGS, 0o600)
@@ -587,6 +589,8 @@ def _make(  # pragma: no cover (the child's)
     limit = BATCH_FIRST
     #: the batch handed over: its data being synced by a thread meanwhile
     flight: _Flight | None = None
+    #: the batch renamed last (by `place`), untold until its renames are on disk
+    placed: tuple[_Flight, Placed] | None = None
 
     def say(made: list[int]) -> None:
         nonlocal told
@@ -600,28 +604,43 @@ def _make(  # pragma: no cover (the child's)
 
     def hand() -> None:
         """The batch's data to disk in a thread (`sync_data`: one syncfs(2), which
-        waits for the disk) while the next is prepared; the one before landed first."""
+        waits for the disk) while the next is prepared; the one before renamed
+        first (that syncfs puts its renames on disk too)."""
         nonlocal batch, dirs, flight, limit
-        land()
+        land(whole=False)
         if not batch:
             return
-        flight = _Flight(batch, dirs)
+        flight = _Flight(batch, dirs, placed[1].syncfs_on if placed is not None else None)
         batch, dirs = [], OpenDirs()
         limit = min(limit * 2, BATCH_MAX)
 
-    def land() -> None:
-        """The batch handed over renamed and durable, said in the journal, then told."""
-        nonlocal flight
-        if flight is None:
-            return
-        landed, flight = flight, None
+    def land(whole: bool = True) -> None:
+        """The batch handed over renamed, once its data is on disk (the one renamed
+        before it told then: that syncfs began after its renames); `whole`: and
+        then its renames made durable, said and told too (nothing left placed)."""
+        nonlocal flight, placed
+        if flight is not None:
+            landed, flight = flight, None
+            synced = landed.synced()
+            if placed is not None:
+                tell(landed.covered)
+            placed = (landed, place(landed.pendings, synced))
+        if whole and placed is not None:
+            tell(())
+
+    def tell(covered: Collection[int]) -> None:
+        """The batch placed: its renames durable (`covered`: the filesystems a
+        syncfs begun after them covered), said in the journal, then told."""
+        nonlocal placed
+        assert placed is not None
+        (landed, done), placed = placed, None
         try:
-            errors = commit(landed.pendings, landed.synced())
+            settle(landed.pendings, done, covered)
         finally:
             landed.dirs.close()
         crash_point("ahead-committed")  # (made, durably; not told yet)
         made = []
-        for (i, _), error in zip(landed.batch, errors, strict=True):
+        for (i, _), error in zip(landed.batch, done.errors, strict=True):
             in_batch[i] = 0
             sound[i] = error is None
             if error is None:
@@ -666,6 +685,9 @@ def _make(  # pragma: no cover (the child's)
             hand()
         land()
     finally:
+        if placed is not None:  # (an error: the batch renamed is in place: told)
+            with contextlib.suppress(Exception):
+                tell(())
         if flight is not None:  # (an error: the batch handed over is waited for, dropped)
             flight.synced()
             flight.dirs.close()
@@ -682,25 +704,42 @@ def _make(  # pragma: no cover (the child's)
 
 class _Flight:  # pragma: no cover (the child's)
     """A batch handed over: `sync_data` of it in a thread of its own (a batch of
-    SYNCFS_MIN or more; a smaller one is synced file by file by `commit`)."""
+    SYNCFS_MIN or more; a smaller one is synced file by file by `place`), and a
+    syncfs(2) of each filesystem in `cover` it did not sync (those of the batch
+    renamed before it: {st_dev: an open directory on it}), `covered` once done."""
 
-    def __init__(self, batch: list[tuple[int, Pending]], dirs: OpenDirs) -> None:
+    def __init__(
+        self, batch: list[tuple[int, Pending]], dirs: OpenDirs, cover: dict[int, int] | None
+    ) -> None:
         import threading
 
-        from evergraph._util.atomic import SYNCFS_MIN, sync_data
+        from evergraph._util.atomic import SYNCFS_MIN
 
         self.batch, self.dirs = batch, dirs
         self.pendings = pendings = [p for _, p in batch]
         self._got: list[Any] = []
+        #: the filesystems synced after the batch before was renamed
+        self.covered: set[int] = set()
         self._thread: threading.Thread | None = None
         if len(pendings) >= SYNCFS_MIN:
-            self._thread = threading.Thread(
-                target=lambda: self._got.append(sync_data(pendings)), daemon=True
-            )
+            self._thread = threading.Thread(target=self._sync, args=(cover or {},), daemon=True)
             self._thread.start()
 
+    def _sync(self, cover: dict[int, int]) -> None:
+        from evergraph._util.atomic import sync_data, syncfs
+
+        got = sync_data(self.pendings)
+        self._got.append(got)
+        done = set(got[1])
+        for dev, dfd in cover.items():
+            if dev not in done:
+                with contextlib.suppress(OSError):  # (as `settle`)
+                    syncfs(dfd)
+        done.update(cover)
+        self.covered = done
+
     def synced(self) -> Any:
-        """What `sync_data` gave, once it returned (None: none, or it failed: `commit`
+        """What `sync_data` gave, once it returned (None: none, or it failed: `place`
         syncs the batch itself)."""
         if self._thread is not None:
             self._thread.join()
