@@ -28,7 +28,7 @@ import pytest
 from evergraph._util.atomic import OpenDirs, Pending, prepare
 from evergraph.engine import Edge, GraphModel
 from evergraph.engine import ahead as ahead_module
-from evergraph.engine.ahead import CREATED, OTHER, PENDING, Ahead, report_made
+from evergraph.engine.ahead import CREATED, OTHER, PENDING, Ahead, Chore, report_made
 from evergraph.engine.autoedge import automatic_edges
 from evergraph.engine.contract import Handle, Meta, Registry, Resource, register
 from evergraph.engine.engine import Engine
@@ -644,6 +644,29 @@ def test_stop_tells_what_was_made_and_leaves_no_half_write(tmp_path: Path) -> No
             os.waitpid(pid, os.WNOHANG)
 
 
+def _recorder(root: Path, calls: Path) -> Callable[[str], None]:
+    """What a child's chore does, said: `<pid> <name> <marks on disk>` appended to
+    `calls`."""
+
+    def record(name: str) -> None:
+        on_disk = sum(1 for p in root.iterdir() if p.name.startswith("m"))
+        with open(calls, "a") as f:
+            f.write(f"{os.getpid()} {name} {on_disk}\n")
+
+    return record
+
+
+def _recorded_chore(root: Path, calls: Path) -> Chore:
+    """A chore whose work (in one step) and write each say so (`_recorder`)."""
+    record = _recorder(root, calls)
+
+    def work(until: Callable[[], bool] | None) -> bool:
+        record("work")
+        return True
+
+    return work, lambda: record("write")
+
+
 @pytest.mark.parametrize("go", ["first", "later", "never"])
 def test_the_chore_is_done_by_one_child_its_writes_after_its_making_and_never_without_the_go(
     tmp_path: Path, go: str
@@ -657,16 +680,7 @@ def test_the_chore_is_done_by_one_child_its_writes_after_its_making_and_never_wi
     model, root = _marks_to_make(tmp_path, "chore")
     calls = tmp_path / "calls"
 
-    def record(name: str) -> None:
-        on_disk = sum(1 for p in root.iterdir() if p.name.startswith("m"))
-        with open(calls, "a") as f:
-            f.write(f"{os.getpid()} {name} {on_disk}\n")
-
-    def work(until: Callable[[], bool] | None) -> bool:
-        record("work")
-        return True
-
-    chore = (work, lambda: record("write"))
+    chore = _recorded_chore(root, calls)
     ahead = Ahead.start(model, at_least=1, journal=tmp_path / "made-ahead", chore=chore)
     assert ahead is not None
     assert len(ahead.pids) == 2
@@ -716,16 +730,7 @@ def test_children_making_when_the_go_came_leave_the_chore_to_the_first_done(
     marks[-1].make_gate = str(slow)  # type: ignore[attr-defined]
     calls = tmp_path / "calls"
 
-    def record(name: str) -> None:
-        on_disk = sum(1 for p in root.iterdir() if p.name.startswith("m"))
-        with open(calls, "a") as f:
-            f.write(f"{os.getpid()} {name} {on_disk}\n")
-
-    def work(until: Callable[[], bool] | None) -> bool:
-        record("work")
-        return True
-
-    chore = (work, lambda: record("write"))
+    chore = _recorded_chore(root, calls)
     ahead = Ahead.start(model, at_least=1, journal=tmp_path / "made-ahead", chore=chore)
     assert ahead is not None
     assert len(ahead.pids) == 2
@@ -759,10 +764,7 @@ def test_the_go_stops_the_chores_work_between_two_steps_and_the_making_comes_fir
     steps = 6
     done = [0]  # (the child's own copy: what it did of the work so far)
 
-    def record(name: str) -> None:
-        on_disk = sum(1 for p in root.iterdir() if p.name.startswith("m"))
-        with open(calls, "a") as f:
-            f.write(f"{os.getpid()} {name} {on_disk}\n")
+    record = _recorder(root, calls)
 
     def work(until: Callable[[], bool] | None) -> bool:
         while done[0] < steps:
