@@ -503,16 +503,14 @@ def _work(  # pragma: no cover (the child's)
         chored = (
             chore is not None
             and not _stopping
-            and (not making or not select.select([go_fd], [], [], 0)[0])
+            and (not making or not _readable(go_fd))
             and _took(chore[1])
         )
         worked = False
         if chored:
             assert chore is not None
             try:
-                worked = chore[0][0](
-                    lambda: _stopping or bool(select.select([go_fd], [], [], 0)[0])
-                )
+                worked = chore[0][0](lambda: _stopping or _readable(go_fd))
             except Exception:
                 chored = False
         if (making or chored) and not _stopping and os.read(go_fd, 1):
@@ -545,6 +543,11 @@ def _any_in(flags: bytearray, places: list[int]) -> bool:  # pragma: no cover (t
     if len(places) <= 1:
         return bool(places) and bool(flags[places[0]])
     return any(flags[p] for p in places)
+
+
+def _readable(fd: int) -> bool:  # pragma: no cover (the child's)
+    """Whether a read of `fd` would not wait (the go: given, or its pipe closed)."""
+    return bool(select.select([fd], [], [], 0)[0])
 
 
 def _took(token: int) -> bool:  # pragma: no cover (the child's)
