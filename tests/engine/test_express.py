@@ -3,9 +3,12 @@ decided whole (every resource found in its state or made by them) ends without
 building a vertex. It may change what the run costs, never what it says or does:
 on random graphs (seeded) it logs the same lines, recap, converged line and
 status file, with the same exit status and the same files made, as the lane
-given the same verdicts; and it gives way to the lane, whose run is then the
-same as without it, for anything the lane would do more than record a verdict:
-a resource to check, a verdict below a change, a refresh owed, an observer, a
+given the same verdicts. A few resources to check (verdicts OTHER) and what is
+below them are the lane's, in a graph of their own: the run is the same as the
+lane's for the whole graph (the same lines, recap, checks, exit status, files).
+It gives way to the lane, whose run is then the same as without it, for anything
+else the lane would do more than record a verdict: more resources to check than
+a part of the graph, a verdict below a change, a refresh owed, an observer, a
 kind that cannot tell, an edge that is more than an order, a stop."""
 
 from __future__ import annotations
@@ -139,11 +142,91 @@ def test_a_graph_found_whole_in_its_state_ends_with_nothing_changed(
     assert out["status"] == 0
 
 
-def _other(root: Path) -> GraphModel:
-    """A mark that is missing but may not be made ahead (meta noop): OTHER."""
-    model = marks_only(1, root, n=20)
+def to_check(seed: int, root: Path, fails: bool = False) -> GraphModel:
+    """`marks_only`, and below marks found there (or below none) a few probes to
+    check (OTHER: one drifted, one in its state after all, one failing with
+    `fails`), and probes found in their state ahead below those; a mark missing
+    that may not be made ahead (meta noop: OTHER too)."""
+    model = marks_only(seed, root)
+    rng = random.Random(seed)
+    there = [r.ident for r in model.resources.values() if Path(getattr(r, "path", "")).exists()]
     j = str(root / "journal")
     model.add(Mark(name="x", path=str(root / "x"), journal=j, meta=Meta(noop=True)))
+    checked: list[str] = []
+    for k in range(4):
+        probe = Probe(name=f"o{k}", clean=k % 2 == 1, fail_times=9 if fails and k == 0 else 0)
+        model.add(probe)
+        checked.append(probe.ident)
+        if there and k < 3:
+            model.connect(Edge(rng.choice(there), probe.ident))
+    for k in range(6):
+        below = Probe(name=f"c{k}", ahead=True)
+        model.add(below)
+        for up in rng.sample(checked, rng.choice((1, 2))):
+            model.connect(Edge(up, below.ident))
+        if there and k % 2:
+            model.connect(Edge(rng.choice(there), below.ident))
+    model.connect(Edge("probe[c0]", "probe[c1]"))
+    model.check()
+    return model
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_few_to_check_are_the_lanes_and_the_run_ends_as_the_lanes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, seed: int
+) -> None:
+    """Those checked (OTHER) and everything below them run as the lane runs them,
+    alone: a probe below a drifted one checked again, one below a clean one taken
+    on its verdict; the rest recorded on the verdicts, with no vertex."""
+    fails = seed % 3 == 2
+    runs = {}
+    for express in (False, True):
+        root = tmp_path / f"m-{express}"
+        model = to_check(seed, root, fails)
+        ahead_of(model, whole=seed % 2 == 0, children=1 + seed % 2, journal=root / "made")
+        out, engine = run(tmp_path / f"e-{express}", model, caplog, express=express)
+        assert (engine.expressed is not None) == express
+        runs[express] = (out, engine, journal(root), sorted(p.name for p in root.iterdir()))
+    (lane, l_engine, l_made, l_files), (fast, f_engine, f_made, f_files) = runs[False], runs[True]
+    rest = {"mark[x]", *(f"probe[o{k}]" for k in range(4)), *(f"probe[c{k}]" for k in range(6))}
+    assert set(f_engine.vertices) == rest  # (no vertex for the others)
+    assert len(l_engine.vertices) == len(rest) + 120
+    for key in ("status", "recap", "lines", "converged", "status file"):
+        assert fast[key] == lane[key], key
+    assert fast["status"] == (1 if fails else 0)
+    assert sorted(fast["checks"]) == sorted(lane["checks"])  # (the same, in another order)
+    checked = {name for name, _ in fast["checks"]}
+    assert {"o0", "o1", "o2", "o3"} <= checked
+    # a probe below a drifted one (o0, o2: their checks change them) is checked
+    # again; none below only those found in their state is
+    model = to_check(seed, tmp_path / "again", fails)
+    below_changed = {
+        e.to_id[len("probe[") : -1]
+        for e in model.edges
+        if e.from_id in ("probe[o0]", "probe[o2]") and not fails
+    }
+    assert below_changed <= checked
+    assert sorted(f_made) == sorted(l_made)
+    assert f_files == l_files
+    assert (f_engine.ahead_made, f_engine.ahead_runs) == (l_engine.ahead_made, l_engine.ahead_runs)
+
+
+def _many_to_check(root: Path) -> GraphModel:
+    """More probes to check than a part of the graph (express.REST_PART)."""
+    model = marks_only(1, root, n=20)
+    for k in range(8):  # (28 resources: at most 7 for the lane)
+        model.add(Probe(name=f"o{k}", clean=k % 2 == 0))
+    model.check()
+    return model
+
+
+def _above_many(root: Path) -> GraphModel:
+    """One probe to check, with more below it than a part of the graph."""
+    model = marks_only(6, root, n=20)
+    model.add(Probe(name="top", clean=False))
+    for k in range(8):
+        model.add(Probe(name=f"b{k}", ahead=True))
+        model.connect(Edge("probe[top]", f"probe[b{k}]"))
     model.check()
     return model
 
@@ -173,7 +256,8 @@ def _notify(root: Path) -> GraphModel:
 
 
 CASES: dict[str, tuple[Callable[[Path], GraphModel], dict[str, Any]]] = {
-    "a resource to check": (_other, {}),
+    "more to check than a part": (_many_to_check, {}),
+    "a part below one to check": (_above_many, {}),
     "a clean one below one made": (_clean_below_made, {}),
     "a kind that cannot tell": (_cannot_tell, {}),
     "a notify edge": (_notify, {}),

@@ -426,6 +426,41 @@ def test_a_first_apply_is_made_ahead_and_logged_as_the_run_makes_it(tmp_path: Pa
     assert ": applied" not in again
 
 
+#: what differs between two runs' lines: the clock, and how long each thing took
+_WHEN = re.compile(r"^[0-9:.]+ |\([0-9.]+ m?s\)|after [0-9.]+s")
+
+
+def drift(t: Path, what: str) -> None:
+    if what == "a few files":
+        (t / "d0" / "f3").write_text("drifted\n")
+        (t / "d1" / "f7").chmod(0o644)
+        (t / "d2" / "f11").write_text("xx\n")  # (the same size)
+    else:  # a directory's mode: everything below it is checked again
+        (t / "d1").chmod(0o755)
+        (t / "d2" / "f5").write_text("drifted\n")
+
+
+@pytest.mark.parametrize("what", ["a few files", "a directory"])
+def test_drift_is_repaired_and_said_as_the_lane_says_it(tmp_path: Path, what: str) -> None:
+    """A one-shot run without -v leaves what drifted (and all below it) to the
+    lane and decides the rest on the verdicts alone (engine/express.py); with -v
+    the lane runs the whole graph. Both repair the same and say the same, but for
+    -v's debug lines."""
+    g = tree(tmp_path, N)
+    run(tmp_path, g)
+    said = {}
+    for verbose in (False, True):
+        drift(tmp_path / "t", what)
+        args = ["run", g, "--state-dir", tmp_path / "s", "--converged-exit"]
+        r = run_cli(*args, *(["-v"] if verbose else []), timeout=120)
+        assert r.returncode == 0, r.stderr
+        tree_is_right(tmp_path, N)
+        said[verbose] = [_WHEN.sub("", x) for x in r.stderr.splitlines() if "debug: " not in x]
+    assert said[False] == said[True]
+    changed = 3 if what == "a few files" else 2
+    assert f"converged: {N + 3} vertices clean, {changed} changed, " in said[False]
+
+
 def test_the_lines_of_what_was_made_ahead_come_once_each_and_in_order(tmp_path: Path) -> None:
     """Without -v the run logs the lines of what the children made together (a
     batch at a time, engine/scheduling.py); each still comes once, after those of

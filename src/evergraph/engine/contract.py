@@ -352,8 +352,9 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
         run). False: not in its state, and absent (with `ahead_create`, the child may
         make it). None (the default: the kind cannot tell this way; or it is there
         but not in its state): the usual init and check, and the engine knows at
-        once that it has one to run (engine/express.py gives way to the lane on it;
-        a False is known to be one only when the child's making fails). Local reads
+        once that it has one to run (engine/express.py leaves it, and what is below
+        it, to the lane; a False is known to be one only when the child's making
+        fails). Local reads
         only: no writes, no logging, no handle. `seen`: scratch shared by every
         resource of that process (listings)."""
         return None

@@ -160,12 +160,8 @@ class Engine(Express, Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
     def _on_converged(self) -> None:
         # one walk of the vertices (at 1M vertices each walk holds the loop ~0.1 s)
         failed: list[str] = []
-        express = self.expressed
-        if express is not None:  # (no vertex: see express.py)
-            named, others, total = express.made, (express.clean, express.clean), express.total
-        else:
-            named, others = self._recap_statuses(failed)
-            total = len(self.vertices)
+        named, others = self._recap_parts(failed)
+        total = others[0] + len(named)
         changed = sum(1 for s in named if s.changed_count)
         took = self.clock.monotonic() - self.started
         if failed:
@@ -208,12 +204,25 @@ class Engine(Express, Scheduling, Outcomes, Guard, Swap, SendRecv, Reversal):
                     clean += 1
         return named, (others, clean)
 
+    def _recap_parts(
+        self, failed: list[str] | None = None
+    ) -> tuple[list[VertexStatus], tuple[int, int]]:
+        """`_recap_statuses`, with what an express run decided without a vertex (all
+        of it, or all but the part left to the lane: express.py)."""
+        express = self.expressed
+        if express is None:
+            return self._recap_statuses(failed)
+        if not self.vertices:  # (the common case: no vertex at all)
+            return express.made, (express.clean, express.clean)
+        named, (others, clean) = self._recap_statuses(failed)
+        return [*express.made, *named], (others + express.clean, clean + express.clean)
+
     def _recap_at_exit(self) -> None:
         """At exit, a last recap if it has news (the run never converged, or changed
         or failed something since the last recap)."""
         if not self.vertices or not self.recaps.news(self.vertices.values()):
             return
-        named, others = self._recap_statuses()
+        named, others = self._recap_parts()
         text, data = self.recaps.take_text(named, "exit", self.settings.noop, others)
         log_data(log, "%s", (text,), data, event="recap")
 

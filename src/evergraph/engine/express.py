@@ -1,5 +1,5 @@
-"""Express: a one-shot run whose first graph the children ahead decided whole ends
-with no vertex built.
+"""Express: a one-shot run whose first graph the children ahead decided whole, or
+all but a small part of it, ends with no vertex built for what they decided.
 
 The lane (scheduling.py) takes a verdict from the work run ahead (ahead.py) for
 each vertex: CREATED is recorded changed, CLEAN clean, with no init and no
@@ -19,13 +19,23 @@ It is taken only where the lane would have taken every verdict and done nothing 
 display, HTTP), no graphviz file, no global semaphore; every resource one whose kind
 tells ahead, that runs inline, is neither hidden nor grouped, has no cleanup; no
 debug log (its line per vertex); no edge but orders; the store owes no refresh and
-no reversal. It gives way to the usual run (`swap`, the lane) the moment it cannot
-finish so: a verdict OTHER (a resource to check), a child that ended without a
-verdict for all, a CLEAN resource below a CREATED one (the lane checks it again), or
-a stop. Nothing is lost then: the verdicts taken so far are the lane's as they were,
-and no line was logged. A change is counted and its line held only once every
-verdict came and none of these hold, so the lane never sees a CREATED verdict taken
-(`Ahead.take`) by this path.
+no reversal.
+
+A few verdicts OTHER (a file drifted: there, not in its state) leave the rest to
+the lane (`_rest`): those resources and everything below them, no more than a part
+of the graph (`REST_PART`), run as the lane runs them, in a graph of their own (the
+swap of that part: their vertices, the edges among them, their verdicts taken as
+the lane takes them). Everything above them was decided by the children and is
+final (found so or made, durably), so an edge from it into the part orders
+nothing any more; nothing in the part is above anything outside it. The recap and
+the converged line count both (`_recap_parts`).
+
+It gives way to the usual run (`swap`, the lane) the moment it cannot finish so: more
+verdicts OTHER than a part, a child that ended without a verdict for all, a CLEAN
+resource below a CREATED one (the lane checks it again), or a stop. Nothing is lost
+then: the verdicts taken so far are the lane's as they were, and no line was logged.
+A change is counted and its line held only once every verdict came and none of these
+hold, so the lane never sees a CREATED verdict taken (`Ahead.take`) by this path.
 """
 
 from __future__ import annotations
@@ -33,20 +43,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from functools import partial
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from evergraph._util.crash import crash_point
 from evergraph._util.gc import gc_paused
 from evergraph.engine import changes
 from evergraph.engine.ahead import CLEAN, CREATED, OTHER, PENDING, Ahead
 from evergraph.engine.contract import Handle, Resource
+from evergraph.engine.model import GraphModel
 from evergraph.engine.outcomes import change_entry
 from evergraph.engine.state import EngineState
 from evergraph.engine.status import Change, VertexStatus
 from evergraph.engine.stop import GRACEFUL
-
-if TYPE_CHECKING:
-    from evergraph.engine.model import GraphModel
 
 log = logging.getLogger("evergraph.engine")
 
@@ -54,6 +62,10 @@ log = logging.getLogger("evergraph.engine")
 ALIKE_MAX = 1024
 #: change lines logged together (`changes.log_batch`), as the lane's batches
 LOG_BATCH = 1024
+#: the resources left to the lane (verdicts OTHER and all below them) are at most
+#: this part of the graph (1/4): more, and the whole graph is the lane's at once
+#: (its checks start while the children still work)
+REST_PART = 4
 
 
 class Expressed:
@@ -108,13 +120,12 @@ class Express(EngineState):
             and self.observer is None
             and self.settings.graphviz is None
             and not log.isEnabledFor(logging.DEBUG)  # (-v: a line per vertex, see _observe)
-            and OTHER not in ahead.verdicts  # (preset for a kind that cannot tell)
             and len(ahead.resources) == len(model.resources)
             and all(a is b for a, b in zip(ahead.resources, model.resources.values(), strict=True))
         ):
             return False
         no_cleanup = Resource.cleanup
-        for res in ahead.resources:
+        for res in ahead.resources:  # (a kind that cannot tell: no verdict will come)
             if type(res).cleanup is not no_cleanup or not self._takes_verdict(res):
                 return False
         return not any(e.notify or e.send is not None or e.recv is not None for e in model.edges)
@@ -141,11 +152,17 @@ class Express(EngineState):
         #: per place: what a CREATED one changed, its status and its line, made as
         #: its verdict comes (while the children make the rest)
         made: list[tuple[VertexStatus, changes.Entry] | None] = [None] * n
+        #: the places of the verdicts OTHER (as they come)
+        others: list[int] = []
         with gc_paused():  # (10k statuses and lines: nothing for the collector)
-            if not await self._all_told(ahead, made) or not self._upstream_clean(model, ahead):
+            if not await self._all_told(ahead, made, others, n // REST_PART):
                 return False
+            if not self._upstream_clean(model, ahead):
+                return False
+            rest = self._rest(model, others) if others else []
+            if len(rest) > n // REST_PART or any(made[i] is not None for i in rest):
+                return False  # (the lane's whole: see REST_PART; nothing made is below one)
         # done: from here on, as the lane would have recorded them
-        self._ahead = ahead
         statuses: list[VertexStatus] = []
         entries: list[changes.Entry] = []
         for i, one in enumerate(made):
@@ -157,17 +174,48 @@ class Express(EngineState):
         for start in range(0, len(entries), LOG_BATCH):
             changes.log_batch(log, entries[start : start + LOG_BATCH], event="changed")
         self.ahead_made = len(statuses)
-        self.ahead_runs = n - len(statuses)
-        self.expressed = Expressed(n, statuses)
+        self.ahead_runs = n - len(statuses) - len(rest)
+        self.expressed = Expressed(n - len(rest), statuses)
+        if not rest:
+            self._ahead = ahead
+            return True
+        # the rest: the lane's, in a graph of its own (the swap takes its verdicts:
+        # the clean ones below one that changes are checked again, as in the whole)
+        idents = list(model.resources)
+        part = {idents[i]: model.resources[idents[i]] for i in rest}
+        edges = [e for e in model.edges if e.from_id in part and e.to_id in part]
+        await self.swap(GraphModel(name=model.name, resources=part, edges=edges, ahead=ahead))
         return True
 
+    @staticmethod
+    def _rest(model: GraphModel, others: list[int]) -> list[int]:
+        """The places of `others` and of every resource below one of them, in the
+        graph's order."""
+        place = {ident: i for i, ident in enumerate(model.resources)}
+        below: dict[int, list[int]] = {}
+        for e in model.edges:
+            below.setdefault(place[e.from_id], []).append(place[e.to_id])
+        marked = set(others)
+        stack = list(others)
+        while stack:
+            for b in below.get(stack.pop(), ()):
+                if b not in marked:
+                    marked.add(b)
+                    stack.append(b)
+        return sorted(marked)
+
     async def _all_told(
-        self, ahead: Ahead, made: list[tuple[VertexStatus, changes.Entry] | None]
+        self,
+        ahead: Ahead,
+        made: list[tuple[VertexStatus, changes.Entry] | None],
+        others: list[int],
+        most: int,
     ) -> bool:
         """Wait until every verdict came, making each CREATED one's record in `made`
-        as it comes: True if all are CLEAN or CREATED; False at the first other one,
-        a child's end without them, a kind that cannot report what it made (the lane
-        records that failure), or a stop."""
+        as it comes and noting each OTHER one's place in `others`: True once all
+        came; False at the OTHER one past `most`, a child's end without them, a kind
+        that cannot report what it made (the lane records that failure), or a
+        stop."""
         loop = asyncio.get_running_loop()
         stopped = asyncio.ensure_future(self.stop.wait(GRACEFUL))
         resources, verdicts = ahead.resources, ahead.verdicts
@@ -181,12 +229,16 @@ class Express(EngineState):
         try:
             while True:
                 ahead.poll()
-                if OTHER in verdicts:
-                    return False  # (the lane checks it)
                 if fresh:
                     now, wall = clock.monotonic(), clock.time()
                     for i in fresh:
-                        if verdicts[i] != CREATED:
+                        verdict = verdicts[i]
+                        if verdict == OTHER:
+                            others.append(i)  # (the lane checks it)
+                            if len(others) > most:
+                                return False
+                            continue
+                        if verdict != CREATED:
                             continue
                         res = resources[i]
                         reports = _Reports()
