@@ -197,15 +197,28 @@ def test_a_few_to_check_are_the_lanes_and_the_run_ends_as_the_lanes(
     assert sorted(fast["checks"]) == sorted(lane["checks"])  # (the same, in another order)
     checked = {name for name, _ in fast["checks"]}
     assert {"o0", "o1", "o2", "o3"} <= checked
-    # a probe below a drifted one (o0, o2: their checks change them) is checked
-    # again; none below only those found in their state is
+    # a probe below a drifted one (o2, and o0 unless it fails: their checks change
+    # them) is checked again; one below a failed one is not run; one below only
+    # those found in their state is taken on its verdict
     model = to_check(seed, tmp_path / "again", fails)
-    below_changed = {
-        e.to_id[len("probe[") : -1]
-        for e in model.edges
-        if e.from_id in ("probe[o0]", "probe[o2]") and not fails
-    }
-    assert below_changed <= checked
+    up: dict[str, set[str]] = {}
+    for e in model.edges:
+        up.setdefault(e.to_id, set()).add(e.from_id)
+
+    def above(ident: str) -> set[str]:
+        found, stack = set(), [ident]
+        while stack:
+            for a in up.get(stack.pop(), ()):
+                if a not in found:
+                    found.add(a)
+                    stack.append(a)
+        return found
+
+    changed = {"probe[o2]"} | (set() if fails else {"probe[o0]"})
+    for k in range(6):
+        ups = above(f"probe[c{k}]")
+        again = bool(ups & changed) and not (fails and "probe[o0]" in ups)
+        assert (f"c{k}" in checked) == again, k
     assert sorted(f_made) == sorted(l_made)
     assert f_files == l_files
     assert (f_engine.ahead_made, f_engine.ahead_runs) == (l_engine.ahead_made, l_engine.ahead_runs)
