@@ -93,7 +93,8 @@ def random_model(rng: random.Random) -> GraphModel:
     some without automatic edges), commands running some of them, noops; explicit
     edges between any two, in any direction."""
     m = GraphModel(name="g")
-    dirs = ["/r/", "/r/a/", "/r/a/b/", "/r/c/", "/r/c/d/", "/s/"]
+    dirs = ["/", "/r/", "/r/a/", "/r/a/b/", "/r/c/", "/r/c/d/", "/s/"]  # ("/": the root
+    # itself, and files right under it)
     paths = [d + f"f{i}" for d in dirs for i in range(3)]
     chosen = rng.sample(dirs, rng.randint(0, len(dirs))) + rng.sample(
         paths, rng.randint(1, len(paths))

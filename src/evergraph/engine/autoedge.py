@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Iterator
 from typing import Any
 
-from evergraph.engine.contract import Resource
+from evergraph.engine.contract import ParentDirs, Resource
 from evergraph.engine.model import AutoEdges, Edge, GraphCycleError, GraphModel
 from evergraph.graph import CycleError
 
@@ -183,11 +184,16 @@ def _find(model: GraphModel, *, keep: bool, remember: bool) -> list[Edge]:
                     continue  # nothing provides what it wants
             wanted = []
         for group in res.autoedge_wants():
-            keys_of = iter(group)
-            first = next(keys_of, None)
-            if first is None:
-                continue
-            ns = first.partition(":")[0]
+            keys_of: Iterator[str] | None
+            first: str | None
+            if type(group) is ParentDirs:  # (its first key without a generator)
+                keys_of, first, ns = None, group.nearest(), "dir"
+            else:
+                keys_of = iter(group)
+                first = next(keys_of, None)
+                if first is None:
+                    continue
+                ns = first.partition(":")[0]
             if wanted is not None:
                 wanted.append(ns)
             if ns not in namespaces:
@@ -196,6 +202,9 @@ def _find(model: GraphModel, *, keep: bool, remember: bool) -> list[Edge]:
             # (a file's own directory), and most of those edges are explicit already
             provider = get(first)
             if provider is None or provider == ident:
+                if keys_of is None:
+                    keys_of = iter(group)
+                    next(keys_of)  # (`first`)
                 for key in keys_of:
                     provider = get(key)
                     if provider is not None and provider != ident:

@@ -583,3 +583,20 @@ def parent_dir_keys(path: str) -> Iterator[str]:
         yield f"dir:{path[:end]}/"
         end = path.rfind("/", 0, end)
     yield "dir:/"
+
+
+class ParentDirs(str):
+    """An autoedge group (`autoedge_wants`): a normalised path, whose keys are its
+    parent directories' (`parent_dir_keys`, which iterating it gives). The driver
+    (engine/autoedge.py) looks up the nearest one, `nearest()`, without walking a
+    generator: most resources of a big graph find their own directory at once."""
+
+    __slots__ = ()
+
+    def __iter__(self) -> Iterator[str]:
+        return parent_dir_keys(self)
+
+    def nearest(self) -> str:
+        """The first key `parent_dir_keys` gives."""
+        end = self.rfind("/")
+        return f"dir:{self[:end]}/" if end > 0 else "dir:/"

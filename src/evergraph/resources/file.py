@@ -48,16 +48,16 @@ import grp
 import os
 import pwd
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 from evergraph._util.atomic import OpenDirs, Pending, leftovers_named, make_dirs, prepare
 from evergraph.engine.contract import (
     Handle,
+    ParentDirs,
     PathSubscription,
     Resource,
     doc,
-    parent_dir_keys,
     register,
 )
 from evergraph.errors import ResourceError
@@ -195,10 +195,9 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         norm = _normpath(path)
         return [f"dir:{norm.rstrip('/')}/" if path.endswith("/") else f"path:{norm}"]
 
-    def autoedge_wants(self) -> Iterator[Iterator[str]]:
+    def autoedge_wants(self) -> tuple[ParentDirs, tuple[str]]:
         norm = _normpath(self.path or self.name)
-        yield parent_dir_keys(norm)
-        yield iter((f"pkgfile:{norm}",))  # after the package that installs it
+        return ParentDirs(norm), (f"pkgfile:{norm}",)  # (then the package that installs it)
 
     def managed_under(self) -> str | None:
         if self.purge:
