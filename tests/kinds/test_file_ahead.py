@@ -25,6 +25,7 @@ import pytest
 
 import evergraph.resources  # noqa: F401  (declares the built-in kinds)
 from evergraph._util.atomic import OpenDirs, commit, temp_name
+from evergraph.engine import changes
 from evergraph.engine.ahead import BATCH_FIRST, BATCH_MAX, JOURNAL
 from evergraph.engine.build import build
 from evergraph.engine.contract import default_registry
@@ -218,6 +219,58 @@ def test_made_ahead_only_where_nothing_is_and_as_the_check_makes_it(
         return
     assert reported == made_by_check(f"{sides['check']}{slash}", params, tmp_path / "s")
     assert on_disk(tmp_path / "ahead") == on_disk(tmp_path / "check")
+
+
+class Reports:
+    """A handle that keeps what `ahead_created` reports, as express takes it."""
+
+    def __init__(self) -> None:
+        self.reported: list[tuple[str, object, object, bool]] = []
+
+    def changed(self, field: str, old: object, new: object, *, content: bool = False) -> None:
+        self.reported.append((field, old, new, content))
+
+
+def test_files_of_one_alike_key_report_changes_of_one_shape() -> None:
+    """`ahead_alike`: a one-shot run asks `ahead_created` of the first file made of
+    each key and takes its changes for the others (engine/express.py). On random
+    files (directories, contents of colliding sizes in ASCII and in multi-byte
+    text, modes written two ways), any two of one key report changes of one shape
+    (a content by its size: what a change line shows without a diff). Keys are
+    shared by files of other contents (the memo is used), and each of these plain
+    files has one (none is left to be asked each time)."""
+    rng = random.Random(28)
+    contents = ["", "a", "ab", "é", "abc", "€", "x\n", "日本", "abcdef", "ééé"]
+    modes = [None, "0640", "640", "0600", "u=rw,g=r,o="]
+    shapes: dict[object, set[tuple[object, ...]]] = {}
+    texts: dict[object, set[str | None]] = {}
+    for i in range(400):
+        params: dict[str, Any] = {"name": f"f{i}", "mode": rng.choice(modes)}
+        if rng.random() < 0.2:
+            params["path"] = f"/x/d{i}/"
+        else:
+            params["path"] = f"/x/f{i}"
+            params["content"] = rng.choice(contents)
+        res = build(default_registry, "file", {k: v for k, v in params.items() if v is not None})
+        key = res.ahead_alike()
+        assert key is not None, params
+        reports = Reports()
+        res.ahead_created(reports)  # type: ignore[arg-type]
+        shapes.setdefault(key, set()).add(changes.shape(reports.reported, False))
+        texts.setdefault(key, set()).add(params.get("content"))
+    assert all(len(s) == 1 for s in shapes.values()), shapes
+    assert sum(len(t) > 1 for t in texts.values()) >= 5  # ("ab" and "é": 2 bytes each)
+
+
+def test_files_that_ahead_create_cannot_make_have_no_alike_key() -> None:
+    """A file of no content (a source, fragments) or a directory with content (refused
+    by the check anyway) has no key: asked each time."""
+    for params in (
+        {"path": "/x/f", "source": "/etc/hosts"},
+        {"path": "/x/f", "fragments": ["/etc/hosts"]},
+    ):
+        res = build(default_registry, "file", {"name": "f", **params})
+        assert res.ahead_alike() is None
 
 
 def file(path: str) -> File:
@@ -459,6 +512,48 @@ def test_drift_is_repaired_and_said_as_the_lane_says_it(tmp_path: Path, what: st
     assert said[False] == said[True]
     changed = 3 if what == "a few files" else 2
     assert f"converged: {N + 3} vertices clean, {changed} changed, " in said[False]
+
+
+def mixed(root: Path, n: int) -> Path:
+    """A graph of directories and files made alike and not: contents of a few sizes
+    (ASCII, and multi-byte text of the same byte sizes), modes written two ways, none."""
+    rng = random.Random(n)
+    contents = ["ab", "é", "abc", "€", "", "x y z\\n", "日本"]
+    modes = ["", ', mode: "0640"', ', mode: "640"', ', mode: "0600"']
+    lines = ["graph: mixed", "resources:", "  file:"]
+    lines += [f'  - {{name: d{d}, path: "{root}/t/d{d}/"{modes[d % 2]}}}' for d in range(3)]
+    lines += [
+        f'  - {{name: f{i}, path: "{root}/t/d{i % 3}/f{i}", content: "{rng.choice(contents)}"'
+        f"{rng.choice(modes)}}}"
+        for i in range(n)
+    ]
+    g = root / "g.yaml"
+    g.write_text("\n".join(lines) + "\n")
+    return g
+
+
+def test_a_first_apply_of_files_made_alike_and_not_is_said_as_the_lane_says_it(
+    tmp_path: Path,
+) -> None:
+    """Without -v a first apply takes the changes of the files made alike once
+    (`ahead_alike`, engine/express.py); with -v the lane asks each file. On two
+    fresh trees of one graph, both make the same files and say the same lines
+    (the lane's order of files independent of each other may differ: here they
+    depend on their directory alone, by automatic edges), the same converged line
+    and the same recap."""
+    said = {}
+    for verbose in (False, True):
+        root = tmp_path / ("v" if verbose else "q")
+        root.mkdir()
+        g = mixed(root, N)
+        args = ["run", g, "--state-dir", root / "s", "--converged-exit"]
+        r = run_cli(*args, *(["-v"] if verbose else []), timeout=120)
+        assert r.returncode == 0, r.stderr
+        said[verbose] = [_WHEN.sub("", x) for x in r.stderr.splitlines() if "debug: " not in x]
+    assert sorted(said[False]) == sorted(said[True])
+    assert on_disk(tmp_path / "q" / "t") == on_disk(tmp_path / "v" / "t")
+    assert f"converged: {N + 3} vertices clean, {N + 3} changed, " in said[False]
+    assert sum("applied: state, content, mode" in x for x in said[False]) > N // 2
 
 
 def test_the_lines_of_what_was_made_ahead_come_once_each_and_in_order(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ import contextlib
 import importlib
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Protocol, TypeVar
 
@@ -377,6 +377,15 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
         `handle.changed` as check_apply would have reported it, in the engine's
         process (which never initialised this resource)."""
         raise NotImplementedError
+
+    def ahead_alike(self) -> Hashable | None:
+        """Optional, with `ahead_created`: a key of what it reports, such that two
+        resources of this kind with equal keys report changes of one shape
+        (`changes.shape` without diffs: the same fields and values, a content by its
+        size alone). A one-shot run asks `ahead_created` of the first resource made of
+        each key and takes its changes for the others (engine/express.py: 10k files
+        made alike are a few keys). None (the default): asked of each."""
+        return None
 
     # -- optional abilities (override to take part) -------------------------
     def autoedge_provides(self) -> list[str]:

@@ -12,7 +12,9 @@ verdicts themselves: the same log line for each change (held and logged in
 batches, as the lane logs a change a child made), the same "loaded",
 "converged" and recap lines, the converged-status file, exit status 0. Each
 change's status and line are made as its verdict comes (the parent has little
-else to do while the children make), and logged once all came.
+else to do while the children make), and logged once all came; what a made
+resource changed is asked of the first of each `Resource.ahead_alike` key alone
+(10k files made alike: a few keys, `_Changes`).
 
 It is taken only where the lane would have taken every verdict and done nothing else
 (`_may_express`): the engine's first graph in a one-shot run, no observer (the live
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Hashable
 from functools import partial
 from typing import cast
 
@@ -95,6 +98,57 @@ class _Reports:
 
 def _identity(text: str) -> str:
     return text
+
+
+class _Changes:
+    """What each resource made ahead changed (`Resource.ahead_created`), as the lane
+    records it. What was made alike changed alike (10k files: a few sizes, one mode):
+    one `Change` tuple per shape of reports, and with no diffs (a content by its size
+    alone) per key the kind gives (`ahead_alike`), which spares its reports."""
+
+    __slots__ = ("alike", "diffs", "hashable", "keyed")
+
+    def __init__(self, diffs: bool) -> None:
+        self.diffs = diffs
+        #: by shape of reports (`changes.shape`)
+        self.alike: dict[tuple[object, ...], tuple[Change, ...]] = {}
+        #: by kind and `ahead_alike` key
+        self.keyed: dict[tuple[type[Resource], Hashable], tuple[Change, ...]] = {}
+        self.hashable = True
+
+    def of(self, res: Resource) -> tuple[Change, ...] | None:
+        """`res`'s changes; None if its kind cannot report them (the lane records that)."""
+        known = None
+        if not self.diffs:
+            try:
+                key = res.ahead_alike()
+                if key is not None:
+                    known = (type(res), key)
+                    done = self.keyed.get(known)
+                    if done is not None:
+                        return done
+            except Exception:  # (cannot be hashed, or its kind's fault: asked of it)
+                known = None
+        reports = _Reports()
+        try:
+            res.ahead_created(cast(Handle, reports))
+            shape = changes.shape(reports.reported, self.diffs)
+        except Exception:
+            return None
+        try:
+            done = self.alike.get(shape)
+        except TypeError:  # (a value that cannot be hashed)
+            done, self.hashable = None, False
+        if done is None:
+            try:
+                done = changes.build(reports.reported, (), _identity, self.diffs)
+            except Exception:
+                return None
+            if self.hashable and len(self.alike) < ALIKE_MAX:
+                self.alike[shape] = done
+        if known is not None and len(self.keyed) < ALIKE_MAX:
+            self.keyed[known] = done
+        return done
 
 
 def _settle(came: asyncio.Future[None]) -> None:
@@ -223,9 +277,7 @@ class Express(EngineState):
         clock = self.clock
         # (those come already first: a child may have told some before the go)
         fresh = ahead.fresh = [i for i, verdict in enumerate(verdicts) if verdict != PENDING]
-        #: what was made alike changed alike (10k files: a few sizes, one mode)
-        alike: dict[tuple[object, ...], tuple[Change, ...]] = {}
-        hashable = True
+        changed = _Changes(self.settings.diff).of
         try:
             while True:
                 ahead.poll()
@@ -241,27 +293,9 @@ class Express(EngineState):
                         if verdict != CREATED:
                             continue
                         res = resources[i]
-                        reports = _Reports()
-                        try:
-                            res.ahead_created(cast(Handle, reports))
-                        except Exception:
-                            return False
-                        reported = reports.reported
-                        try:
-                            key = changes.shape(reported, diffs)
-                        except Exception:
-                            return False
-                        try:
-                            done = alike.get(key)
-                        except TypeError:  # (a value that cannot be hashed)
-                            done, hashable = None, False
+                        done = changed(res)
                         if done is None:
-                            try:
-                                done = changes.build(reported, (), _identity, diffs)
-                            except Exception:
-                                return False
-                            if hashable and len(alike) < ALIKE_MAX:
-                                alike[key] = done
+                            return False
                         status = VertexStatus(
                             res.ident, res.kind, res.name, "changed", now, None, 1, 0, 0, 0.0,
                             wall, done,

@@ -48,7 +48,7 @@ import grp
 import os
 import pwd
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Annotated, Any, ClassVar, Literal
 
 from evergraph._util.atomic import OpenDirs, Pending, leftovers_named, make_dirs, prepare
@@ -358,6 +358,16 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         mode = self._mode_wanted()
         if mode is not None:
             handle.changed("mode", None, octal(mode))
+
+    def ahead_alike(self) -> Hashable | None:
+        # what ahead_created reads: a directory or not, the content's size in bytes
+        # (UTF-8, as it encodes it), the mode as written
+        content = self.content
+        if (self.path or self.name).endswith("/"):
+            return None if content is not None else ("/", self.mode)  # (never a size)
+        if content is None:
+            return None
+        return (len(content) if content.isascii() else len(content.encode())), self.mode
 
     async def init(self, handle: Handle) -> None:
         self.handle = handle  # (Resource.init's one line, without its coroutine: 10k inits)
