@@ -6,6 +6,7 @@ yet) exits 1 saying so, not 0 as if it had converged."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import time
@@ -85,3 +86,24 @@ def test_run_max_runtime_with_no_graph_loaded_exits_1(tmp_path: Path) -> None:
     r = run_cli("run", "--state-dir", tmp_path / "f", "--max-runtime", "1", timeout=30)
     assert r.returncode == 1, r.stderr
     assert "no graph was loaded in 1 s" in r.stderr, r.stderr
+
+
+def test_the_wait_for_a_first_graph_counts_from_the_run_s_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--max-runtime` counts from the command's start, as the CLI's own bound (the
+    watchdog, a grace past it) does: a run whose start-up took longer than the limit
+    says at once that no graph was loaded, instead of waiting the whole limit again
+    (on a loaded machine the watchdog ended it first, with a vaguer line). Here the
+    run began 1,000 s before the agent, with a limit of 500 s."""
+    from evergraph.agent.api import run
+
+    caplog.set_level(logging.INFO, logger="evergraph")
+    t0 = time.monotonic()
+    status = run(
+        None, state_dir=tmp_path / "f", max_runtime=500.0, _started=t0 - 1000, handle_signals=False
+    )
+    assert status == 1
+    assert time.monotonic() - t0 < 100  # (counted from the agent's own start: 500 s)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("no graph was loaded in 500 s" in m for m in said), said

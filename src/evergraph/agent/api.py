@@ -46,6 +46,7 @@ def run(
     farm: FarmOptions | None = None,
     deployers: list[str] | None = None,
     _flush: tuple[Callable[[], None], float] | None = None,
+    _started: float | None = None,
     **settings: Any,
 ) -> int:
     """Converge `graph` and keep it converged; returns the CLI's exit status
@@ -71,7 +72,8 @@ def run(
     `converged_timeout`, `converged_exit`, `converged_status_file`, `max_runtime`,
     `repair_backoff_max`, `graphviz`, `stop_grace`), each documented there with the
     flag of `evergraph run` that sets it; another keyword is a TypeError naming it.
-    Runs its own event loop: call it from synchronous code.
+    Runs its own event loop: call it from synchronous code. (`_started`, the CLI's:
+    the `time.monotonic()` its command began at, which `max_runtime` counts from.)
     """
     from evergraph.agent.run import prepare_state_dir, run_agent
     from evergraph.engine.settings import Settings, run_keywords
@@ -122,6 +124,7 @@ def run(
             handle_signals=handle_signals,
             flush=_flush,
             world=opts,
+            started=_started,
             replace=replace,
             services=services,
             farm=farm,

@@ -20,6 +20,7 @@ import inspect
 import logging
 import os
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -195,6 +196,7 @@ async def run_agent(
     replace: bool = False,
     services: Sequence[Service] = (),
     farm: FarmOptions | None = None,
+    started: float | None = None,
 ) -> int:
     """Converge the frontend's first graph, swap in each later one, stop on signals;
     the exit status.
@@ -205,11 +207,15 @@ async def run_agent(
     `replace`: take the hostname over from another live agent.
     `services`: more services to own (started once the engine exists).
     `farm`: be a farm worker and/or run the farm's matcher when elected.
+    `started`: the `time.monotonic()` the run began at (the command's start: the CLI
+    ends the process a grace past `max_runtime` from there), from which the wait for
+    a first graph counts too; None: from now.
     """
     # The graph lives as long as the agent: move it out of the cyclic GC's
     # generations so collections do not keep re-walking 10k+ long-lived objects.
     gc.freeze()
     agent = Agent(settings, frontend, world, replace, services, farm)
+    agent.started = time.monotonic() if started is None else started
     loop = asyncio.get_running_loop()
     if handle_signals:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -257,6 +263,8 @@ class Agent:
         self.world_opts = world
         self.replace = replace
         self.stop = asyncio.Event()
+        #: when the run began (`time.monotonic()`: see `run_agent`)
+        self.started = time.monotonic()
         self.engine: Engine | None = None
         self._keys: HostKeys | None = None
         #: each service's task, and the coroutine it runs
@@ -653,7 +661,12 @@ class Agent:
             kv=opened.kv if opened is not None else None,
             collector=self.collector,
         )
-        raw = await _unless_stopped(self.frontend.first(ctx), self.stop, settings.max_runtime)
+        # (--max-runtime from the run's start, as the CLI's own bound counts: a slow
+        # start-up still ends here, with the line below, before that bound)
+        wait = settings.max_runtime
+        if wait is not None:
+            wait = max(0.0, self.started + wait - time.monotonic())
+        raw = await _unless_stopped(self.frontend.first(ctx), self.stop, wait)
         if raw is None:
             if self.stop.is_set():
                 return 0  # stopped while waiting for a first graph (a deploy)

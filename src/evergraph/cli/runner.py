@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -385,6 +386,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     from evergraph.frontends.open import frontend_for, trust_deployers
 
     setup_logging(log_format, verbose)
+    started = time.monotonic()  # (--max-runtime counts from here: the watchdog, the agent)
     if max_runtime is not None and max_runtime > 0 and not math.isnan(max_runtime):
         _watchdog(max_runtime, flush_logs)
     try:
@@ -454,6 +456,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
             deployers=list(deployers),
             services=services,
             farm=farm,
+            _started=started,
         )
     finally:
         if ahead is not None:
