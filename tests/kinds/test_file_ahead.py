@@ -221,16 +221,6 @@ def test_made_ahead_only_where_nothing_is_and_as_the_check_makes_it(
     assert on_disk(tmp_path / "ahead") == on_disk(tmp_path / "check")
 
 
-class Reports:
-    """A handle that keeps what `ahead_created` reports, as express takes it."""
-
-    def __init__(self) -> None:
-        self.reported: list[tuple[str, object, object, bool]] = []
-
-    def changed(self, field: str, old: object, new: object, *, content: bool = False) -> None:
-        self.reported.append((field, old, new, content))
-
-
 def test_files_of_one_alike_key_report_changes_of_one_shape() -> None:
     """`ahead_alike`: a one-shot run asks `ahead_created` of the first file made of
     each key and takes its changes for the others (engine/express.py). On random
@@ -254,9 +244,10 @@ def test_files_of_one_alike_key_report_changes_of_one_shape() -> None:
         res = build(default_registry, "file", {k: v for k, v in params.items() if v is not None})
         key = res.ahead_alike()
         assert key is not None, params
-        reports = Reports()
-        res.ahead_created(reports)  # type: ignore[arg-type]
-        shapes.setdefault(key, set()).add(changes.shape(reports.reported, False))
+        handle = FakeHandle()
+        res.ahead_created(handle)  # type: ignore[arg-type]
+        reported = [(c.field, c.old, c.new, c.content) for c in handle.changes]
+        shapes.setdefault(key, set()).add(changes.shape(reported, False))
         texts.setdefault(key, set()).add(params.get("content"))
     assert all(len(s) == 1 for s in shapes.values()), shapes
     assert sum(len(t) > 1 for t in texts.values()) >= 5  # ("ab" and "é": 2 bytes each)

@@ -214,8 +214,7 @@ async def run_agent(
     # The graph lives as long as the agent: move it out of the cyclic GC's
     # generations so collections do not keep re-walking 10k+ long-lived objects.
     gc.freeze()
-    agent = Agent(settings, frontend, world, replace, services, farm)
-    agent.started = time.monotonic() if started is None else started
+    agent = Agent(settings, frontend, world, replace, services, farm, started)
     loop = asyncio.get_running_loop()
     if handle_signals:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -247,6 +246,7 @@ class Agent:
         replace: bool,
         services: Sequence[Service] = (),
         farm: FarmOptions | None = None,
+        started: float | None = None,
     ) -> None:
         self.settings = settings
         self.extra = list(services)
@@ -264,7 +264,7 @@ class Agent:
         self.replace = replace
         self.stop = asyncio.Event()
         #: when the run began (`time.monotonic()`: see `run_agent`)
-        self.started = time.monotonic()
+        self.started = time.monotonic() if started is None else started
         self.engine: Engine | None = None
         self._keys: HostKeys | None = None
         #: each service's task, and the coroutine it runs

@@ -277,7 +277,7 @@ class Express(EngineState):
         clock = self.clock
         # (those come already first: a child may have told some before the go)
         fresh = ahead.fresh = [i for i, verdict in enumerate(verdicts) if verdict != PENDING]
-        changed = _Changes(self.settings.diff).of
+        changed = _Changes(diffs).of
         try:
             while True:
                 ahead.poll()
