@@ -268,12 +268,28 @@ def _notify(root: Path) -> GraphModel:
     return model
 
 
+def _hidden_last(root: Path) -> GraphModel:
+    # (after many of its kind with another meta: what the lane takes is asked per meta)
+    model = marks_only(6, root, n=20)
+    model.add(
+        Mark(
+            name="hid",
+            path=str(root / "hid"),
+            journal=str(root / "journal"),
+            meta=Meta(hidden=True),
+        )
+    )
+    model.check()
+    return model
+
+
 CASES: dict[str, tuple[Callable[[Path], GraphModel], dict[str, Any]]] = {
     "more to check than a part": (_many_to_check, {}),
     "a part below one to check": (_above_many, {}),
     "a clean one below one made": (_clean_below_made, {}),
     "a kind that cannot tell": (_cannot_tell, {}),
     "a notify edge": (_notify, {}),
+    "a hidden one, last of its kind": (_hidden_last, {}),
     "an observer": (lambda root: marks_only(5, root, n=20), {"observe": True}),
 }
 

@@ -46,6 +46,7 @@ import asyncio
 import logging
 from collections.abc import Hashable
 from functools import partial
+from operator import is_
 from typing import cast
 
 from evergraph._util.crash import crash_point
@@ -175,12 +176,20 @@ class Express(EngineState):
             and self.settings.graphviz is None
             and not log.isEnabledFor(logging.DEBUG)  # (-v: a line per vertex, see _observe)
             and len(ahead.resources) == len(model.resources)
-            and all(a is b for a, b in zip(ahead.resources, model.resources.values(), strict=True))
+            and all(map(is_, ahead.resources, model.resources.values()))
         ):
             return False
         no_cleanup = Resource.cleanup
+        #: by kind and meta (a graph's resources share a few metas): no cleanup, and
+        #: the lane takes its verdicts but for a group (`_takes_verdict`)
+        takes: dict[tuple[type[Resource], int], bool] = {}
         for res in ahead.resources:  # (a kind that cannot tell: no verdict will come)
-            if type(res).cleanup is not no_cleanup or not self._takes_verdict(res):
+            cls = type(res)
+            key = (cls, id(res.meta))  # (each resource holds its meta: ids stay)
+            ok = takes.get(key)
+            if ok is None:
+                ok = takes[key] = cls.cleanup is no_cleanup and self._takes_verdict(res)
+            if not ok or getattr(res, "_group_members", None):
                 return False
         return not any(e.notify or e.send is not None or e.recv is not None for e in model.edges)
 
@@ -296,11 +305,12 @@ class Express(EngineState):
                         done = changed(res)
                         if done is None:
                             return False
+                        ident = res.ident
                         status = VertexStatus(
-                            res.ident, res.kind, res.name, "changed", now, None, 1, 0, 0, 0.0,
-                            wall, done,
+                            ident, res.kind, res.name, "changed", now, None, 1, 0, 0, 0.0, wall,
+                            done,
                         )  # fmt: skip
-                        made[i] = (status, change_entry(res.ident, "applied", done, diffs))
+                        made[i] = (status, change_entry(ident, "applied", done, diffs))
                     fresh.clear()
                 if PENDING not in verdicts:
                     return True
