@@ -20,7 +20,7 @@ send/recv, `collect:` specs, the graph's name, the warnings given), and the
 automatic edges `prepare` will add to it (`autoedge.automatic_edges`: for
 graphs whose kinds' keys are their parameters alone, without `collect:`).
 
-What a hit trusts, and why. Each entry starts with its MAC (keyed BLAKE2b)
+What a hit trusts, and why. Each entry starts with its MAC (HMAC-SHA256)
 under the cache's own secret (`KEY_NAME` in the directory: 32 random bytes,
 0600, made with the first entry), so an entry is used only if this cache wrote
 it: one planted by anyone who cannot read the secret, or corrupt, or torn, is
@@ -472,7 +472,9 @@ class ParseCache:
 
 
 def _mac(secret: bytes, data: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(data, key=secret, digest_size=MAC_SIZE).digest()
+    import hmac  # (OpenSSL's one-shot HMAC: 1.6 MB in ~1.3 ms, keyed BLAKE2b's ~3.3)
+
+    return hmac.digest(secret, data, "sha256")
 
 
 def _same(a: bytes, b: bytes) -> bool:
