@@ -56,6 +56,10 @@ def main() -> None:
     if len(argv) == 2 and argv[0] == "check" and _plain_file(argv[1]):
         _check(argv[1])
     if argv and argv[0] == "run":
+        # a large YAML graph's resources parsed on the other core meanwhile
+        from evergraph.frontends import early
+
+        early.start(argv[1:])
         from evergraph.cli import runner
 
         params = runner.parse_fast(argv[1:])

@@ -34,7 +34,7 @@ from evergraph.errors import InputError
 # though a run served from the parse cache never calls it: a first import of
 # yaml_rs inside `evergraph check`'s loading thread crashed the process
 # (a segfault in yaml_rs.loads, tests/frontends/test_fuzz_yaml.py, not understood).
-from evergraph.frontends import _yaml_rs  # noqa: F401  (see above)
+from evergraph.frontends import _yaml_rs, early
 from evergraph.frontends.base import (
     Context,
     Frontend,
@@ -101,6 +101,7 @@ if TYPE_CHECKING:
     from evergraph.engine.ahead import Ahead
     from evergraph.engine.build import PathPart
     from evergraph.frontends.cache import ParseCache
+    from evergraph.frontends.early import Early
     from evergraph.frontends.yaml_edges import RawEdge
     from evergraph.frontends.yaml_load import Locator
 
@@ -113,16 +114,19 @@ def parse_yaml(
     valid: Mapping[str, Resource] | None = None,
     entries: Entries | None = None,
     notes: list[str] | None = None,
+    section: Early | None = None,
 ) -> GraphModel:
     """Parse and validate a yamlgraph document; every error names `file:line:col`.
     `warn`: log the keys ignored for mgmt's sake (off when parsing a text again);
     `valid`: resources validated before (`GraphModel.validated()`): equal ones are
     not validated again; `entries`: the last text's resource entries (a live
     frontend's): only entries whose text changed are parsed and built again;
-    `notes`: gets each warning given (the parse cache gives them again)."""
+    `notes`: gets each warning given (the parse cache gives them again); `section`:
+    the text's `resources:` as `early.parse_section` parsed it (then only the rest
+    is parsed here)."""
     with gc_paused():
         try:
-            return _parse_yaml(text, filename, registry, warn, valid, entries, notes)
+            return _parse_yaml(text, filename, registry, warn, valid, entries, notes, section)
         except RecursionError:
             # the parsers and the error path's locator recurse per level of nesting
             raise InputError(
@@ -150,6 +154,7 @@ def _parse_yaml(
     valid: Mapping[str, Resource] | None,
     entries: Entries | None,
     notes: list[str] | None = None,
+    section: Early | None = None,
 ) -> GraphModel:
     # the parser's modules load with the first parse: a run whose model comes from
     # the parse cache (every unchanged re-run) never needs them
@@ -169,14 +174,37 @@ def _parse_yaml(
             else:
                 entries.keep(text, kept, kinds)
                 return model
-    doc, fast = _with_fast_edges(text)
-    if doc is None:
-        doc = load_text(text, filename, loc)
+    doc, fast = _with_early(text, section) if section is not None else (None, None)
+    if doc is not None:
+        log.debug("%s: its resources: parsed beside the command's start", filename)
+    else:
+        doc, fast = _with_fast_edges(text)
+        if doc is None:
+            doc = load_text(text, filename, loc)
     keep = entries is not None
     model, kept = _model(doc, None, filename, registry, loc, warn, valid, text, keep, fast, notes)
     if entries is not None:
         entries.keep(text, kept, None)
     return model
+
+
+def _with_early(text: str, section: Early) -> tuple[Any, Iterable[RawEdge] | None]:
+    """As `_with_fast_edges`, with the `resources:` section parsed (`section`): the
+    rest of the text parsed here, the section's value put in; (None, None) if the
+    rest is not a document whose `resources` holds nothing (the whole text's
+    parse then says what and where)."""
+    begin, end, resources = section
+    rest = text[:begin] + text[end:]
+    try:
+        doc, fast = _with_fast_edges(rest)
+        if doc is None:
+            doc = _yaml_rs.loads(rest)
+    except Exception:  # (RecursionError too: the whole text's parse raises it again)
+        return None, None
+    if type(doc) is not dict or "resources" not in doc or doc["resources"] is not None:
+        return None, None
+    doc["resources"] = resources
+    return doc, fast
 
 
 def _with_fast_edges(text: str) -> tuple[Any, Iterable[RawEdge] | None]:
@@ -678,6 +706,12 @@ class YamlFrontend(Frontend):
 
     def load(self) -> GraphModel:
         """Parse the file now (InputError), or take its model from the parse cache."""
+        try:
+            return self._load()
+        finally:
+            early.drop()  # (a helper forked as the command started: not needed)
+
+    def _load(self) -> GraphModel:
         data = read_graph_bytes(self.path)
         cache, key, notes = self._cache, "", list[str]()
         follow = self._follow
@@ -696,7 +730,14 @@ class YamlFrontend(Frontend):
                 return cached
         text = graph_text(data, self.path)
         entries = self._entries if follow else None
-        model = parse_yaml(text, str(self.path), self.registry, entries=entries, notes=notes)
+        model = parse_yaml(
+            text,
+            str(self.path),
+            self.registry,
+            entries=entries,
+            notes=notes,
+            section=early.take(data),
+        )
         if follow:
             self._text, self._valid = text, model.validated()
         if cache is not None:

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from evergraph.engine.contract import R, Resource
+from evergraph.frontends.yaml_layout import may_alias, resources_section
 
 if TYPE_CHECKING:
     from evergraph.frontends.yaml_edges import RawEdge
@@ -36,20 +37,10 @@ class Known:
         self.exported = exported
 
 
-#: the `resources:` key alone on its line
-_RESOURCES_LINE = re.compile(r"resources:(?:[ ]+(?:#.*)?)?\n")
 #: a kind's key alone on its line (after the indentation)
 _KIND_LINE = re.compile(r"([A-Za-z_][\w:.\-]*):(?:[ ]+(?:#.*)?)?")
 #: the next line with content (not a comment): its indentation and first character
 _NEXT_CONTENT = re.compile(r"\n( *)([^ \n#])")
-#: a line at column 0 (not a comment): the end of `resources:`
-_TOP_LINE = re.compile(r"\n[^ #\n]")
-#: a `*` that may start an alias (`/tmp/*.log` cannot)
-_ALIAS = re.compile(r"(?:^|[\s\[{,])\*", re.M)
-
-
-def _may_alias(text: str) -> bool:
-    return "*" in text and _ALIAS.search(text) is not None
 
 
 #: re-parse entry by entry while at most this share of them changed (else the
@@ -93,20 +84,10 @@ def split_entries(text: str) -> Split | None:
     its `-` to the next line at the same or a lower indentation. None when the
     text is not laid out that way for certain (tabs or CRs at line starts,
     directives, flow style, anything else under `resources:`)."""
-    if (
-        "\r" in text
-        or ("\t" in text and ("\n\t" in text or text.startswith("\t")))
-        or ("%" in text and ("\n%" in text or text.startswith("%")))
-        or not text.endswith("\n")
-    ):
+    section = resources_section(text)
+    if section is None:
         return None
-    at = 0 if text.startswith("resources:") else text.find("\nresources:") + 1
-    m = _RESOURCES_LINE.match(text, at) if at > 0 or text.startswith("resources:") else None
-    if m is None or text.find("\nresources:", at) >= 0:
-        return None
-    start = m.end() - 1  # the `\n` ending the `resources:` line
-    top = _TOP_LINE.search(text, start)
-    end = top.start() if top is not None else len(text) - 1  # the `\n` ending the section
+    _, start, end = section
     first = _NEXT_CONTENT.search(text, start, end)
     if first is None:
         return None
@@ -137,7 +118,8 @@ def split_entries(text: str) -> Split | None:
         parts.append(text[pos:a])
         pos = b
     parts.append(text[pos:])
-    return "".join(parts), kinds, top is None and bool(kinds) and bool(kinds[-1][2])
+    at_end = end == len(text) - 1  # (no line at column 0 after the section)
+    return "".join(parts), kinds, at_end and bool(kinds) and bool(kinds[-1][2])
 
 
 #: parsed entries per kind (`Known` where built before), by kind as written
@@ -175,7 +157,7 @@ class Entries:
     def _known(self) -> dict[str, tuple[int, dict[str, Known]]] | None:
         if self._by_text is None and self._kept is not None:
             split = split_entries(self._text)
-            aliases = _may_alias(self._text)
+            aliases = may_alias(self._text)
             self._by_text = None if split is None else _paired(split, self._kept, aliases)
             if self._by_text is None:
                 self._kept = None  # this text does not split: not again
@@ -192,7 +174,7 @@ class Entries:
         if split is None:
             return None
         skeleton, kinds, last_at_end = split
-        if _may_alias(skeleton):
+        if may_alias(skeleton):
             return None
         misses = 0
         limit = max(64, sum(len(texts) for _, _, texts in kinds) // _REPARSE_SHARE)
@@ -211,7 +193,7 @@ class Entries:
                     got.append(hit)
                     continue
                 misses += 1
-                if misses > limit or _may_alias(t):
+                if misses > limit or may_alias(t):
                     return None
                 parsed = _entry(d, t, end)
                 if parsed is None:
@@ -287,7 +269,7 @@ def _paired(
             {
                 t: b if type(b) is Known else Known(b, False)  # type: ignore[arg-type]
                 for t, b in pairs
-                if not (aliases and _may_alias(t))
+                if not (aliases and may_alias(t))
             },
         )
     return out

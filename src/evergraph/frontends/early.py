@@ -1,0 +1,177 @@
+"""A large YAML graph's `resources:` parsed by a helper forked as `evergraph run`
+starts (issue 28).
+
+A one-shot run of W1's 10k files spends its first ~100 ms importing its modules
+on one core, then ~60-100 ms in the YAML parser, on the same core, while the
+other waits. Here `start` (the console script, before its imports) forks a
+helper that reads the graph file, parses its `resources:` section alone, and
+leaves the bytes' SHA-256, where the section's lines are and the section's
+value (`marshal`) in a memfd, then exits. The YAML frontend takes it
+(`take`) only for the very bytes it read itself (the same SHA-256), and then
+parses the rest of the text (the graph's name, its edges, `collect:`) with the
+section's lines cut out, and puts the helper's value under `resources`:
+W1's document costs the parent ~15 ms of `marshal.loads` instead of its parse.
+
+Sure or not at all. The section is cut as `yaml_layout.resources_section`
+finds it (one `resources:` key alone on its line at column 0, to the next line
+at column 0 that is not a comment; no CR, tab at a line's start, directive, nor
+possible alias anywhere, so that no anchor's value crosses the cut); the
+helper's text is the section, then, unless the section ends the file, one more
+top-level key (a block scalar at the section's end reads as it does in the
+whole file: not at the end of a text). Its document must be that key and
+`resources` alone; the parent's, with the section's lines cut out, must hold
+`resources` with nothing under it. Its data must be what `marshal` carries
+exactly (a date or a timestamp: it gives up). Otherwise, and on any error,
+the whole text is parsed as before: errors and warnings are a whole parse's,
+and name `file:line:col` in the whole file.
+
+The helper has no effect: it reads the file and writes its memfd, logs
+nothing, and ignores Ctrl-C (its parent's to handle). A parent that does not
+take it (a parse cache hit, another frontend, an error) kills and reaps it
+(`drop`); one that exits first leaves it to finish on its own, in ~0.1 s.
+It is forked only from a process with one thread and two cores or more to run
+on, for a `.yaml`/`.yml` file of `EARLY_MIN` bytes or more.
+"""
+
+from __future__ import annotations
+
+import marshal
+import os
+import signal
+import stat
+import sys
+from typing import Any
+
+from evergraph.frontends.yaml_layout import may_alias, resources_section
+
+#: graph files smaller than this are parsed by the run alone (the fork and the
+#: hand-back cost about what the helper saves)
+EARLY_MIN = 512 << 10
+#: files the helper is forked for
+SUFFIXES = (".yaml", ".yml")
+#: the top-level key after the section in the helper's text (see the docstring)
+AFTER = "evergraph-after-resources"
+#: bytes the helper reads at most (the frontend refuses more: base.MAX_GRAPH_FILE)
+READ_MAX = 256 << 20
+
+#: what the helper made of a text: where its `resources:` section's lines begin,
+#: where they end (the line after them), the section's value
+Early = tuple[int, int, Any]
+
+#: the helper forked (its pid, its memfd), until taken or dropped
+_helper: tuple[int, int] | None = None
+
+
+def start(args: list[str]) -> None:
+    """The console script's `run ARGS`: fork the helper for the one `.yaml` file
+    among `args` if it is large enough, else nothing."""
+    global _helper
+    files = [a for a in args if a.endswith(SUFFIXES) and not a.startswith("-")]
+    if _helper is not None or len(files) != 1 or len(os.sched_getaffinity(0)) < 2:
+        return
+    threading = sys.modules.get("threading")
+    if threading is not None and threading.active_count() > 1:
+        return  # (a fork keeps one thread: a lock another held stays held in the child)
+    try:
+        if os.stat(files[0]).st_size < EARLY_MIN:
+            return
+        out = os.memfd_create("evergraph-early-parse", os.MFD_CLOEXEC)
+    except OSError:
+        return
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(out)
+        return
+    if pid == 0:  # pragma: no cover (the helper: measured through what it hands back)
+        status = 1
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            status = _help(files[0], out)
+        finally:
+            os._exit(status)
+    _helper = (pid, out)
+
+
+def take(data: bytes) -> Early | None:
+    """What the helper made of `data` (`Early`), waiting for it; None: no helper, or it parsed
+    other bytes, or it gave up. The helper is reaped either way."""
+    global _helper
+    helper, _helper = _helper, None
+    if helper is None:
+        return None
+    pid, out = helper
+    try:
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            return None
+        got = marshal.loads(os.pread(out, os.fstat(out).st_size, 0))
+    except (OSError, EOFError, ValueError, TypeError):
+        return None
+    finally:
+        os.close(out)
+    if type(got) is not tuple or len(got) != 4:
+        return None
+    digest, begin, end, value = got
+    import hashlib
+
+    if digest != hashlib.sha256(data).digest():
+        return None
+    return begin, end, value
+
+
+def drop() -> None:
+    """The helper not taken: killed if still there, and reaped."""
+    global _helper
+    helper, _helper = _helper, None
+    if helper is not None:
+        pid, out = helper
+        os.close(out)
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+def parse_section(text: str) -> Early | None:
+    """The helper's parse of `text` (`Early`), or None: the
+    text does not cut there for certain, or the section does not parse."""
+    section = None if may_alias(text) else resources_section(text)
+    if section is None:
+        return None
+    at, line_end, end = section
+    # (here, not with the module: the console script loads it for every `run`)
+    from evergraph.frontends import _yaml_rs as yaml_rs
+
+    ends_text = end == len(text) - 1
+    doc = yaml_rs.loads(text[at : end + 1] + ("" if ends_text else f"{AFTER}: 0\n"))
+    if type(doc) is not dict or list(doc) != (["resources"] if ends_text else ["resources", AFTER]):
+        return None
+    if not ends_text and (type(doc[AFTER]) is not int or doc[AFTER] != 0):
+        return None
+    return line_end + 1, end + 1, doc["resources"]
+
+
+def _help(path: str, out: int) -> int:  # pragma: no cover (the helper's)
+    """Read `path`, parse its section, write what `take` reads to `out`: 0 if done."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        return 1  # (a FIFO put there since: never waited on)
+    chunks = []
+    size = 0
+    while chunk := os.read(fd, READ_MAX + 1 - size):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > READ_MAX:
+            return 1
+    data = b"".join(chunks)
+    got = parse_section(data.decode("utf-8"))
+    if got is None:
+        return 1
+    import hashlib
+
+    view = memoryview(marshal.dumps((hashlib.sha256(data).digest(), *got)))
+    while view:
+        view = view[os.write(out, view) :]
+    return 0
