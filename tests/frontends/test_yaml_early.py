@@ -201,10 +201,30 @@ def test_the_cut_is_the_section_and_the_helper_reads_it_as_the_whole_file_does()
     )
     got = early.parse_section(text)
     assert got is not None
-    begin, end, value = got
+    begin, end, value, edges = got
     assert text[:begin] == "graph: g\nresources:  # here\n"
     assert text[end:] == "edges: []\n"
     assert value == {"noop": [{"name": "a", "comment": "x\n"}, {"name": "b"}]}
+    assert edges is None  # (not mgmt's layout: the parent parses them)
+    # mgmt's layout: read by the helper too, before or after the section
+    blocks = "edges:\n- name: e\n  from:\n    kind: noop\n    name: a\n"
+    blocks += "  to:\n    kind: noop\n    name: b\n"
+    section = "resources:\n  noop:\n  - name: a\n  - name: b\n"
+    for both in (
+        f"graph: g\n{section}{blocks}comment: after\n",
+        f"graph: g\n{blocks}{section}comment: after\n",
+        f"graph: g\n{blocks}{section}",
+    ):
+        got = early.parse_section(both)
+        assert got is not None
+        assert got[3] is not None
+        assert got[3][3] == [("e", "noop", "a", "noop", "b", None)]
+        model = _parse(both, got)
+        assert not isinstance(model, str)
+        whole = _parse(both)
+        assert not isinstance(whole, str)
+        assert _view(model) == _view(whole)
+        assert [(e.from_id, e.to_id) for e in model.edges] == [("noop[a]", "noop[b]")]
     # a block scalar at the very end of the file: as the whole file reads it
     for last in ("|", "|+", "|-", ">"):
         end_text = f"graph: g\nresources:\n  noop:\n  - name: a\n    comment: {last}\n"
@@ -238,7 +258,7 @@ def test_a_rest_that_does_not_hold_an_empty_resources_is_parsed_whole() -> None:
     """The parent's side checks what it parsed: a section handed over for another
     text (positions that do not cut out `resources:`'s lines) is not used."""
     text = "graph: g\nresources:\n  noop:\n  - {name: a}\ncomment: x\n"
-    wrong = (0, 0, {"noop": [{"name": "planted"}]})
+    wrong = (0, 0, {"noop": [{"name": "planted"}]}, None)
     model = _parse(text, wrong)
     assert not isinstance(model, str)
     assert list(model.resources) == ["noop[a]"]
@@ -326,7 +346,8 @@ def test_no_helper_for_a_small_file_or_a_fifo(tmp_path: Path) -> None:
 
 
 def test_a_helper_not_needed_is_killed_and_reaped(tmp_path: Path) -> None:
-    """`drop` (a parse cache hit, an error before the parse): nothing is left."""
+    """`drop` (a parse cache hit, an error before the parse): nothing is left, and
+    the work meant for a wait (`meanwhile`) is not done."""
     _big(tmp_path / "big.yaml")
     script = textwrap.dedent(
         """
@@ -334,7 +355,9 @@ def test_a_helper_not_needed_is_killed_and_reaped(tmp_path: Path) -> None:
         from evergraph.frontends import early
         early.start([sys.argv[1]])
         pid = early._helper[0]
+        early.meanwhile(lambda: print("meanwhile ran"))
         early.drop()
+        early.take(b"")  # (nothing to take, nothing to do)
         try:
             os.waitpid(pid, os.WNOHANG)
             print("not reaped")

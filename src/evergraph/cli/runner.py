@@ -339,6 +339,16 @@ def asyncio_without_tls() -> None:
         del sys.modules["ssl"]
 
 
+def _agent_modules(tls_free: bool) -> None:
+    """The modules a run's agent needs, loaded with the GC paused (the console script
+    paused it); asyncio without `ssl` if `tls_free` (`asyncio_without_tls`)."""
+    if tls_free:
+        asyncio_without_tls()
+    importlib.import_module("evergraph.agent.api")
+    importlib.import_module("evergraph.agent.run")  # (api.run's)
+    importlib.import_module("evergraph.cli.progress")
+
+
 def run_command(params: dict[str, Any]) -> NoReturn:
     """Run the agent with `run`'s parameters (`DEFAULTS` keys), then leave the process
     with its exit status; bad input: one line, exit 2."""
@@ -383,6 +393,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
     from evergraph.cli.logs import flush_logs, flusher, setup_logging, terminal_handler
     from evergraph.engine.ahead import JOURNAL, report_made
     from evergraph.engine.settings import check_times, default_state_dir, one_shot
+    from evergraph.frontends import early
     from evergraph.frontends.open import frontend_for, trust_deployers
 
     setup_logging(log_format, verbose)
@@ -407,6 +418,17 @@ def run_command(params: dict[str, Any]) -> NoReturn:
         ends = one_shot(settings)
         if ends:
             frontend.one_shot()
+
+        def agent_modules() -> None:
+            # no TLS in this process: asyncio loads without `ssl`
+            opts = world_opts(world)
+            _agent_modules(
+                ends and not (worker or farm_servers or http_addr or http_socket or opts.is_etcd)
+            )
+
+        # while a helper forked at the start parses the graph's resources, if the parse
+        # has to wait for it: the agent's modules (else once the checks ahead started)
+        early.meanwhile(agent_modules)
         frontend.preload()
         # what a killed run made ahead and never logged: logged now
         journal = (state_dir or default_state_dir()) / JOURNAL
@@ -417,12 +439,10 @@ def run_command(params: dict[str, Any]) -> NoReturn:
         creates = not (settings["noop"] or settings.get("sema", 0) > 0 or worker)
         ahead = frontend.check_ahead(creates, journal) if ends else None
         opts = world_opts(world)
-        if ends and not (worker or farm_servers or http_addr or http_socket or opts.is_etcd):
-            asyncio_without_tls()
+        agent_modules()
         from evergraph.agent.api import run as run_graph
         from evergraph.cli.progress import service as progress_service
 
-        importlib.import_module("evergraph.agent.run")  # (api.run's) with the GC paused too
         collector_on()  # the console script paused it for the imports
         services = (
             [http_service(http_addr, farm_anonymous, http_socket, http_max_body)]

@@ -35,14 +35,19 @@ on, for a `.yaml`/`.yml` file of `EARLY_MIN` bytes or more.
 
 from __future__ import annotations
 
+import contextlib
 import marshal
 import os
 import signal
 import stat
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from evergraph.frontends.yaml_layout import may_alias, resources_section
+
+if TYPE_CHECKING:
+    from evergraph.frontends.yaml_edges import Cut
 
 #: graph files smaller than this are parsed by the run alone (the fork and the
 #: hand-back cost about what the helper saves)
@@ -55,11 +60,14 @@ AFTER = "evergraph-after-resources"
 READ_MAX = 256 << 20
 
 #: what the helper made of a text: where its `resources:` section's lines begin,
-#: where they end (the line after them), the section's value
-Early = tuple[int, int, Any]
+#: where they end (the line after them), the section's value, and its explicit
+#: edges as `yaml_edges.cut_edges` reads them (None: it does not)
+Early = tuple[int, int, Any, "Cut | None"]
 
 #: the helper forked (its pid, its memfd), until taken or dropped
 _helper: tuple[int, int] | None = None
+#: work the parent does if it has to wait for the helper (`meanwhile`)
+_meanwhile: list[Callable[[], object]] = []
 
 
 def start(args: list[str]) -> None:
@@ -78,6 +86,12 @@ def start(args: list[str]) -> None:
         out = os.memfd_create("evergraph-early-parse", os.MFD_CLOEXEC)
     except OSError:
         return
+    # loaded before the fork, not by the helper: the run needs them too (the parser
+    # for the rest of the text, the hash for the cache and `take`)
+    import hashlib  # noqa: F401
+
+    from evergraph.frontends import _yaml_rs, yaml_edges  # noqa: F401
+
     try:
         pid = os.fork()
     except OSError:
@@ -93,6 +107,14 @@ def start(args: list[str]) -> None:
     _helper = (pid, out)
 
 
+def meanwhile(work: Callable[[], object]) -> None:
+    """`work` for `take` to do if the helper is still parsing when it is called (the
+    agent's modules, loaded then rather than later); dropped unrun if it is not, or
+    if the helper is not taken (a parse cache hit)."""
+    if _helper is not None:
+        _meanwhile.append(work)
+
+
 def take(data: bytes) -> Early | None:
     """What the helper made of `data` (`Early`), waiting for it; None: no helper, or it parsed
     other bytes, or it gave up. The helper is reaped either way."""
@@ -101,8 +123,14 @@ def take(data: bytes) -> Early | None:
     if helper is None:
         return None
     pid, out = helper
+    work, _meanwhile[:] = list(_meanwhile), []
     try:
-        _, status = os.waitpid(pid, 0)
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if not done:
+            for step in work:
+                with contextlib.suppress(Exception):  # (it fails again where it is due)
+                    step()
+            _, status = os.waitpid(pid, 0)
         if os.waitstatus_to_exitcode(status) != 0:
             return None
         got = marshal.loads(os.pread(out, os.fstat(out).st_size, 0))
@@ -110,20 +138,21 @@ def take(data: bytes) -> Early | None:
         return None
     finally:
         os.close(out)
-    if type(got) is not tuple or len(got) != 4:
+    if type(got) is not tuple or len(got) != 5:
         return None
-    digest, begin, end, value = got
+    digest, begin, end, value, edges = got
     import hashlib
 
     if digest != hashlib.sha256(data).digest():
         return None
-    return begin, end, value
+    return begin, end, value, edges
 
 
 def drop() -> None:
     """The helper not taken: killed if still there, and reaped."""
     global _helper
     helper, _helper = _helper, None
+    _meanwhile.clear()
     if helper is not None:
         pid, out = helper
         os.close(out)
@@ -141,7 +170,8 @@ def parse_section(text: str) -> Early | None:
     if section is None:
         return None
     at, line_end, end = section
-    # (here, not with the module: the console script loads it for every `run`)
+    # (here, not with the module: the console script loads it for every `run`;
+    # `start` loads it before it forks a helper)
     from evergraph.frontends import _yaml_rs as yaml_rs
 
     ends_text = end == len(text) - 1
@@ -150,7 +180,9 @@ def parse_section(text: str) -> Early | None:
         return None
     if not ends_text and (type(doc[AFTER]) is not int or doc[AFTER] != 0):
         return None
-    return line_end + 1, end + 1, doc["resources"]
+    from evergraph.frontends.yaml_edges import cut_edges
+
+    return line_end + 1, end + 1, doc["resources"], cut_edges(text)
 
 
 def _help(path: str, out: int) -> int:  # pragma: no cover (the helper's)

@@ -189,16 +189,27 @@ def _parse_yaml(
 
 
 def _with_early(text: str, section: Early) -> tuple[Any, Iterable[RawEdge] | None]:
-    """As `_with_fast_edges`, with the `resources:` section parsed (`section`): the
-    rest of the text parsed here, the section's value put in; (None, None) if the
-    rest is not a document whose `resources` holds nothing (the whole text's
-    parse then says what and where)."""
-    begin, end, resources = section
-    rest = text[:begin] + text[end:]
+    """As `_with_fast_edges`, with the `resources:` section parsed, and the edges
+    read, by the helper (`section`): the rest of the text parsed here, the section's
+    value put in; (None, None) if the rest is not a document whose `resources`
+    holds nothing (the whole text's parse then says what and where)."""
+    from evergraph.frontends.yaml_edges import load_split, mark_line
+
+    begin, end, resources, cut = section
     try:
-        doc, fast = _with_fast_edges(rest)
-        if doc is None:
-            doc = _yaml_rs.loads(rest)
+        if cut is None:
+            doc, fast = _with_fast_edges(text[:begin] + text[end:])
+            if doc is None:
+                doc = _yaml_rs.loads(text[:begin] + text[end:])
+        else:  # the edges' section too, cut down to `MARK` (two sections: one first)
+            start, stop, d, edges = cut
+            if stop <= begin:
+                skeleton = text[:start] + mark_line(d) + text[stop:begin] + text[end:]
+            elif end <= start:
+                skeleton = text[:begin] + text[end:start] + mark_line(d) + text[stop:]
+            else:
+                return None, None
+            doc, fast = load_split(skeleton, edges) or (None, None)
     except Exception:  # (RecursionError too: the whole text's parse raises it again)
         return None, None
     if type(doc) is not dict or "resources" not in doc or doc["resources"] is not None:

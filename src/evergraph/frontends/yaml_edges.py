@@ -72,11 +72,30 @@ def _text(v: str) -> str:
     return v[1:-1] if v[0] in "\"'" else v
 
 
+#: where a text's `edges:` blocks are and what they say: (where the section's
+#: value begins, where it ends, its indentation, its edges)
+Cut = tuple[int, int, int, list[RawEdge]]
+
+
+def mark_line(d: int) -> str:
+    """What stands for the cut section in the skeleton: `MARK`, one item at `d`."""
+    return f"{' ' * d}- {MARK}\n"
+
+
 def split_edges(text: str) -> tuple[str, list[RawEdge]] | None:
     """The text with its `edges:` section cut down to one item, `MARK` (the
     skeleton), and the section's edges; None when they are not laid out as this
-    module reads for certain (then parse the whole text). One pass: the blocks
-    must follow each other from the section's start to its end."""
+    module reads for certain (then parse the whole text)."""
+    cut = cut_edges(text)
+    if cut is None:
+        return None
+    start, end, d, edges = cut
+    return f"{text[:start]}{mark_line(d)}{text[end:]}", edges
+
+
+def cut_edges(text: str) -> Cut | None:
+    """Where `split_edges` cuts, and the edges it reads. One pass: the blocks must
+    follow each other from the section's start to its end."""
     # the top-level `edges:` key alone on its line, once
     if text.startswith("edges:\n"):
         start = 7
@@ -108,7 +127,7 @@ def split_edges(text: str) -> tuple[str, list[RawEdge]] | None:
             (n if n is None else _text(n), _text(fk), _text(fn), _text(tk), _text(tn), nt)
             for n, fk, fn, tk, tn, nt in edges
         ]
-    return f"{text[:start]}{' ' * d}- {MARK}\n{text[end:]}", edges
+    return start, end, d, edges
 
 
 def load_fast(text: str) -> tuple[Any, list[RawEdge]] | None:
@@ -117,9 +136,11 @@ def load_fast(text: str) -> tuple[Any, list[RawEdge]] | None:
     the whole text. Any doubt, and any error in the rest, goes to the whole
     text's parse, which says what and where."""
     split = split_edges(text)
-    if split is None:
-        return None
-    skeleton, edges = split
+    return None if split is None else load_split(*split)
+
+
+def load_split(skeleton: str, edges: list[RawEdge]) -> tuple[Any, list[RawEdge]] | None:
+    """`load_fast` of a text `split_edges` split: its skeleton and its edges."""
     try:
         doc = yaml_rs.loads(skeleton)
     except Exception:
