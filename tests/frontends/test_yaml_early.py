@@ -8,6 +8,7 @@ never outlives what needs it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import marshal
@@ -412,3 +413,60 @@ def test_a_large_graph_run_converges_and_errors_name_the_same_place(
         raise AssertionError("the graph should be refused")
     assert r.stderr.strip().endswith(expected), r.stderr
     assert not (tmp_path / "state2" / "made-ahead").exists()
+
+
+# -- what the parse cache holds: the helper leaves it -----------------------------------
+
+
+def test_the_cache_notes_a_large_file_and_the_helper_then_leaves_it(tmp_path: Path) -> None:
+    """A run's parse cache entry of a large file notes the file's hash (`RECENT`):
+    the next run's helper reads and hashes the file, finds it there, and parses
+    nothing (that run takes its model from the cache). With the entry gone and the
+    note left, the run parses the file itself, and converges all the same."""
+    path = tmp_path / "big.yaml"
+    rows = "".join(f'  - {{name: r{i}, comment: "n {i:06}"}}\n' for i in range(15_000))
+    path.write_text(f"graph: big\nresources:\n  noop:\n{rows}")
+    assert path.stat().st_size >= early.EARLY_MIN
+    state = tmp_path / "state"
+    r = _entry("run", path, "--converged-exit", "--state-dir", state, "-v")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "its resources: parsed beside the command's start" in r.stderr
+    cache = state / early.CACHE_SUBDIR
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert (cache / early.RECENT).read_text().split() == [digest]
+    assert early._known(str(cache), digest)
+    for entry in cache.iterdir():
+        if entry.name not in (early.RECENT, ".key"):
+            entry.unlink()
+    r = _entry("run", path, "--converged-exit", f"--state-dir={state}", "-v")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "parsed beside the command's start" not in r.stderr
+    assert "graph big loaded:" in r.stderr
+
+
+def test_the_note_keeps_the_last_files_and_is_never_pruned_nor_waited_on(
+    tmp_path: Path,
+) -> None:
+    from evergraph.frontends import cache as parse_cache
+
+    tmp_path.chmod(0o700)
+    dfd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        digests = [f"{i:064x}" for i in range(parse_cache.MAX_ENTRIES + 5)]
+        for d in digests:
+            parse_cache._remember(dfd, d)
+        parse_cache._remember(dfd, digests[-3])  # (seen again: last)
+        kept = (tmp_path / early.RECENT).read_text().split()
+        assert len(kept) == parse_cache.MAX_ENTRIES
+        assert kept[-1] == digests[-3]
+        assert digests[0] not in kept
+        assert digests[-1] in kept
+        for i in range(parse_cache.MAX_ENTRIES + 2):  # (entries to prune)
+            (tmp_path / f"{i:064x}e").write_bytes(b"x")
+        parse_cache.ParseCache(tmp_path)._prune(dfd, "")
+        assert (tmp_path / early.RECENT).exists()
+    finally:
+        os.close(dfd)
+    (tmp_path / early.RECENT).unlink()
+    os.mkfifo(tmp_path / early.RECENT)
+    assert not early._known(str(tmp_path), digests[-1])  # (a FIFO: not opened for long)

@@ -74,6 +74,7 @@ from evergraph._version import __version__
 from evergraph.engine.autoedge import automatic_edges
 from evergraph.engine.contract import DEFAULT_META, Registry, Resource
 from evergraph.engine.model import AutoEdges, CollectSpec, Edge, GraphModel
+from evergraph.frontends import early
 
 log = logging.getLogger("evergraph.frontend.cache")
 
@@ -86,7 +87,7 @@ MAX_ENTRIES = 32
 #: the largest entry read
 MAX_ENTRY = 128 * 1024 * 1024
 #: the subdirectory of the state (or cache) directory
-SUBDIR = "parse-cache"
+SUBDIR = early.CACHE_SUBDIR
 #: the cache's secret, in its directory: each entry starts with its MAC under it
 KEY_NAME = ".key"
 KEY_SIZE = 32
@@ -200,10 +201,7 @@ def entry_key(data: bytes, filename: str, registry: Registry) -> str:
 
 def default_dir(state_dir: Path | None) -> Path:
     """Under the state directory, else the user's cache directory (XDG)."""
-    if state_dir is not None:
-        return state_dir / SUBDIR
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(base) / "evergraph" / SUBDIR
+    return Path(early.cache_dir(None if state_dir is None else str(state_dir)))
 
 
 def _ours(st: os.stat_result) -> bool:
@@ -224,6 +222,8 @@ class ParseCache:
         self._later: tuple[str, GraphModel, list[str], Registry] | None = None
         #: that entry's encoding, under way (`encode_later` stopped by its `until`)
         self._steps: Generator[None, None, tuple[str, bytes] | None] | None = None
+        #: the bytes the entry `put` keeps was parsed from (`early.RECENT`)
+        self._source: bytes | None = None
 
     def _open_dir(self) -> int | None:
         """The directory, open, if it is ours (else None: not used)."""
@@ -329,13 +329,17 @@ class ParseCache:
         notes: list[str],
         registry: Registry,
         later: bool = False,
+        source: bytes | None = None,
     ) -> None:
         """Keep `model` (as its parse returned it, checked) as entry `key`; quietly
-        nothing if it cannot be encoded exactly or written. Before `within` exists
+        nothing if it cannot be encoded exactly or written. `source`: the bytes
+        parsed, whose hash the entry's write notes for the early parse (a large
+        file's: `early.RECENT`). Before `within` exists
         (a run's first parse, before the agent makes its state dir) the entry is
         encoded now (the model is changed once it runs) and written by `flush`.
         `later`: encoded by `flush` too (which the caller calls before anything
         changes the model: a one-shot run's parse, whose work ahead starts first)."""
+        self._source = source
         if later:
             with gc_paused():
                 model.auto = _auto_of(model)  # (now: the work ahead reads them)
@@ -440,6 +444,9 @@ class ParseCache:
             assert secret is not None
             atomic_write(key, _mac(secret, data) + data, mode=0o600, dir_fd=dfd, durable=False)
             self._prune(dfd, key)
+            source, self._source = self._source, None
+            if source is not None and len(source) >= early.EARLY_MIN:
+                _remember(dfd, hashlib.sha256(source).hexdigest())
         except Exception as e:  # a cache never fails a run
             log.debug("%s/%s: not cached: %s", self.directory, key, e)
         finally:
@@ -454,7 +461,7 @@ class ParseCache:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             except OSError:
                 continue
-            if name == KEY_NAME:
+            if name in (KEY_NAME, early.RECENT):
                 continue
             if is_temp(name):
                 if st.st_mtime < _now() - 60:
@@ -470,6 +477,24 @@ class ParseCache:
             if i + 1 >= MAX_ENTRIES or total > MAX_BYTES:
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=dfd)
+
+
+def _remember(dfd: int, digest: str) -> None:
+    """`digest` last in `early.RECENT` (in the directory `dfd`), which keeps the last
+    MAX_ENTRIES of them: the early parse leaves those files to the cache."""
+    try:
+        fd = os.open(early.RECENT, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+    except FileNotFoundError:
+        known = []
+    else:
+        try:
+            known = os.read(fd, early.RECENT_MAX).decode("ascii", "replace").split()
+        finally:
+            os.close(fd)
+    others = [d for d in known if d != digest]
+    kept = [*others[-(MAX_ENTRIES - 1) :], digest]
+    data = ("\n".join(kept) + "\n").encode()
+    atomic_write(early.RECENT, data, mode=0o600, dir_fd=dfd, durable=False)
 
 
 def _mac(secret: bytes, data: bytes | memoryview) -> bytes:

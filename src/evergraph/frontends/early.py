@@ -58,6 +58,15 @@ SUFFIXES = (".yaml", ".yml")
 AFTER = "evergraph-after-resources"
 #: bytes the helper reads at most (the frontend refuses more: base.MAX_GRAPH_FILE)
 READ_MAX = 256 << 20
+#: the parse cache's directory, under the state (or the user's cache) directory
+CACHE_SUBDIR = "parse-cache"
+#: in it, the SHA-256 of the large files its entries were parsed from (a line
+#: each, hex, the last few: cache.py writes it): the helper parses none of those,
+#: whose run takes its model from the cache (a stale line costs that run the
+#: helper's help, nothing else)
+RECENT = "recent"
+#: bytes of it read at most
+RECENT_MAX = 16 << 10
 
 #: what the helper made of a text: where its `resources:` section's lines begin,
 #: where they end (the line after them), the section's value, and its explicit
@@ -68,6 +77,25 @@ Early = tuple[int, int, Any, "Cut | None"]
 _helper: tuple[int, int] | None = None
 #: work the parent does if it has to wait for the helper (`meanwhile`)
 _meanwhile: list[Callable[[], object]] = []
+
+
+def cache_dir(state_dir: str | None) -> str:
+    """The parse cache's directory for a run with `state_dir` (None: the default)."""
+    if state_dir is not None:
+        return os.path.join(state_dir, CACHE_SUBDIR)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(base, "evergraph", CACHE_SUBDIR)
+
+
+def _state_dir(args: list[str]) -> str | None:
+    """`--state-dir`'s value among `run`'s `args` (the last given), or None."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == "--state-dir" and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith("--state-dir="):
+            found = arg.partition("=")[2]
+    return found
 
 
 def start(args: list[str]) -> None:
@@ -101,7 +129,7 @@ def start(args: list[str]) -> None:
         status = 1
         try:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            status = _help(files[0], out)
+            status = _help(files[0], out, cache_dir(_state_dir(args)))
         finally:
             os._exit(status)
     _helper = (pid, out)
@@ -163,6 +191,23 @@ def drop() -> None:
             pass
 
 
+def _known(cache: str, digest: str) -> bool:
+    """Whether `digest` is in the parse `cache`'s `RECENT` (never waited on: a
+    FIFO there is no file)."""
+    try:
+        fd = os.open(
+            os.path.join(cache, RECENT), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        )
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        return digest in os.read(fd, RECENT_MAX).decode("ascii", "replace").split()
+    finally:
+        os.close(fd)
+
+
 def parse_section(text: str) -> Early | None:
     """The helper's parse of `text` (`Early`), or None: the
     text does not cut there for certain, or the section does not parse."""
@@ -185,8 +230,9 @@ def parse_section(text: str) -> Early | None:
     return line_end + 1, end + 1, doc["resources"], cut_edges(text)
 
 
-def _help(path: str, out: int) -> int:  # pragma: no cover (the helper's)
-    """Read `path`, parse its section, write what `take` reads to `out`: 0 if done."""
+def _help(path: str, out: int, cache: str) -> int:  # pragma: no cover (the helper's)
+    """Read `path`, parse its section, write what `take` reads to `out`: 0 if done;
+    2: not parsed, the parse `cache` holds these bytes' model."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         return 1  # (a FIFO put there since: never waited on)
@@ -198,12 +244,15 @@ def _help(path: str, out: int) -> int:  # pragma: no cover (the helper's)
         if size > READ_MAX:
             return 1
     data = b"".join(chunks)
+    import hashlib
+
+    digest = hashlib.sha256(data)
+    if _known(cache, digest.hexdigest()):
+        return 2
     got = parse_section(data.decode("utf-8"))
     if got is None:
         return 1
-    import hashlib
-
-    view = memoryview(marshal.dumps((hashlib.sha256(data).digest(), *got)))
+    view = memoryview(marshal.dumps((digest.digest(), *got)))
     while view:
         view = view[os.write(out, view) :]
     return 0

@@ -752,7 +752,7 @@ class YamlFrontend(Frontend):
         if follow:
             self._text, self._valid = text, model.validated()
         if cache is not None:
-            cache.put(key, model, notes, self.registry, later=self._preloading)
+            cache.put(key, model, notes, self.registry, later=self._preloading, source=data)
         return model
 
     def graph_file(self) -> Path:
