@@ -20,7 +20,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from evergraph.engine.contract import Registry
@@ -33,6 +32,7 @@ from evergraph.frontends.open import builtin_registry, open_frontend
 from evergraph.frontends.yaml import YamlFrontend, parse_yaml
 from evergraph.resources.noop import Noop
 from tests.conftest import run_cli
+from tests.kit.models import model_groups, model_view
 
 REG = builtin_registry()
 MGMT_YAML = Path("/work/shared/mgmt-yaml")
@@ -101,25 +101,16 @@ def loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Loads:
 
 
 def _view(model: GraphModel) -> tuple[object, ...]:
-    """All a graph is: name, resources (order, class, parameters and meta), edges
-    with every field, collect specs, origins, and the claims `validated()` keeps."""
+    """All a graph is (`model_view`), and the claims `validated()` keeps."""
     valid = model.validated()
     return (
-        model.name,
-        [(i, type(r), msgspec.to_builtins(r)) for i, r in model.resources.items()],
-        [tuple(e) for e in model.edges],
-        model.collect,
-        model.origins,
+        *model_view(model),
         sorted(valid),
         {i: (list(w), list(p)) for i, (w, p) in valid.claims.items()},
     )
 
 
-def _groups(model: GraphModel) -> tuple[object, ...]:
-    """The graph after automatic edges and grouping: vertices with their members."""
-    prepare(model)
-    members = {i: [m.ident for m in r.group_members] for i, r in model.resources.items()}
-    return members, [tuple(e) for e in model.edges]
+_groups = model_groups
 
 
 def _outcome(

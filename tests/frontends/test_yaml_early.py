@@ -19,15 +19,14 @@ import sys
 import textwrap
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from evergraph.engine.model import GraphModel
-from evergraph.engine.prepare import prepare
 from evergraph.errors import InputError
 from evergraph.frontends import early
 from evergraph.frontends.open import builtin_registry
 from evergraph.frontends.yaml import parse_yaml
+from tests.kit.models import model_groups, model_view
 
 #: the console script's main (`run_cli` runs the click application, which forks no helper)
 ENTRY = [sys.executable, "-m", "evergraph.cli.entry"]
@@ -45,22 +44,6 @@ def _parse(text: str, section: early.Early | None = None) -> GraphModel | str:
         return f"{e.where}: {e.message}"
 
 
-def _view(model: GraphModel) -> tuple[object, ...]:
-    return (
-        model.name,
-        [(i, type(r), msgspec.to_builtins(r)) for i, r in model.resources.items()],
-        list(model.edges),
-        model.collect,
-        model.origins,
-    )
-
-
-def _groups(model: GraphModel) -> tuple[object, ...]:
-    prepare(model)
-    members = {i: [m.ident for m in r.group_members] for i, r in model.resources.items()}
-    return members, list(model.edges)
-
-
 def _same(text: str, caplog: pytest.LogCaptureFixture) -> bool:
     """The early path gives what a whole parse gives; whether it was taken."""
     section = _handed_over(text)
@@ -74,8 +57,8 @@ def _same(text: str, caplog: pytest.LogCaptureFixture) -> bool:
     if isinstance(got, str) or isinstance(whole, str):
         assert got == whole
     else:
-        assert _view(got) == _view(whole)
-        assert _groups(got) == _groups(whole)
+        assert model_view(got) == model_view(whole)
+        assert model_groups(got) == model_groups(whole)
     return section is not None
 
 
@@ -224,7 +207,7 @@ def test_the_cut_is_the_section_and_the_helper_reads_it_as_the_whole_file_does()
         assert not isinstance(model, str)
         whole = _parse(both)
         assert not isinstance(whole, str)
-        assert _view(model) == _view(whole)
+        assert model_view(model) == model_view(whole)
         assert [(e.from_id, e.to_id) for e in model.edges] == [("noop[a]", "noop[b]")]
     # a block scalar at the very end of the file: as the whole file reads it
     for last in ("|", "|+", "|-", ">"):
@@ -235,7 +218,7 @@ def test_the_cut_is_the_section_and_the_helper_reads_it_as_the_whole_file_does()
         whole = _parse(end_text)
         assert not isinstance(model, str)
         assert not isinstance(whole, str)
-        assert _view(model) == _view(whole)
+        assert model_view(model) == model_view(whole)
 
 
 @pytest.mark.parametrize(
@@ -300,10 +283,14 @@ def _big(path: Path, tag: str = "a", n: int = 15_000) -> str:
     return text
 
 
-def _take(*args: Path) -> dict[str, object]:
-    r = subprocess.run(
-        [sys.executable, "-c", TAKER, *map(str, args)], capture_output=True, text=True, timeout=60
+def _python(script: str, *args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=60
     )
+
+
+def _take(*args: Path) -> dict[str, object]:
+    r = _python(TAKER, *args)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)  # type: ignore[no-any-return]
 
@@ -337,12 +324,7 @@ def test_no_helper_for_a_small_file_or_a_fifo(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "fifo.yaml")
     script = "from evergraph.frontends import early; import sys; early.start(sys.argv[1:]);"
     script += "print(early._helper is None)"
-    r = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "fifo.yaml")],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    r = _python(script, tmp_path / "fifo.yaml")
     assert r.stdout.strip() == "True", r.stderr
 
 
@@ -366,12 +348,7 @@ def test_a_helper_not_needed_is_killed_and_reaped(tmp_path: Path) -> None:
             print("reaped")
         """
     )
-    r = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "big.yaml")],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    r = _python(script, tmp_path / "big.yaml")
     assert r.stdout.strip() == "reaped", r.stderr
 
 

@@ -14,16 +14,15 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from evergraph.engine.model import GraphModel
-from evergraph.engine.prepare import prepare
 from evergraph.errors import InputError
 from evergraph.frontends import yaml as yaml_frontend
 from evergraph.frontends.open import builtin_registry
 from evergraph.frontends.yaml import Entries, parse_yaml
 from evergraph.frontends.yaml_edges import MARK, split_edges
+from tests.kit.models import model_groups, model_view
 
 REG = builtin_registry()
 F = "/g/graph.yaml"
@@ -49,25 +48,6 @@ def _fast_taken(text: str) -> bool:
     return yaml_frontend._with_fast_edges(text)[1] is not None
 
 
-def _view(model: GraphModel) -> tuple[object, ...]:
-    """All a graph is: name, resources (order, type, parameters and meta), edges
-    with every field, collect specs, origins."""
-    return (
-        model.name,
-        [(i, type(r), msgspec.to_builtins(r)) for i, r in model.resources.items()],
-        list(model.edges),
-        model.collect,
-        model.origins,
-    )
-
-
-def _groups(model: GraphModel) -> tuple[object, ...]:
-    """The graph after automatic edges and grouping: vertices with their members."""
-    prepare(model)
-    members = {i: [m.ident for m in r.group_members] for i, r in model.resources.items()}
-    return members, list(model.edges)
-
-
 def _same(text: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     caplog.clear()
     fast = _parse(text)
@@ -79,8 +59,8 @@ def _same(text: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureF
     if isinstance(fast, str) or isinstance(general, str):
         assert fast == general
         return
-    assert _view(fast) == _view(general)
-    assert _groups(fast) == _groups(general)
+    assert model_view(fast) == model_view(general)
+    assert model_groups(fast) == model_groups(general)
 
 
 # -- mgmt's corpus ----------------------------------------------------------------------
@@ -298,6 +278,6 @@ def test_a_live_edit_reads_the_edges_the_same_way(
     edited = parse_yaml(new, F, REG, entries=entries)
     whole = _general(new, monkeypatch)
     assert not isinstance(whole, str)
-    assert _view(edited) == _view(whole)
+    assert model_view(edited) == model_view(whole)
     assert len(edited.edges) == 39
     assert sum(e.notify for e in edited.edges) == 26
