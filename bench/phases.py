@@ -13,15 +13,17 @@ Counted, on the W1 graph with explicit edges (10,000 files in 100 directories,
 bench/files.py), in a tmpfs under /dev/shm:
 
 - the evergraph parent's serial chain of a first apply (fresh state dir: the
-  parse cache is cold) up to three points, where bench/_phase_exit.py ends the
-  process: the parse's start (Python, imports), the fork of the children ahead
-  (+ the parse), the go (+ the fork, the agent's modules and its start). Before
-  the go a first apply is the parent's alone: one core works, the other mostly
-  waits (see BENCHMARKS.md).
+  parse cache is cold) up to four points, where bench/_phase_exit.py ends the
+  process: the fork of the early parse helper (frontends/early.py: it parses a
+  large file's `resources:` beside the parent's imports; a tree without it has
+  no such row), the parse's start (Python, imports), the fork of the children
+  ahead (+ the parse), the go (+ the fork, the agent's modules and its start).
+  Before the go a first apply is the parent's alone but for the helper.
 - the same chain of a no-change run (the state dir of a first apply: a parse
   cache hit, every file in its state).
-- whole runs, every process: evergraph's first apply and no change (the parent
-  and each child ahead), and the floor's (bench/floor_files.py) on the same files.
+- whole runs, every process: evergraph's first apply and no change (the parent,
+  the early helper and each child ahead), and the floor's (bench/floor_files.py)
+  on the same files.
 
 `--against SRC` counts the same with `PYTHONPATH=SRC` too (e.g. an unpacked `git
 archive` of an earlier commit), for a before/after of a change; each count is
@@ -44,7 +46,7 @@ from bench.files import FLOOR, layout, write_inputs
 
 N = 10_000
 #: where bench/_phase_exit.py ends the parent (None: the whole run)
-POINTS = ("parse", "fork", "go")
+POINTS = ("early", "parse", "fork", "go")
 EXIT = REPO / "bench" / "_phase_exit.py"
 _REFS = re.compile(r"^==(\d+)== I\s+refs:\s+([\d,]+)", re.M)
 
@@ -61,19 +63,36 @@ def counted(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, lis
         raise RuntimeError(f"exit status {p.returncode}: {' '.join(cmd)}\n{text[-2000:]}")
     # (valgrind runs the command in its own process: the pid is the command's)
     got = {int(pid): int(n.replace(",", "")) for pid, n in _REFS.findall(text)}
-    return got.pop(p.pid), list(got.values())
+    parent = got.pop(p.pid)
+    return parent, [got[pid] for pid in sorted(got)]  # (in the order of their forks)
 
 
 def _count(
-    src: str | None, label: str, cmd: list[str], env: dict[str, str], forked_at: int | None
+    src: str | None,
+    label: str,
+    cmd: list[str],
+    env: dict[str, str],
+    forked_at: int | None,
+    helper_at: int | None = None,
 ) -> dict[str, Any]:
     """A row: the parent's count, and that of its children's own work (`forked_at`:
-    the parent's count at their fork, which each child's count includes; None at a
-    point, where the children are killed with their parent, uncounted)."""
+    the parent's count at the fork of the children ahead, which each one's count
+    includes; None at a point, where they are killed with their parent, uncounted);
+    `helper_at`: the parent's at the early helper's fork, the first child (None:
+    no helper)."""
     env = {**env, "PYTHONPATH": src or str(REPO / "src")}  # (this checkout's by default)
     parent, children = counted(cmd, env)
+    helper = None
+    if helper_at is not None and children:
+        helper = children.pop(0) - helper_at
     own = None if forked_at is None else sum(c - forked_at for c in children)
-    return {"case": label, "src": src or "tree", "parent": parent, "children": own}
+    return {
+        "case": label,
+        "src": src or "tree",
+        "parent": parent,
+        "children": own,
+        "helper": helper,
+    }
 
 
 def run(quick: bool, against: str | None = None) -> tuple[list[dict[str, Any]], str]:
@@ -92,9 +111,13 @@ def run(quick: bool, against: str | None = None) -> tuple[list[dict[str, Any]], 
             state = sub / "state"
             run_cmd = ["run", str(yaml_path), "--converged-exit", "--state-dir", str(state)]
             cmd = [PYTHON, str(EXIT), *run_cmd]  # (the same program at each point)
+            has_helper = (Path(src or REPO / "src") / "evergraph/frontends/early.py").exists()
             for phase in ("first apply", "no change"):
                 forked_at = 0
+                helper_at = None
                 for point in POINTS:
+                    if point == "early" and not has_helper:
+                        continue
                     if phase == "first apply":
                         shutil.rmtree(state, ignore_errors=True)  # (a cold parse cache)
                     env = {"EVERGRAPH_BENCH_EXIT_AT": point}
@@ -102,10 +125,13 @@ def run(quick: bool, against: str | None = None) -> tuple[list[dict[str, Any]], 
                     results.append(_count(src, label, cmd, env, None))
                     if point == "fork":
                         forked_at = results[-1]["parent"]
+                    if point == "early":
+                        helper_at = results[-1]["parent"]
                 if phase == "first apply":
                     shutil.rmtree(state, ignore_errors=True)
                     shutil.rmtree(work / f"target-{k}", ignore_errors=True)
-                results.append(_count(src, f"{phase}: whole run", cmd, {}, forked_at))
+                label = f"{phase}: whole run"
+                results.append(_count(src, label, cmd, {}, forked_at, helper_at))
             if k == 0:
                 floor_cmd = [PYTHON, str(FLOOR), str(spec)]
                 shutil.rmtree(work / f"target-{k}", ignore_errors=True)
@@ -113,11 +139,12 @@ def run(quick: bool, against: str | None = None) -> tuple[list[dict[str, Any]], 
                 results.append(_count(None, "floor, no change: whole run", floor_cmd, {}, 0))
     rows = []
     for r in results:
-        own = r["children"]
-        total = r["parent"] + (own or 0)
+        own, helper = r["children"], r.get("helper")
+        total = r["parent"] + (own or 0) + (helper or 0)
         row = [
             r["case"],
             f"{r['parent'] / 1e6:,.0f}",
+            "-" if helper is None else f"{helper / 1e6:,.0f}",
             "-" if own is None else f"{own / 1e6:,.0f}",
             f"{total / 1e6:,.0f}",
         ]
@@ -127,10 +154,14 @@ def run(quick: bool, against: str | None = None) -> tuple[list[dict[str, Any]], 
             before = next(
                 (x for x in results if x["case"] == r["case"] and x["src"] == against), None
             )
-            was = None if before is None else before["parent"] + (before["children"] or 0)
+            was = (
+                None
+                if before is None
+                else before["parent"] + (before["children"] or 0) + (before.get("helper") or 0)
+            )
             row.append("-" if was is None else f"{total / was - 1:+.2%}")
         rows.append(row)
-    header = ["W1 explicit, tmpfs", "parent", "children ahead", "in all"]
+    header = ["W1 explicit, tmpfs", "parent", "early helper", "children ahead", "in all"]
     if against is not None:
         header.append(f"vs {against}")
     title = f"Instructions, millions (cachegrind, user space), W1 {n:,} files, explicit edges"
