@@ -4,9 +4,10 @@ starts (issue 28).
 A one-shot run of W1's 10k files spends its first ~100 ms importing its modules
 on one core, then ~60-100 ms in the YAML parser, on the same core, while the
 other waits. Here `start` (the console script, before its imports) forks a
-helper that reads the graph file, parses its `resources:` section alone, and
-leaves the bytes' SHA-256, where the section's lines are and the section's
-value (`marshal`) in a memfd, then exits. The YAML frontend takes it
+helper that reads the graph file, parses its `resources:` section alone (and
+reads its explicit edges in mgmt's layout, `yaml_edges.cut_edges`), and leaves
+the bytes' SHA-256, where the section's lines are, the section's value and the
+edges (`marshal`) in a memfd, then exits. The YAML frontend takes it
 (`take`) only for the very bytes it read itself (the same SHA-256), and then
 parses the rest of the text (the graph's name, its edges, `collect:`) with the
 section's lines cut out, and puts the helper's value under `resources`:
@@ -26,9 +27,10 @@ the whole text is parsed as before: errors and warnings are a whole parse's,
 and name `file:line:col` in the whole file.
 
 The helper has no effect: it reads the file and writes its memfd, logs
-nothing, and ignores Ctrl-C (its parent's to handle). A parent that does not
-take it (a parse cache hit, another frontend, an error) kills and reaps it
-(`drop`); one that exits first leaves it to finish on its own, in ~0.1 s.
+nothing, and ignores Ctrl-C (its parent's to handle). A frontend that does not
+take it (a parse cache hit, an error) kills and reaps it (`drop`); a run that
+exits first leaves it to finish on its own, in ~0.1 s. It parses nothing for a
+file the parse cache holds (`RECENT`): that run takes its model from the cache.
 It is forked only from a process with one thread and two cores or more to run
 on, for a `.yaml`/`.yml` file of `EARLY_MIN` bytes or more.
 """
