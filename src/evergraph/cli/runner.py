@@ -419,16 +419,15 @@ def run_command(params: dict[str, Any]) -> NoReturn:
         if ends:
             frontend.one_shot()
 
-        def agent_modules() -> None:
+        def agent_modules(opts: WorldOptions) -> None:
             # no TLS in this process: asyncio loads without `ssl`
-            opts = world_opts(world)
             _agent_modules(
                 ends and not (worker or farm_servers or http_addr or http_socket or opts.is_etcd)
             )
 
         # while a helper forked at the start parses the graph's resources, if the parse
         # has to wait for it: the agent's modules (else once the checks ahead started)
-        early.meanwhile(agent_modules)
+        early.meanwhile(lambda: agent_modules(world_opts(world)))
         frontend.preload()
         # what a killed run made ahead and never logged: logged now
         journal = (state_dir or default_state_dir()) / JOURNAL
@@ -439,7 +438,7 @@ def run_command(params: dict[str, Any]) -> NoReturn:
         creates = not (settings["noop"] or settings.get("sema", 0) > 0 or worker)
         ahead = frontend.check_ahead(creates, journal) if ends else None
         opts = world_opts(world)
-        agent_modules()
+        agent_modules(opts)
         from evergraph.agent.api import run as run_graph
         from evergraph.cli.progress import service as progress_service
 

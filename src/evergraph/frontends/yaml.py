@@ -200,9 +200,10 @@ def _with_early(text: str, section: Early) -> tuple[Any, Iterable[RawEdge] | Non
     begin, end, resources, cut = section
     try:
         if cut is None:
-            doc, fast = _with_fast_edges(text[:begin] + text[end:])
+            rest = text[:begin] + text[end:]
+            doc, fast = _with_fast_edges(rest)
             if doc is None:
-                doc = _yaml_rs.loads(text[:begin] + text[end:])
+                doc = _yaml_rs.loads(rest)
         else:  # the edges' section too, cut down to `MARK` (two sections: one first)
             start, stop, d, edges = cut
             if stop <= begin:
@@ -669,7 +670,9 @@ def _connect_read(
         fields = zip(
             froms,
             tos,
-            repeat(False) if notifies.count(None) == len(notifies) else _notifies(notifies),
+            repeat(False)
+            if notifies.count(None) == len(notifies)
+            else [n == "true" for n in notifies],
             repeat(None),
             repeat(None),
             names if None not in names else [n or "" for n in names],
@@ -695,10 +698,6 @@ def _idents(kinds: dict[str, str], of: tuple[str, ...], names: tuple[str, ...]) 
         kind = kinds[of[0]]
         return f"{kind}[{f']{NUL}{kind}['.join(names)}]".split(NUL)
     return [f"{kinds[k]}[{n}]" for k, n in zip(of, names, strict=True)]
-
-
-def _notifies(notifies: tuple[str | None, ...]) -> list[bool]:
-    return [n == "true" for n in notifies]
 
 
 #: what `_idents` joins with (no name `split_edges` reads holds it)
