@@ -329,6 +329,12 @@ class Membership:
             left = next_tick - clock.monotonic()
             if left > 0 and not self._wake.is_set():
                 await first_of(self._wake.wait(), clock.sleep(left))
+            else:
+                # a turn of the loop for its other tasks first: a pass on a locked
+                # sqlite World waits busy_timeout (5 s) in the loop and fails, after
+                # which the next tick is due at once; passes back to back would hold
+                # the loop for as long as the lock lasts (no line flushed, no repair)
+                await clock.sleep(0)
             woken = self._wake.is_set()
             self._wake.clear()
             tick = clock.monotonic() >= next_tick
