@@ -144,7 +144,7 @@ def test_keepalives_failing_slowly_give_the_loop_a_turn_between_two() -> None:
         task = asyncio.create_task(m.run())
         try:
             deadline = time.monotonic() + 30
-            while kv.failing or len(kv.turns_seen) < 4:
+            while len(kv.turns_seen) < 4:
                 assert time.monotonic() < deadline, "the keep-alives never failed"
                 await asyncio.sleep(0.05)
         finally:
