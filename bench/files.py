@@ -14,9 +14,10 @@ process timed from outside (Python start-up and YAML load included): first
 apply (target directory absent), no-change re-run, and 1 % drift (1 % of the
 files rewritten with other content first, untimed). The floor is
 `bench/floor_files.py` run the same way on the same files (a JSON spec); it
-writes without fsync, while evergraph's writes are durable, so the floor is
-also run with `--durable` (the same fsyncs as evergraph's, one write after
-another) and both ratios are given.
+writes without fsync, as evergraph writes a file where there was none (its
+writes that replace a file are durable: atomic.py's fsync policy), and it is
+also run with `--durable` (every write synced, the way evergraph syncs a
+replacing write) and both ratios are given.
 Each timed run follows an `os.sync()`, so no earlier run's writeback is in it.
 
 Targets are deleted only when the whole run is over. The root file system
@@ -71,7 +72,7 @@ from bench.common import (
 PHASES = ("first apply", "no change", "1% drift")
 #: the graph's edges: automatic (dir -> file) or one explicit edge per file (issue 28)
 STYLES = ("auto", "explicit")
-#: evergraph per edge style, the floor, the floor writing durably (fsyncs as evergraph's)
+#: evergraph per edge style, the floor, the floor writing durably (each write synced)
 IMPLS = ("evergraph-auto", "evergraph-explicit", "floor", "floor-durable")
 #: issue 15: first apply and no change of 10k files each <= 2x the plain floor
 TARGET_RATIO = 2.0
@@ -311,7 +312,7 @@ def run(
     title = (
         f"W1 files: whole processes, wall time, {_runs(reps)}; ext4 = {ext4_base},"
         " tmpfs = /dev/shm; edges: automatic (dir -> file) or one explicit edge per file"
-        " (mgmt's layout); floor fsync = the floor with evergraph's fsyncs (--durable)"
+        " (mgmt's layout); floor fsync = the floor syncing every write (--durable)"
     )
     return results, table(title, header, rows) + "\n\n" + last
 

@@ -7,7 +7,8 @@ otherwise make the parent directory if missing; then write atomically (temp
 file, write, fchmod, close, rename over) — or chmod when only the mode is
 wrong. Imports only the standard library, no asyncio, no logging.
 
-`--durable` does the same job as evergraph's writes (_util/atomic.py), the
+`--durable` syncs every write as evergraph syncs one that replaces a file
+(_util/atomic.py; one that makes a file where none was is not synced), the
 cheapest plain way: each file's data is on disk before its rename and the rename
 on disk before the end (a directory made on the way is fsynced into its parent).
 With 8 or more files to write (atomic.SYNCFS_MIN), every temp file is written

@@ -330,7 +330,7 @@ class Mark(Resource, kw_only=True, dict=True, forbid_unknown_fields=True):
         _wait_for_path(self.make_gate)
         self._note("ahead")
         if self.write:
-            return prepare(self.path, b"", mode=0o644, dirs=dirs)
+            return prepare(self.path, b"", mode=0o644, dirs=dirs, fresh=True)
         Path(self.path).touch(exist_ok=False)
         return True
 
@@ -543,13 +543,14 @@ def _marks_to_make(tmp_path: Path, name: str) -> tuple[GraphModel, Path]:
     return model, root
 
 
-def test_a_making_is_told_only_once_a_syncfs_begun_after_its_rename_ended(
+def test_a_making_is_said_then_told_after_its_rename_and_nothing_is_synced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A batch's renames are put on disk by the next batch's syncfs (or the last
-    one's own): each made file is said in the journal, then told, only after a
-    syncfs that began after its rename has ended (the children record when they
-    rename, sync and say: the patched functions are theirs once forked)."""
+    """The children make new files only: each is renamed into place with no sync
+    (atomic's fsync policy for `fresh` writes: no syncfs, no fsync), then said in
+    the journal, then told, in batches that double from BATCH_FIRST (the children
+    record when they rename, sync and say: the patched functions are theirs once
+    forked)."""
     from evergraph._util import atomic
 
     model, _ = _marks_to_make(tmp_path, "durable")
@@ -562,23 +563,29 @@ def test_a_making_is_told_only_once_a_syncfs_begun_after_its_rename_ended(
         finally:
             os.close(fd)
 
-    real_syncfs, real_rename, real_journal = atomic.syncfs, os.rename, ahead_module._journal
+    real_syncfs, real_fsync = atomic.syncfs, os.fsync
+    real_rename, real_journal = os.rename, ahead_module._journal
 
     def syncfs(fd: int) -> None:
-        begun = time.monotonic_ns()
+        note("sync fs")
         real_syncfs(fd)
-        note(f"syncfs {begun}")
+
+    def fsync(fd: int) -> None:
+        note("sync file")
+        real_fsync(fd)
 
     def rename(src: Any, dst: Any, **kw: Any) -> None:
         real_rename(src, dst, **kw)
         note(f"rename {dst}")
 
     def journal(fd: int, resources: list[Resource], made: list[int]) -> None:
+        note(f"batch {len(made)}")
         for i in made:
             note(f"said {resources[i].name}")
         real_journal(fd, resources, made)
 
     monkeypatch.setattr(atomic, "syncfs", syncfs)
+    monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(ahead_module, "_journal", journal)
     ahead = Ahead.start(model, at_least=1, journal=tmp_path / "made-ahead")
@@ -592,29 +599,30 @@ def test_a_making_is_told_only_once_a_syncfs_begun_after_its_rename_ended(
     assert len(made) == 3000
     renamed: dict[str, tuple[str, int]] = {}
     said: dict[str, tuple[str, int]] = {}
-    syncs: dict[str, list[tuple[int, int]]] = {}  # per child: (begun, ended)
+    batches: dict[str, list[int]] = {}
     for line in events.read_text().splitlines():
         pid, at, what, arg = line.split()
+        assert what not in ("sync", "syncfs"), line  # (nothing synced: new files)
         if what == "rename":
             renamed["r" + arg[1:]] = (pid, int(at))  # (m<i>: mark r<i>)
         elif what == "said":
             assert arg not in said
             said[arg] = (pid, int(at))
         else:
-            syncs.setdefault(pid, []).append((int(arg), int(at)))
+            assert what == "batch"
+            batches.setdefault(pid, []).append(int(arg))
     assert said.keys() == renamed.keys() == {f"r{i}" for i in range(3000)}
-    assert len(syncs) == 2  # (both children synced)
     for name, (pid, at) in said.items():
         by, when = renamed[name]
-        assert by == pid
-        assert any(when < begun and ended < at for begun, ended in syncs[pid]), name
-    # one syncfs a batch, and one at the end, not two a batch
-    batches, left, limit = 0, 1500, ahead_module.BATCH_FIRST
+        assert by == pid, name
+        assert when < at, name
+    # each child's batches double from BATCH_FIRST (1500 marks a child)
+    want, left, limit = [], 1500, ahead_module.BATCH_FIRST
     while left:
-        batches += 1
-        left -= min(limit, left)
+        want.append(min(limit, left))
+        left -= want[-1]
         limit = min(limit * 2, ahead_module.BATCH_MAX)
-    assert [len(s) for s in syncs.values()] == [batches + 1] * 2
+    assert list(batches.values()) == [want, want]
 
 
 def test_stop_tells_what_was_made_and_leaves_no_half_write(tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
-"""The file kind's durable writes off the event loop: writes that come in a stream
-are prepared in the loop and committed by one thread in batches (the loop checks
-and writes other files meanwhile), each still atomic and durable (its data on
-disk before its rename, by an fsync or a syncfs; the rename on disk before the
-write returns), our own renames still recognised by the watch, and a write under
-way when its check is cancelled is finished before the cancellation ends the run."""
+"""The file kind's durable writes off the event loop: writes that replace files and
+come in a stream are prepared in the loop and committed by one thread in batches
+(the loop checks and writes other files meanwhile), each still atomic and durable
+(its data on disk before its rename, by an fsync or a syncfs; the rename on disk
+before the write returns), our own renames still recognised by the watch, and a
+write under way when its check is cancelled is finished before the cancellation
+ends the run. A file made where nothing was is written inline and not synced
+(atomic's fsync policy)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,14 @@ def model_of(d: Path, n: int) -> GraphModel:
         model.add(build(default_registry, "file", data))
     model.check()
     return model
+
+
+def outdated(d: Path, n: int) -> None:
+    """`d` with files f0..f<n-1> of other content: each write replaces a file, so it
+    is synced (a file made where nothing was is not: atomic's fsync policy)."""
+    d.mkdir()
+    for i in range(n):
+        (d / f"f{i}").write_text("old\n")
 
 
 def settings(tmp_path: Path, converged_timeout: float) -> Settings:
@@ -110,9 +120,9 @@ def test_a_stream_of_writes_is_committed_in_batches_each_durable_and_recognised_
     # so the interleaving below needs them spread over turns
     monkeypatch.setattr(scheduling, "DRAIN_BATCH", 1)
     d = tmp_path / "d"
-    d.mkdir()  # exists: its watch is set before the writes
-    spy = Spy(monkeypatch)
     n = 12
+    outdated(d, n)  # d exists: its watch is set before the writes
+    spy = Spy(monkeypatch)
     # The interleaving is forced, not hoped for: the loop makes its second temp file
     # only once the committer has taken the first write (a batch of one), and the
     # committer holds that batch until the loop has handed it every other write. So
@@ -363,7 +373,7 @@ def test_a_lone_write_is_done_inline(tmp_path: Path, monkeypatch: pytest.MonkeyP
     # (each engine built without an agent has its own services: no write before it)
     monkeypatch.setattr(_commit, "SLOW_S", 0.0)  # even when writes are slow
     d = tmp_path / "d"
-    d.mkdir()
+    outdated(d, 1)
     spy = Spy(monkeypatch)
     rc = asyncio.run(asyncio.wait_for(Engine(settings(tmp_path, 0)).run(model_of(d, 1)), 30))
     assert rc == 0
@@ -469,7 +479,7 @@ def test_a_stream_of_fast_writes_stays_in_the_loop(
     monkeypatch.setattr(_commit, "SLOW_S", 1.0)
     monkeypatch.setattr(_commit, "STREAM_S", 1e9)
     d = tmp_path / "d"
-    d.mkdir()
+    outdated(d, 20)
     spy = Spy(monkeypatch)
     rc = asyncio.run(asyncio.wait_for(Engine(settings(tmp_path, 0)).run(model_of(d, 20)), 30))
     assert rc == 0
@@ -479,16 +489,19 @@ def test_a_stream_of_fast_writes_stays_in_the_loop(
     assert not [op for op in mine if op[2]]  # nothing in a writer thread
 
 
+@pytest.mark.parametrize("fresh", [False, True])  # (synced or not, the same report)
 @pytest.mark.parametrize("size", [2, 9])  # fsyncs each / syncfs (SYNCFS_MIN is 8)
 def test_commit_reports_each_write_own_error_and_leaves_no_temp_file(
-    tmp_path: Path, size: int
+    tmp_path: Path, size: int, fresh: bool
 ) -> None:
     d = tmp_path / "d"
     d.mkdir()
     (d / "f1").mkdir()  # a directory in the way of one write: its rename fails
     (d / "f1" / "x").write_text("keep\n")
     fds_before = len(os.listdir("/proc/self/fd"))
-    batch = [atomic.prepare(f"{d}/f{i}", f"{i}\n".encode(), mode=0o640) for i in range(size)]
+    batch = [
+        atomic.prepare(f"{d}/f{i}", f"{i}\n".encode(), mode=0o640, fresh=fresh) for i in range(size)
+    ]
     assert all((d / p.tmp).exists() for p in batch)  # written, not yet placed
     assert not (d / "f0").exists()
     errors = atomic.commit(batch)
@@ -522,3 +535,70 @@ def test_commit_whose_syncfs_fails_places_nothing(
     assert (d / "f0").read_text() == "old\n"
     assert sorted(p.name for p in d.iterdir()) == ["f0"]  # no temp file, nothing placed
     assert len(os.listdir("/proc/self/fd")) == fds_before  # every directory closed
+
+
+def test_a_file_made_where_nothing_was_is_written_inline_and_not_synced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """atomic's fsync policy, in the file kind: of a stream of slow writes, those that
+    replace a file go to the committer and are synced; those that make a file where
+    nothing was are renamed in the loop with no fsync (a power cut can lose only
+    them, and the next run makes them again)."""
+    every_write_in_a_stream(monkeypatch)
+    d = tmp_path / "d"
+    outdated(d, 6)  # f0..f5 replaced, f6..f11 new
+    spy = Spy(monkeypatch)
+    rc = asyncio.run(asyncio.wait_for(Engine(settings(tmp_path, 0)).run(model_of(d, 12)), 30))
+    assert rc == 0
+    for i in range(12):
+        assert (d / f"f{i}").read_text() == f"{i}\n"
+        assert (d / f"f{i}").stat().st_mode & 0o7777 == 0o640
+        mine = [(what, t) for what, name, t in spy.ops if f".f{i}." in name]
+        if i < 6:  # with the committer: data on disk before the rename
+            assert mine == [("fsync file", True), ("rename", True)], i
+        else:
+            assert mine == [("rename", False)], i
+    assert not [p for p in d.iterdir() if TEMP_RE.match(p.name)]
+
+
+@pytest.mark.parametrize("replaced", [3, 9])  # to sync: fsyncs each / syncfs
+def test_commit_syncs_only_the_writes_that_replace_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, replaced: int
+) -> None:
+    """In a batch of writes, those prepared `fresh` (nothing at their name) are
+    renamed with no sync and count for nothing in choosing fsyncs or syncfs; a batch
+    of fresh writes alone syncs nothing."""
+    d = tmp_path / "d"
+    d.mkdir()
+    ops: list[str] = []
+    real_fsync, real_syncfs = os.fsync, atomic.syncfs
+
+    def fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        ops.append("fsync dir" if os.path.isdir(path) else f"fsync {os.path.basename(path)}")
+        real_fsync(fd)
+
+    def syncfs(fd: int) -> None:
+        ops.append("syncfs")
+        real_syncfs(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(atomic, "syncfs", syncfs)
+    fresh = [atomic.prepare(f"{d}/n{i}", b"new\n", mode=0o644, fresh=True) for i in range(20)]
+    assert atomic.commit(fresh) == [None] * 20
+    assert ops == []
+    for i in range(replaced):
+        (d / f"r{i}").write_text("old\n")
+    batch = [atomic.prepare(f"{d}/m{i}", b"new\n", mode=0o644, fresh=True) for i in range(20)]
+    batch += [atomic.prepare(f"{d}/r{i}", b"new\n", mode=0o644) for i in range(replaced)]
+    assert atomic.commit(batch) == [None] * len(batch)
+    if replaced < atomic.SYNCFS_MIN:
+        assert ops == [f"fsync {p.tmp}" for p in batch[20:]] + ["fsync dir"]
+    else:
+        assert ops == ["syncfs", "syncfs"]  # (the data, then the renames)
+    assert sorted(p.name for p in d.iterdir()) == sorted(
+        [f"n{i}" for i in range(20)]
+        + [f"m{i}" for i in range(20)]
+        + [f"r{i}" for i in range(replaced)]
+    )
+    assert all((d / n).read_text() == "new\n" for n in os.listdir(d))

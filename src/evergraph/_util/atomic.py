@@ -14,14 +14,19 @@ on disk before a name points at it), and the directory is fsynced after the
 rename (the new name is on disk before we return); a directory we create on
 the way is fsynced into its parent too. So after a power cut the target is
 the old file or the complete new one, and a returned write is durable.
+One exception, the file kind's writes of `content` where nothing was
+(`prepare(fresh=True)`, `atomic_write(durable=False)`): a power cut can lose
+nothing that was there, only the new file itself (absent, or empty, until the
+kernel writes it back: within ~35 s by default), and the next run makes it
+again, as it makes any missing file; what replaces a file is always synced as
+above. So a first apply of 10k files waits for no disk, and a repair still
+never leaves a managed file empty after a power cut.
 Writes may run in several threads at once: those renaming into one directory
 share its fsync (a group commit: each returns only after an fsync of the
 directory that began after its own rename). A stream of writes (the file kind's
 first apply of 10k files) can be split: `prepare` writes each temporary file
 without an fsync, and `commit` makes a batch of them durable with the same
-ordering, by one syncfs(2) before the renames and one after. Split, `place`
-renames and `settle` makes the renames durable: a stream of batches puts one
-batch's renames on disk with the next one's data (a syncfs begun after them).
+ordering, by one syncfs(2) before the renames and one after.
 
 With `dir_fd` the file is named relative to an open directory, so no path
 component (a symlink planted by a user in their own home, say) is followed.
@@ -274,15 +279,19 @@ def _temp_file(
 class Pending:
     """A temporary file `prepare` wrote, not yet durable nor under its name; its
     directory is held open until `commit` (by the Pending itself, `owns_dir`, or by
-    the `OpenDirs` it was prepared with)."""
+    the `OpenDirs` it was prepared with). `fresh`: it takes a name where nothing
+    was, and is renamed with no sync (the module's fsync policy)."""
 
-    __slots__ = ("dfd", "name", "owns_dir", "tmp")
+    __slots__ = ("dfd", "fresh", "name", "owns_dir", "tmp")
 
-    def __init__(self, dfd: int, tmp: str, name: str, owns_dir: bool = True) -> None:
+    def __init__(
+        self, dfd: int, tmp: str, name: str, owns_dir: bool = True, fresh: bool = False
+    ) -> None:
         self.dfd = dfd
         self.tmp = tmp
         self.name = name
         self.owns_dir = owns_dir
+        self.fresh = fresh
 
 
 class OpenDirs:
@@ -325,11 +334,13 @@ def prepare(
     owner: tuple[int, int] | None = None,
     before_rename: Callable[[int], None] | None = None,
     dirs: OpenDirs | None = None,
+    fresh: bool = False,
 ) -> Pending:
     """The first half of a durable `atomic_write` of `path` (whose directory exists):
     the temporary file, written and closed, with no fsync. `commit` does the rest
     for many at once. `dirs`: take the directory from there (open it there if it is
-    not yet), not open it for this write alone."""
+    not yet), not open it for this write alone. `fresh`: nothing was at `path` when
+    the caller looked: `commit` renames it with no sync (the module's fsync policy)."""
     dfd, name = _open_parent(path, 0o755) if dirs is None else dirs.open(path)
     try:
 
@@ -341,7 +352,7 @@ def prepare(
         if dirs is None:
             os.close(dfd)
         raise
-    return Pending(dfd, tmp, name, dirs is None)
+    return Pending(dfd, tmp, name, dirs is None, fresh)
 
 
 def discard(p: Pending) -> None:
@@ -363,130 +374,85 @@ def discard(p: Pending) -> None:
 SYNCFS_MIN = 8
 
 
-def sync_data(batch: list[Pending]) -> tuple[list[BaseException | None], dict[int, int]]:
-    """`commit`'s first step for a batch of SYNCFS_MIN or more: one syncfs(2) of each
-    filesystem its files are on, so that their data is on disk. (The error of each,
-    {st_dev: an open directory on it}.) Only system calls on the batch's directory
-    descriptors: another thread may run it while the caller prepares more, then
-    hand the outcome to `commit` (`synced`)."""
-    dev_of: dict[int, int] = {}  # (writes prepared together share a directory fd)
-    devs = []
-    for p in batch:
-        dev = dev_of.get(p.dfd)
-        if dev is None:
-            dev = dev_of[p.dfd] = os.fstat(p.dfd).st_dev
-        devs.append(dev)
-    by_fs: dict[int, int] = {}  # st_dev -> one open directory on it
-    for dev, p in zip(devs, batch, strict=True):
-        by_fs.setdefault(dev, p.dfd)
-    failed = {}
-    for dev, dfd in by_fs.items():
-        try:
-            syncfs(dfd)
-        except OSError as e:
-            failed[dev] = e
-    return [failed.get(dev) for dev in devs], by_fs
+def by_syncfs(batch: list[Pending]) -> bool:
+    """Whether `commit` makes `batch` durable by syncfs(2) (SYNCFS_MIN or more of it
+    to sync: its `fresh` writes are not) rather than by an fsync of each file."""
+    return len(batch) >= SYNCFS_MIN and sum(not p.fresh for p in batch) >= SYNCFS_MIN
 
 
-def commit(
-    batch: list[Pending],
-    synced: tuple[list[BaseException | None], dict[int, int]] | None = None,
-) -> list[BaseException | None]:
+def commit(batch: list[Pending]) -> list[BaseException | None]:
     """Finish what `prepare` began for each of `batch`, as many `atomic_write`s would:
     every file's data is on disk before its rename, and its new name is on disk
     before this returns (so after a power cut each target is its old file or its
-    complete new one). The error of each (None: placed and durable); the directories
+    complete new one; a `fresh` one is renamed with no sync, see the module's fsync
+    policy). The error of each (None: placed and durable); the directories
     the Pendings hold are closed either way (an `OpenDirs`'s are its owner's to
-    close), and a file that was not placed is removed. A batch under
-    SYNCFS_MIN renames each file right after its own fsync (the first one is in
-    place after one fsync, not after the whole batch's), then fsyncs each directory
-    once. `synced`: what `sync_data(batch)` gave, run since the last file was
-    written (else it is run here). `place` then `settle`."""
-    placed = place(batch, synced)
-    settle(batch, placed)
-    return placed.errors
-
-
-class Placed:
-    """A batch renamed by `place`: the error of each, and what makes the renames
-    durable (`settle`): a syncfs(2) on each filesystem ({st_dev: an open directory
-    on it}: a batch of SYNCFS_MIN or more), or an fsync of each directory."""
-
-    __slots__ = ("dirs", "errors", "syncfs_on")
-
-    def __init__(
-        self,
-        errors: list[BaseException | None],
-        syncfs_on: dict[int, int],
-        dirs: dict[tuple[int, int], int],
-    ) -> None:
-        self.errors = errors
-        self.syncfs_on = syncfs_on
-        self.dirs = dirs
-
-
-def place(
-    batch: list[Pending],
-    synced: tuple[list[BaseException | None], dict[int, int]] | None = None,
-) -> Placed:
-    """`commit` but its last step: each file whose data is on disk renamed (a batch
-    under SYNCFS_MIN: each fsynced first), a file not placed removed; the new names
-    are durable once `settle` is done, or a syncfs(2) of their filesystems begun
-    after this returned (each in `syncfs_on`). Until `settle`, the Pendings'
-    directories stay open."""
-    many = len(batch) >= SYNCFS_MIN
-    by_fs: dict[int, int] = {}
-    if many:
-        found, by_fs = synced if synced is not None else sync_data(batch)
-        errors = list(found)
-    else:
-        errors = [None] * len(batch)
-    dirs: dict[tuple[int, int], int] = {}
-    for i, p in enumerate(batch):
-        if not many:
-            # each file renamed right after its own fsync, not after the whole
-            # batch's: a drift repair is in place one fsync after its turn comes
-            try:
-                fd = os.open(p.tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=p.dfd)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            except OSError as e:
-                errors[i] = e
-        if errors[i] is None:
-            try:
-                os.rename(p.tmp, p.name, src_dir_fd=p.dfd, dst_dir_fd=p.dfd)
-            except OSError as e:
-                errors[i] = e
-            else:
-                if not many:
-                    st = os.fstat(p.dfd)
-                    dirs.setdefault((st.st_dev, st.st_ino), p.dfd)
-                continue
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(p.tmp, dir_fd=p.dfd)
-    return Placed(errors, by_fs, dirs)
-
-
-def settle(batch: list[Pending], placed: Placed, done: Iterable[int] = ()) -> None:
-    """`commit`'s last step, after `place`: the new names durable (a syncfs(2) of
-    each filesystem, or an fsync of each directory; `done`: the filesystems a
-    syncfs begun after `place` returned covered already), then the directories the
-    Pendings hold closed."""
+    close), and a file that was not placed is removed. A batch `by_syncfs` is
+    synced by one syncfs(2) of each filesystem before the renames and one after;
+    another renames each file right after its own fsync (the first one is in place
+    after one fsync, not after the whole batch's), then fsyncs each directory once."""
     try:
-        skip = set(done)
-        for dev, dfd in placed.syncfs_on.items():
-            if dev not in skip:
-                with contextlib.suppress(OSError):  # as fsync_dir: not every fs can
-                    syncfs(dfd)
-        for dfd in placed.dirs.values():
+        many = by_syncfs(batch)
+        errors: list[BaseException | None] = [None] * len(batch)
+        by_fs: dict[int, int] = {}  # st_dev -> one open directory on it (many)
+        if many:
+            by_fs, failed = _sync_filesystems(batch)
+            if failed:
+                errors = [failed.get(os.fstat(p.dfd).st_dev) for p in batch]
+        dirs: dict[tuple[int, int], int] = {}  # those to fsync (not many)
+        for i, p in enumerate(batch):
+            if not (many or p.fresh) and errors[i] is None:
+                try:
+                    fd = os.open(p.tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=p.dfd)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                except OSError as e:
+                    errors[i] = e
+            if errors[i] is None:
+                try:
+                    os.rename(p.tmp, p.name, src_dir_fd=p.dfd, dst_dir_fd=p.dfd)
+                except OSError as e:
+                    errors[i] = e
+                else:
+                    if not (many or p.fresh):
+                        st = os.fstat(p.dfd)
+                        dirs.setdefault((st.st_dev, st.st_ino), p.dfd)
+                    continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p.tmp, dir_fd=p.dfd)
+        # the new names durable
+        for dfd in by_fs.values():
+            with contextlib.suppress(OSError):  # as fsync_dir: not every fs can
+                syncfs(dfd)
+        for dfd in dirs.values():
             with contextlib.suppress(OSError):
                 os.fsync(dfd)
     finally:
         for p in batch:
             if p.owns_dir:
                 os.close(p.dfd)
+    return errors
+
+
+def _sync_filesystems(batch: list[Pending]) -> tuple[dict[int, int], dict[int, OSError]]:
+    """One syncfs(2) of each filesystem the batch's files to sync are on, so that
+    their data is on disk: ({st_dev: an open directory on it}, {st_dev: the error of
+    a syncfs that failed})."""
+    dev_of: dict[int, int] = {}  # (writes prepared together share a directory fd)
+    by_fs: dict[int, int] = {}
+    for p in batch:
+        if not p.fresh and p.dfd not in dev_of:
+            dev = dev_of[p.dfd] = os.fstat(p.dfd).st_dev
+            by_fs.setdefault(dev, p.dfd)
+    failed = {}
+    for dev, dfd in by_fs.items():
+        try:
+            syncfs(dfd)
+        except OSError as e:
+            failed[dev] = e
+    return by_fs, failed
 
 
 _syncfs: Callable[[int], None] | None = None

@@ -14,8 +14,9 @@ found in its state or made by the child too, and nothing about it is more
 than an order: no notify, no value sent or received, no noop, semaphore,
 timeout, rate limit, reversal or grouping (`creatable`). The child writes a
 record per resource to a pipe as it goes: its place and its verdict, CLEAN,
-CREATED (made, durably: a batch of writes is committed, `atomic.commit`,
-before its records are sent) or OTHER.
+CREATED (made: a batch of writes is committed, `atomic.commit`, before its
+records are sent; a file made where nothing was is renamed with no sync, as
+atomic's fsync policy says of `fresh` writes) or OTHER.
 
 The engine does not initialise those vertices when it starts them (swap.py,
 `Vertex.ahead`); the one-shot lane (scheduling.py) waits for each one's
@@ -35,7 +36,7 @@ meanwhile by someone else is one the run could as well have missed by checking
 a moment earlier.
 
 The child takes no lock and logs nothing; its writes are the file kind's own
-(atomic, durable), its directories are made as the kind makes them. What it
+(atomic; new, so not synced), its directories are made as the kind makes them. What it
 made it says in a journal in the state dir before it makes more (a batch at a
 time, as the engine's own committer logs a batch): the engine's line for it
 need not be written through, and a run killed before it logged them leaves
@@ -62,7 +63,7 @@ import stat
 import struct
 import sys
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -72,7 +73,7 @@ from evergraph.engine.contract import Resource, runs_inline
 if TYPE_CHECKING:
     import asyncio
 
-    from evergraph._util.atomic import OpenDirs, Pending, Placed
+    from evergraph._util.atomic import Pending
     from evergraph.engine.model import GraphModel
 
 log = logging.getLogger("evergraph.engine")
@@ -89,7 +90,8 @@ MIN_RESOURCES = 256
 #: records the child writes at a time, at most (the parent takes them as they come)
 CHUNK = 128
 #: writes the child commits together: the first batch, and the most (each batch
-#: doubles: the first files reach the parent soon, then each syncfs(2) pays for many)
+#: doubles: the first files reach the parent soon, then each journal line's write and
+#: each hand-over to the parent pays for many)
 BATCH_FIRST = 32
 BATCH_MAX = 1024
 #: capable resources from which the work is split between two children (with two
@@ -572,13 +574,12 @@ def _make(  # pragma: no cover (the child's)
     its state, found so or made (a making that failed makes what is below it
     unsound: `sound` is worked out again in order): writes in batches
     (`atomic.commit`), each said in the `journal` before the next is made, then to
-    the parent; what is not made is told OTHER (the engine checks it). A batch's
-    data goes to disk (`atomic.sync_data`, in a thread) while the next batch's
-    files are written; it is renamed once that is done, before the next is handed
-    over, and said and told once its renames are on disk too: with the next
-    batch's syncfs(2), which began after them (one syncfs a batch, not two, and
-    none waited for between two batches), or `settle`'s at the end."""
-    from evergraph._util.atomic import OpenDirs, discard, place, settle
+    the parent; what is not made is told OTHER (the engine checks it). A batch is
+    committed when it is full (each batch twice the one before, up to BATCH_MAX),
+    or when what comes next depends on one of it. Its writes are new files
+    (`ahead_create` makes only where nothing is): renamed with no sync, as atomic's
+    fsync policy says of `fresh` writes."""
+    from evergraph._util.atomic import OpenDirs, commit, discard
 
     try:
         told = os.open(journal, _JOURNAL_FLAGS, 0o600)
@@ -590,10 +591,6 @@ def _make(  # pragma: no cover (the child's)
     in_batch = bytearray(len(resources))
     dirs = OpenDirs()
     limit = BATCH_FIRST
-    #: the batch handed over: its data being synced by a thread meanwhile
-    flight: _Flight | None = None
-    #: the batch renamed last (by `place`), untold until its renames are on disk
-    placed: tuple[_Flight, Placed] | None = None
 
     def say(made: list[int]) -> None:
         nonlocal told
@@ -605,45 +602,21 @@ def _make(  # pragma: no cover (the child's)
             os.close(told)
             told = -1
 
-    def hand() -> None:
-        """The batch's data to disk in a thread (`sync_data`: one syncfs(2), which
-        waits for the disk) while the next is prepared; the one before renamed
-        first (that syncfs puts its renames on disk too)."""
-        nonlocal batch, dirs, flight, limit
-        land(whole=False)
+    def land() -> None:
+        """The batch committed, said in the journal, then told."""
+        nonlocal batch, dirs, limit
         if not batch:
             return
-        flight = _Flight(batch, dirs, placed[1].syncfs_on if placed is not None else None)
+        landed, held = batch, dirs
         batch, dirs = [], OpenDirs()
         limit = min(limit * 2, BATCH_MAX)
-
-    def land(whole: bool = True) -> None:
-        """The batch handed over renamed, once its data is on disk (the one renamed
-        before it told then: that syncfs began after its renames); `whole`: and
-        then its renames made durable, said and told too (nothing left placed)."""
-        nonlocal flight, placed
-        if flight is not None:
-            landed, flight = flight, None
-            synced = landed.synced()
-            if placed is not None:
-                tell(landed.covered)
-            placed = (landed, place(landed.pendings, synced))
-        if whole and placed is not None:
-            tell(())
-
-    def tell(covered: Collection[int]) -> None:
-        """The batch placed: its renames durable (`covered`: the filesystems a
-        syncfs begun after them covered), said in the journal, then told."""
-        nonlocal placed
-        assert placed is not None
-        (landed, done), placed = placed, None
         try:
-            settle(landed.pendings, done, covered)
+            errors = commit([p for _, p in landed])
         finally:
-            landed.dirs.close()
-        crash_point("ahead-committed")  # (made, durably; not told yet)
+            held.close()
+        crash_point("ahead-committed")  # (made; not told yet)
         made = []
-        for (i, _), error in zip(landed.batch, done.errors, strict=True):
+        for (i, _), error in zip(landed, errors, strict=True):
             in_batch[i] = 0
             sound[i] = error is None
             if error is None:
@@ -659,8 +632,7 @@ def _make(  # pragma: no cover (the child's)
                 continue
             ps = parents[i]
             if _any_in(in_batch, ps):
-                hand()  # (in its state once that batch is committed, not before)
-                land()
+                land()  # (in its state once that batch is committed, not before)
             if not missing[i]:  # (found in its state: sound if all above it still is)
                 sound[i] = _all_in(sound, ps)
                 continue
@@ -683,18 +655,10 @@ def _make(  # pragma: no cover (the child's)
                 batch.append((i, made))
                 in_batch[i] = 1
                 if len(batch) >= limit:
-                    hand()
+                    land()
         if not _stopping:
-            hand()
-        land()
+            land()
     finally:
-        if placed is not None:  # (an error: the batch renamed is in place: told)
-            with contextlib.suppress(Exception):
-                tell(())
-        if flight is not None:  # (an error: the batch handed over is waited for, dropped)
-            flight.synced()
-            flight.dirs.close()
-            batch = flight.batch + batch
         for i, p in batch:  # (stopped: not made; their temporary files removed)
             with contextlib.suppress(OSError):
                 discard(p)
@@ -703,50 +667,6 @@ def _make(  # pragma: no cover (the child's)
         if told >= 0:
             os.close(told)
         _write_all(out_fd, out)
-
-
-class _Flight:  # pragma: no cover (the child's)
-    """A batch handed over: `sync_data` of it in a thread of its own (a batch of
-    SYNCFS_MIN or more; a smaller one is synced file by file by `place`), and a
-    syncfs(2) of each filesystem in `cover` it did not sync (those of the batch
-    renamed before it: {st_dev: an open directory on it}), `covered` once done."""
-
-    def __init__(
-        self, batch: list[tuple[int, Pending]], dirs: OpenDirs, cover: dict[int, int] | None
-    ) -> None:
-        import threading
-
-        from evergraph._util.atomic import SYNCFS_MIN
-
-        self.batch, self.dirs = batch, dirs
-        self.pendings = pendings = [p for _, p in batch]
-        self._got: list[Any] = []
-        #: the filesystems synced after the batch before was renamed
-        self.covered: set[int] = set()
-        self._thread: threading.Thread | None = None
-        if len(pendings) >= SYNCFS_MIN:
-            self._thread = threading.Thread(target=self._sync, args=(cover or {},), daemon=True)
-            self._thread.start()
-
-    def _sync(self, cover: dict[int, int]) -> None:
-        from evergraph._util.atomic import sync_data, syncfs
-
-        got = sync_data(self.pendings)
-        self._got.append(got)
-        done = set(got[1])
-        for dev, dfd in cover.items():
-            if dev not in done:
-                with contextlib.suppress(OSError):  # (as `settle`)
-                    syncfs(dfd)
-        done.update(cover)
-        self.covered = done
-
-    def synced(self) -> Any:
-        """What `sync_data` gave, once it returned (None: none, or it failed: `place`
-        syncs the batch itself)."""
-        if self._thread is not None:
-            self._thread.join()
-        return self._got[0] if self._got else None
 
 
 class _Plan(NamedTuple):

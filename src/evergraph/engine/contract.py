@@ -367,9 +367,10 @@ class Resource(msgspec.Struct, kw_only=True, dict=True, forbid_unknown_fields=Tr
         next (everything it depends on is in its state) and nothing but that check
         is asked of it (engine/ahead.py, `creatable`). False: not made (the usual
         init and check). True: made, in its state now. A `Pending` write
-        (`atomic.prepare`, in `dirs`): the caller commits it with others before it
-        tells the engine. The engine then records the resource changed with what
-        `ahead_created` reports, and neither initialises nor checks it."""
+        (`atomic.prepare`, in `dirs`, `fresh`: nothing is there): the caller commits
+        it with others before it tells the engine. The engine then records the
+        resource changed with what `ahead_created` reports, and neither initialises
+        nor checks it."""
         return False
 
     def ahead_created(self, handle: Handle) -> None:

@@ -1,13 +1,14 @@
 """Durable writes off the event loop: the group-commit of the file kind.
 
 Making new content durable (fsync of the file and of its directory) takes ~0.5 ms
-on a disk. A lone write does it inline, but when writes are slow (a disk, not
-tmpfs) and follow each other closely (a first apply, a stream of repairs) the loop
-only writes each temporary file, and one committer thread makes them durable and
-renames them, in batches (atomic's `commit`: syncfs instead of an fsync per file),
-while the loop checks other files. A write handed to the committer is awaited to
-its end even when the check is cancelled: it is never left half done, nor done
-after the check has returned.
+on a disk. (A file made where nothing was is not synced, atomic's fsync policy:
+written inline, it never waits for the disk.) A lone write does it inline, but
+when writes are slow (a disk, not tmpfs) and follow each other closely (a stream
+of repairs) the loop only writes each temporary file, and one committer thread
+makes them durable and renames them, in batches (atomic's `commit`: syncfs
+instead of an fsync per file), while the loop checks other files. A write
+handed to the committer is awaited to its end even when the check is cancelled:
+it is never left half done, nor done after the check has returned.
 
 `DurableWrites` is a service (`handle.services.get(DurableWrites)`): one per
 agent, closed with it (its thread is joined); its thread also ends by itself
@@ -85,11 +86,19 @@ class DurableWrites:
         mode: int,
         owner: tuple[int, int] | None,
         before_rename: Callable[[int], None],
+        fresh: bool = False,
     ) -> None:
         """An atomic, durable write of `data` to `path` (see atomic_write): inline,
         or prepared here and committed by the committer thread (see SLOW_S); returns
         once it is durable. Cancelled while the committer works on it, it waits for
-        the commit's end, then raises the cancellation."""
+        the commit's end, then raises the cancellation. `fresh` (nothing was at
+        `path` when the caller looked): atomic but not synced (atomic's fsync
+        policy), inline: it waits for no disk."""
+        if fresh:
+            atomic_write(
+                path, data, mode=mode, owner=owner, before_rename=before_rename, durable=False
+            )
+            return
         if (
             not self._slow()
             or (not self._in_flight and time.monotonic() - self._last_end > STREAM_S)

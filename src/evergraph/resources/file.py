@@ -22,10 +22,11 @@ unless `mode` says otherwise.
 
 Check and apply run in the event loop on purpose: on a local filesystem each
 syscall takes microseconds and a hop to a thread costs more than the work.
-The one exception is making new content durable (fsync of the file and of its
-directory: ~0.5 ms on a disk): a lone write does it inline, but when writes are
-slow (a disk, not tmpfs) and follow each other closely (a first apply, a stream
-of repairs) the loop only writes each temporary file, and one committer thread
+The one exception is making new content durable when it replaces a file (fsync
+of the file and of its directory: ~0.5 ms on a disk; a file made where nothing
+was is not synced, atomic's fsync policy): a lone write does it inline, but when
+writes are slow (a disk, not tmpfs) and follow each other closely (a stream of
+repairs) the loop only writes each temporary file, and one committer thread
 makes them durable and renames them, in batches (atomic's `commit`: syncfs
 instead of an fsync per file), while the loop checks other files. A write
 handed to the committer is awaited to its end even when the check is
@@ -342,7 +343,10 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         if leftovers_named(norm, seen.setdefault("leftovers", {})):
             return False  # (init's sweep first)
         # (prepare makes the missing directories above it, 0755, as _write does)
-        return prepare(norm, self.content.encode(), mode=_new_mode(mode, None), dirs=dirs)
+        # (nothing is there: a new file, renamed with no sync, atomic's fsync policy)
+        return prepare(
+            norm, self.content.encode(), mode=_new_mode(mode, None), dirs=dirs, fresh=True
+        )
 
     def ahead_created(self, handle: Handle) -> None:
         # what _regular_changes and _attr_changes report of a path that was absent
@@ -601,7 +605,7 @@ class File(Resource, FileShapes, kw_only=True, dict=True, forbid_unknown_fields=
         # (the inode is noted before the rename, in whichever thread writes: our
         # watch's MOVED_TO is read in the loop after the rename, so it sees it)
         await self.handle.services.get(DurableWrites).write(
-            self._path, data, mode, owner, self._own.note
+            self._path, data, mode, owner, self._own.note, fresh=st is None
         )
 
 
