@@ -602,3 +602,67 @@ def test_commit_syncs_only_the_writes_that_replace_a_file(
         + [f"r{i}" for i in range(replaced)]
     )
     assert all((d / n).read_text() == "new\n" for n in os.listdir(d))
+
+
+def test_files_made_where_nothing_was_are_flushed_by_a_thread_once_they_stop_coming(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A running agent's new files (not synced when written) are put on disk by one
+    syncfs of their filesystem, in a thread, once FRESH_QUIET_S passed with no new
+    one: one flush for the burst, after its last rename, never in the loop."""
+    monkeypatch.setattr(_commit, "FRESH_QUIET_S", 0.05)
+    d = tmp_path / "d"
+    d.mkdir()
+    ops: list[tuple[str, str]] = []
+    flushed = threading.Event()
+    real_syncfs, real_rename = atomic.syncfs, os.rename
+
+    def syncfs(fd: int) -> None:
+        real_syncfs(fd)
+        ops.append(("syncfs", threading.current_thread().name))
+        flushed.set()
+
+    def rename(src: str, dst: str, **kw: object) -> None:
+        real_rename(src, dst, **kw)  # type: ignore[arg-type]
+        ops.append(("rename", dst))
+
+    monkeypatch.setattr(atomic, "syncfs", syncfs)
+    monkeypatch.setattr(os, "rename", rename)
+
+    async def main() -> int:
+        async with InotifyHub() as hub:
+            pump = asyncio.create_task(hub.run())
+            try:
+                engine = Engine(settings(tmp_path, 30), watcher=hub)
+                run = asyncio.create_task(engine.run(model_of(d, 12)))
+                # (the run goes on until told to stop: the flush comes while it runs)
+                assert await asyncio.to_thread(flushed.wait, WAIT_S), "no flush"
+                engine.request_stop()
+                return await asyncio.wait_for(run, 30)
+            finally:
+                pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pump
+
+    assert asyncio.run(main()) == 0
+    assert all((d / f"f{i}").read_text() == f"{i}\n" for i in range(12))
+    mine = [op for op in ops if op[0] == "syncfs" or op[1].startswith("f")]
+    assert mine[-1] == ("syncfs", "evergraph-flush")
+    assert sorted(name for what, name in mine[:-1]) == sorted(f"f{i}" for i in range(12))
+
+
+def test_sync_filesystems_of_syncs_each_filesystem_once_and_passes_over_what_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[int] = []
+    real_syncfs = atomic.syncfs
+
+    def syncfs(fd: int) -> None:
+        synced.append(os.fstat(fd).st_dev)
+        real_syncfs(fd)
+
+    monkeypatch.setattr(atomic, "syncfs", syncfs)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    atomic.sync_filesystems_of([str(tmp_path / "a"), str(tmp_path / "gone"), str(tmp_path / "b")])
+    assert synced == [os.stat(tmp_path).st_dev]

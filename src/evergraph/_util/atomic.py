@@ -17,10 +17,11 @@ the old file or the complete new one, and a returned write is durable.
 One exception, the file kind's writes of `content` where nothing was
 (`prepare(fresh=True)`, `atomic_write(durable=False)`): a power cut can lose
 nothing that was there, only the new file itself (absent, or empty, until the
-kernel writes it back: within ~35 s by default), and the next run makes it
-again, as it makes any missing file; what replaces a file is always synced as
-above. So a first apply of 10k files waits for no disk, and a repair still
-never leaves a managed file empty after a power cut.
+kernel writes it back: within ~35 s by default, sooner in a running agent,
+resources/_commit.py), and the next run makes it again, as it makes any missing
+file; what replaces a file is always synced as above. So a first apply of 10k
+files waits for no disk, and a repair still never leaves a managed file empty
+after a power cut.
 Writes may run in several threads at once: those renaming into one directory
 share its fsync (a group commit: each returns only after an fsync of the
 directory that began after its own rename). A stream of writes (the file kind's
@@ -453,6 +454,27 @@ def _sync_filesystems(batch: list[Pending]) -> tuple[dict[int, int], dict[int, O
         except OSError as e:
             failed[dev] = e
     return by_fs, failed
+
+
+def sync_filesystems_of(paths: Iterable[str]) -> None:
+    """One syncfs(2) of each filesystem the directories `paths` are on (what was
+    written there with no sync put on disk); one that is gone or fails is passed
+    over."""
+    seen: set[int] = set()
+    for path in paths:
+        try:
+            fd = os.open(path, _DIR)
+        except OSError:
+            continue
+        try:
+            dev = os.fstat(fd).st_dev
+            if dev not in seen:
+                seen.add(dev)
+                syncfs(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 _syncfs: Callable[[int], None] | None = None

@@ -2,13 +2,16 @@
 
 Making new content durable (fsync of the file and of its directory) takes ~0.5 ms
 on a disk. (A file made where nothing was is not synced, atomic's fsync policy:
-written inline, it never waits for the disk.) A lone write does it inline, but
-when writes are slow (a disk, not tmpfs) and follow each other closely (a stream
-of repairs) the loop only writes each temporary file, and one committer thread
-makes them durable and renames them, in batches (atomic's `commit`: syncfs
-instead of an fsync per file), while the loop checks other files. A write
-handed to the committer is awaited to its end even when the check is cancelled:
-it is never left half done, nor done after the check has returned.
+written inline, it never waits for the disk. Once FRESH_QUIET_S pass with no new
+one, a thread puts those made so far on disk, one syncfs(2) per filesystem, so
+that a later durable write's syncfs does not wait for them.) A lone write does
+it inline, but when writes are slow (a disk, not tmpfs) and follow each other
+closely (a stream of repairs) the loop only writes each temporary file, and one
+committer thread makes them durable and renames them, in batches (atomic's
+`commit`: syncfs instead of an fsync per file), while the loop checks other
+files. A write handed to the committer is awaited to its end even when the
+check is cancelled: it is never left half done, nor done after the check has
+returned.
 
 `DurableWrites` is a service (`handle.services.get(DurableWrites)`): one per
 agent, closed with it (its thread is joined); its thread also ends by itself
@@ -24,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from evergraph._util.atomic import OpenDirs, Pending, atomic_write, commit
+from evergraph._util.atomic import OpenDirs, Pending, atomic_write, commit, sync_filesystems_of
 from evergraph._util.atomic import discard as atomic_discard
 from evergraph._util.atomic import prepare as atomic_prepare
 
@@ -55,6 +58,13 @@ MAX_PENDING = 512
 #: seconds the committer thread waits for work before it ends (a new write starts
 #: it again)
 IDLE_S = 30.0
+#: files made where nothing was (not synced: atomic's fsync policy) are put on disk by
+#: a thread once this long has passed with no new one: else the first durable write
+#: after a burst of them waits for them all (its syncfs writes out everything the
+#: filesystem holds; a running agent's first apply of 10k files made its next
+#: repairs at 1,000/s wait ~50-100 ms, BENCHMARKS.md), and a power cut can lose them
+#: until the kernel's writeback (~35 s)
+FRESH_QUIET_S = 0.1
 
 
 class DurableWrites:
@@ -75,6 +85,11 @@ class DurableWrites:
         self._outbox: list[_Job] = []
         self._dirs = OpenDirs()
         self._committer: Committer | None = None
+        #: the directories of the files made (`fresh`) since the last flush of them;
+        #: when the last was made; the flush's timer while one is due
+        self._fresh_dirs: dict[str, None] = {}
+        self._fresh_last = 0.0
+        self._fresh_timer: asyncio.TimerHandle | None = None
 
     def _slow(self) -> bool:
         return sorted(self._inline_s)[len(self._inline_s) // 2] >= SLOW_S
@@ -98,6 +113,13 @@ class DurableWrites:
             atomic_write(
                 path, data, mode=mode, owner=owner, before_rename=before_rename, durable=False
             )
+            self._fresh_dirs[path.rpartition("/")[0] or "/"] = None
+            self._fresh_last = time.monotonic()
+            if self._fresh_timer is None:
+                import asyncio  # (loaded by then: we run in its loop)
+
+                loop = asyncio.get_running_loop()
+                self._fresh_timer = loop.call_later(FRESH_QUIET_S, self._flush_fresh, loop)
             return
         if (
             not self._slow()
@@ -208,8 +230,28 @@ class DurableWrites:
                 fut.set_result(None)
                 freed -= 1
 
+    def _flush_fresh(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Once FRESH_QUIET_S passed since the last file made: those made so far put
+        on disk by a thread of their own (a daemon: a run that ends meanwhile does
+        not wait for it; the kernel writes back what it did not)."""
+        self._fresh_timer = None
+        wait = self._fresh_last + FRESH_QUIET_S - time.monotonic()
+        if wait > 0:
+            self._fresh_timer = loop.call_later(wait, self._flush_fresh, loop)
+            return
+        dirs, self._fresh_dirs = list(self._fresh_dirs), {}
+        import threading
+
+        with contextlib.suppress(RuntimeError):  # (no thread left: the kernel's writeback)
+            threading.Thread(
+                target=sync_filesystems_of, args=(dirs,), name="evergraph-flush", daemon=True
+            ).start()
+
     async def aclose(self) -> None:
         """End the committer's thread (after the batch it may be committing)."""
+        if self._fresh_timer is not None:
+            self._fresh_timer.cancel()
+            self._fresh_timer = None
         self._hand_off()
         if self._committer is not None:
             await self._committer.aclose()
