@@ -28,7 +28,7 @@ the lane (`_rest`): those resources and everything below them, no more than a pa
 of the graph (`REST_PART`), run as the lane runs them, in a graph of their own (the
 swap of that part: their vertices, the edges among them, their verdicts taken as
 the lane takes them). Everything above them was decided by the children and is
-final (found so or made, durably), so an edge from it into the part orders
+final (found so or made, and committed), so an edge from it into the part orders
 nothing any more; nothing in the part is above anything outside it. The recap and
 the converged line count both (`_recap_parts`).
 
