@@ -666,3 +666,50 @@ def test_sync_filesystems_of_syncs_each_filesystem_once_and_passes_over_what_is_
     (tmp_path / "b").mkdir()
     atomic.sync_filesystems_of([str(tmp_path / "a"), str(tmp_path / "gone"), str(tmp_path / "b")])
     assert synced == [os.stat(tmp_path).st_dev]
+
+
+@pytest.mark.parametrize("n", [3, 12])  # below SYNCFS_MIN (8): left to the kernel
+def test_a_few_files_made_where_nothing_was_are_left_to_the_kernels_writeback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int
+) -> None:
+    """The flush after a burst of new files comes only for SYNCFS_MIN or more: for a
+    few (a deleted file made again) a syncfs would write out all the filesystem's
+    other data too."""
+    monkeypatch.setattr(_commit, "FRESH_QUIET_S", 0.01)
+    d = tmp_path / "d"
+    d.mkdir()
+    synced = threading.Event()
+    real_syncfs, real_flush = atomic.syncfs, _commit.DurableWrites._flush_fresh
+
+    def syncfs(fd: int) -> None:
+        real_syncfs(fd)
+        synced.set()
+
+    monkeypatch.setattr(atomic, "syncfs", syncfs)
+
+    async def main() -> None:
+        decided = asyncio.Event()
+
+        def flush_fresh(self: _commit.DurableWrites, loop: asyncio.AbstractEventLoop) -> None:
+            real_flush(self, loop)
+            if self._fresh_timer is None:  # (not put off: decided)
+                decided.set()
+
+        monkeypatch.setattr(_commit.DurableWrites, "_flush_fresh", flush_fresh)
+        writes = _commit.DurableWrites()
+        try:
+            for i in range(n):
+                await writes.write(f"{d}/f{i}", b"new\n", 0o640, None, lambda fd: None, fresh=True)
+            await asyncio.wait_for(decided.wait(), WAIT_S)
+        finally:
+            await writes.aclose()
+
+    asyncio.run(main())
+    for t in threading.enumerate():  # (a flush started has ended before the check)
+        if t.name == "evergraph-flush":
+            t.join(WAIT_S)
+    assert sorted(p.name for p in d.iterdir()) == sorted(f"f{i}" for i in range(n))
+    if n < atomic.SYNCFS_MIN:
+        assert not synced.is_set()
+    else:
+        assert synced.wait(WAIT_S)  # (by the flush's own thread)

@@ -3,8 +3,9 @@
 Making new content durable (fsync of the file and of its directory) takes ~0.5 ms
 on a disk. (A file made where nothing was is not synced, atomic's fsync policy:
 written inline, it never waits for the disk. Once FRESH_QUIET_S pass with no new
-one, a thread puts those made so far on disk, one syncfs(2) per filesystem, so
-that a later durable write's syncfs does not wait for them.) A lone write does
+one, a thread puts those made so far on disk, if SYNCFS_MIN or more, one
+syncfs(2) per filesystem, so that a later durable write's syncfs does not wait
+for them.) A lone write does
 it inline, but when writes are slow (a disk, not tmpfs) and follow each other
 closely (a stream of repairs) the loop only writes each temporary file, and one
 committer thread makes them durable and renames them, in batches (atomic's
@@ -27,7 +28,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from evergraph._util.atomic import OpenDirs, Pending, atomic_write, commit, sync_filesystems_of
+from evergraph._util.atomic import (
+    SYNCFS_MIN,
+    OpenDirs,
+    Pending,
+    atomic_write,
+    commit,
+    sync_filesystems_of,
+)
 from evergraph._util.atomic import discard as atomic_discard
 from evergraph._util.atomic import prepare as atomic_prepare
 
@@ -59,11 +67,13 @@ MAX_PENDING = 512
 #: it again)
 IDLE_S = 30.0
 #: files made where nothing was (not synced: atomic's fsync policy) are put on disk by
-#: a thread once this long has passed with no new one: else the first durable write
-#: after a burst of them waits for them all (its syncfs writes out everything the
-#: filesystem holds; a running agent's first apply of 10k files made its next
-#: repairs at 1,000/s wait ~50-100 ms, BENCHMARKS.md), and a power cut can lose them
-#: until the kernel's writeback (~35 s)
+#: a thread once this long has passed with no new one, if SYNCFS_MIN or more were
+#: made since the last time: else the first durable write after a burst of them
+#: waits for them all (its syncfs writes out everything the filesystem holds; a
+#: running agent's first apply of 10k files made its next repairs at 1,000/s wait
+#: ~50-100 ms, BENCHMARKS.md). A few (a deleted file made again) are left to the
+#: kernel's writeback (~35 s): a syncfs for them would write out all the
+#: filesystem's other data too
 FRESH_QUIET_S = 0.1
 
 
@@ -85,9 +95,10 @@ class DurableWrites:
         self._outbox: list[_Job] = []
         self._dirs = OpenDirs()
         self._committer: Committer | None = None
-        #: the directories of the files made (`fresh`) since the last flush of them;
-        #: when the last was made; the flush's timer while one is due
+        #: the directories of the files made (`fresh`) since the last flush of them,
+        #: and how many; when the last was made; the flush's timer while one is due
         self._fresh_dirs: dict[str, None] = {}
+        self._fresh_count = 0
         self._fresh_last = 0.0
         self._fresh_timer: asyncio.TimerHandle | None = None
 
@@ -114,6 +125,7 @@ class DurableWrites:
                 path, data, mode=mode, owner=owner, before_rename=before_rename, durable=False
             )
             self._fresh_dirs[path.rpartition("/")[0] or "/"] = None
+            self._fresh_count += 1
             self._fresh_last = time.monotonic()
             if self._fresh_timer is None:
                 import asyncio  # (loaded by then: we run in its loop)
@@ -232,14 +244,18 @@ class DurableWrites:
 
     def _flush_fresh(self, loop: asyncio.AbstractEventLoop) -> None:
         """Once FRESH_QUIET_S passed since the last file made: those made so far put
-        on disk by a thread of their own (a daemon: a run that ends meanwhile does
-        not wait for it; the kernel writes back what it did not)."""
+        on disk by a thread of their own, if there are SYNCFS_MIN or more (a daemon:
+        a run that ends meanwhile does not wait for it; the kernel writes back what it
+        did not)."""
         self._fresh_timer = None
         wait = self._fresh_last + FRESH_QUIET_S - time.monotonic()
         if wait > 0:
             self._fresh_timer = loop.call_later(wait, self._flush_fresh, loop)
             return
         dirs, self._fresh_dirs = list(self._fresh_dirs), {}
+        count, self._fresh_count = self._fresh_count, 0
+        if count < SYNCFS_MIN:
+            return
         import threading
 
         with contextlib.suppress(RuntimeError):  # (no thread left: the kernel's writeback)
