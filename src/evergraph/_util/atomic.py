@@ -447,34 +447,40 @@ def _sync_filesystems(batch: list[Pending]) -> tuple[dict[int, int], dict[int, O
         if not p.fresh and p.dfd not in dev_of:
             dev = dev_of[p.dfd] = os.fstat(p.dfd).st_dev
             by_fs.setdefault(dev, p.dfd)
-    failed = {}
-    for dev, dfd in by_fs.items():
-        try:
-            syncfs(dfd)
-        except OSError as e:
-            failed[dev] = e
-    return by_fs, failed
+    return by_fs, _syncfs_each(by_fs)
 
 
 def sync_filesystems_of(paths: Iterable[str]) -> None:
     """One syncfs(2) of each filesystem the directories `paths` are on (what was
     written there with no sync put on disk); one that is gone or fails is passed
     over."""
-    seen: set[int] = set()
-    for path in paths:
-        try:
-            fd = os.open(path, _DIR)
-        except OSError:
-            continue
-        try:
+    by_fs: dict[int, int] = {}  # st_dev -> one open directory on it
+    try:
+        for path in paths:
+            try:
+                fd = os.open(path, _DIR)
+            except OSError:
+                continue
             dev = os.fstat(fd).st_dev
-            if dev not in seen:
-                seen.add(dev)
-                syncfs(fd)
-        except OSError:
-            pass
-        finally:
+            if dev in by_fs:
+                os.close(fd)
+            else:
+                by_fs[dev] = fd
+        _syncfs_each(by_fs)
+    finally:
+        for fd in by_fs.values():
             os.close(fd)
+
+
+def _syncfs_each(by_fs: dict[int, int]) -> dict[int, OSError]:
+    """syncfs(2) through each open directory of {st_dev: fd}: {st_dev: its error}."""
+    failed = {}
+    for dev, dfd in by_fs.items():
+        try:
+            syncfs(dfd)
+        except OSError as e:
+            failed[dev] = e
+    return failed
 
 
 _syncfs: Callable[[int], None] | None = None
